@@ -1,0 +1,74 @@
+"""Causal attention through PyTorch's fused flash kernels, keeping output and log-sum-exp for the backward.
+
+q, k, v are (batch, heads, seq, head_dim) views; k and v may have fewer heads (grouped-query attention).
+`aux` carries what a kernel's backward needs besides (q, k, v, out, lse); it is small and stays on device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _kernel(q: torch.Tensor) -> str:
+    if q.device.type != "cuda":
+        return "cpu_flash"  # also serves `meta`
+    return "cuda_flash" if q.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
+
+
+def lse_seq_len(seq_len: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Returns the length of the LSE's token dimension (the CUDA efficient kernel pads it to 32)."""
+    if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+        return -(-seq_len // 32) * 32
+    return seq_len
+
+
+def _repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Returns k or v with heads repeated to `n_heads` (the CUDA kernels want equal head counts)."""
+    rep = n_heads // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _sum_kv(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Returns the gradient of repeated k/v folded back onto its `n_kv` heads."""
+    b, heads, s, d = grad.shape
+    return grad if heads == n_kv else grad.view(b, n_kv, heads // n_kv, s, d).sum(2)
+
+
+def attention_forward(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Returns (out, lse, aux) of causal attention; out is (b, heads, s, d), lse is float32 (b, heads, s')."""
+    kind = _kernel(q)
+    if kind == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    if kind == "cuda_flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
+    return out, lse, (seed, offset)
+
+
+def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float):
+    """Returns (dq, dk, dv) for `attention_forward`, with dk, dv on k's and v's own head count."""
+    kind = _kernel(q)
+    if kind == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+    n_kv = k.shape[1]
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    if kind == "cuda_flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        )
+    else:
+        seed, offset = aux
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
+        )
+    return dq, _sum_kv(dk, n_kv), _sum_kv(dv, n_kv)

@@ -1,0 +1,294 @@
+"""The decoder layer: an explicit forward that writes its skeletal tensors, and an explicit backward.
+
+Notation: b batch, s tokens, r rows (a token slice), h hidden, a heads, g kv-heads, d head dim, f FFN.
+Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token slice is `t[name][:, rows]`:
+
+    x    (b,s,h)    layer input                      -- role "input": always to host in full
+    n1   (b,s,h)    attention-norm output            -- role "other": α of the tokens to host, rest recomputed
+    q    (b,s,a,d)  rotated query                    -- other
+    k    (b,s,g,d)  rotated key                      -- other
+    v    (b,s,g,d)  value                            -- other
+    attn (b,s,a,d)  attention output                 -- role "attention": always to host in full
+    lse  (b,a,s')   attention log-sum-exp, float32   -- attention
+    x1   (b,s,h)    x + attention projection         -- other
+    n2   (b,s,h)    MLP-norm output                  -- other
+    gate (b,s,f)    SwiGLU gate (llama only)         -- other
+    up   (b,s,f)    up projection                    -- other
+    act  (b,s,f)    GeLU(up) or SiLU(gate)*up        -- other
+
+Every "other" tensor is a token-local function of x and attn, so `fill(t, start)` recomputes rows
+[start, s) from them without touching attention (§3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attention_backward, attention_forward, lse_seq_len
+from .config import ModelConfig
+
+aten = torch.ops.aten
+Role = Literal["input", "attention", "other"]
+
+
+@dataclass(frozen=True)
+class SkeletalSpec:
+    """One skeletal tensor of a layer: its full shape, dtype, and how §3 treats it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n * self.dtype.itemsize
+
+    def rows(self, n_rows: int) -> "SkeletalSpec":
+        """Returns the spec of the first `n_rows` tokens (dimension 1)."""
+        return SkeletalSpec((self.shape[0], n_rows, *self.shape[2:]), self.dtype, self.role)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What a layer must rebuild before its backward: token rows [start, s), and attention too if asked."""
+
+    start: int
+    attention: bool = False
+
+
+def rope_tables(start: int, stop: int, head_dim: int, theta: float, dtype, device):
+    """Returns cos, sin of shape (rows, 1, d/2) for positions [start, stop)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(start, stop, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Returns x (b, r, heads, d) rotated pairwise (first half, second half); rotate(., cos, -sin) inverts it."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def heads_major(t: torch.Tensor) -> torch.Tensor:
+    """Returns a (b, s, heads, d) tensor viewed as (b, heads, s, d), the kernels' layout."""
+    return t.transpose(1, 2)
+
+
+def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Returns dW = dyᵀ·x summed over all tokens, for y = x·Wᵀ."""
+    return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def _rms_norm_backward(dy, x, weight, eps: float):
+    """Returns (dx, dw) of y = x·r·w with r = 1/sqrt(mean(x²) + eps), in float32 (no CPU fused kernel)."""
+    xf, g = x.float(), dy.float() * weight.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dx = r * (g - xf * r.pow(2) * (g * xf).mean(-1, keepdim=True))
+    dw = (dy.float() * xf * r).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def _token_sum(dy: torch.Tensor) -> torch.Tensor:
+    return dy.reshape(-1, dy.shape[-1]).sum(0)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Parameters live in nn.Linear / norm modules; the arithmetic is explicit."""
+
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        c = config
+        self.config, self.index = c, index
+        self.gpt = c.arch == "gpt"
+        h, d, f = c.hidden_size, c.head_dim, c.ffn_hidden_size
+        norm = (lambda: nn.LayerNorm(h, eps=c.norm_eps)) if self.gpt else (lambda: nn.RMSNorm(h, eps=c.norm_eps))
+        self.attn_norm = norm()
+        self.wq = nn.Linear(h, c.n_heads * d, bias=self.gpt)
+        self.wk = nn.Linear(h, c.n_kv_heads * d, bias=self.gpt)
+        self.wv = nn.Linear(h, c.n_kv_heads * d, bias=self.gpt)
+        self.wo = nn.Linear(c.n_heads * d, h, bias=self.gpt)
+        self.mlp_norm = norm()
+        self.w_gate = None if self.gpt else nn.Linear(h, f, bias=False)
+        self.w_up = nn.Linear(h, f, bias=self.gpt)
+        self.w_down = nn.Linear(f, h, bias=self.gpt)
+        self.scale = d**-0.5
+
+    # ---- skeletal tensors -------------------------------------------------------------------------------
+    def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
+        """Returns the layer's skeletal tensors (module docstring) for a (batch, seq) input."""
+        c = self.config
+        h, a, g, d, f = c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_hidden_size
+        b, s = batch, seq
+
+        def spec(role: Role, *tail: int) -> SkeletalSpec:
+            return SkeletalSpec((b, s, *tail), dtype, role)
+
+        specs = {
+            "x": spec("input", h),
+            "n1": spec("other", h),
+            "q": spec("other", a, d),
+            "k": spec("other", g, d),
+            "v": spec("other", g, d),
+            "attn": spec("attention", a, d),
+            "lse": SkeletalSpec((b, a, lse_seq_len(s, torch.device(device), dtype)), torch.float32, "attention"),
+            "x1": spec("other", h),
+            "n2": spec("other", h),
+            "gate": spec("other", f),
+            "up": spec("other", f),
+            "act": spec("other", f),
+        }
+        if self.gpt:
+            del specs["gate"]
+        return specs
+
+    # ---- forward (also the token-wise recompute) --------------------------------------------------------
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        shape = [self.config.hidden_size]
+        if self.gpt:
+            return aten.native_layer_norm(x, shape, norm.weight, norm.bias, norm.eps)[0]
+        return aten._fused_rms_norm(x, shape, norm.weight, norm.eps)[0]
+
+    def fill(self, t: dict[str, torch.Tensor], start: int = 0, attention: bool = True) -> tuple | None:
+        """Writes the skeletal tensors of token rows [start, s) into `t` from t["x"] (and t["attn"]).
+
+        With `attention`, the attention output and LSE are computed (all rows) and the kernel's aux returned.
+        """
+        rows = slice(start, t["x"].shape[1])
+        self._fill_attention_inputs(t, rows)
+        aux = self._fill_attention(t) if attention else None
+        self._fill_mlp_inputs(t, rows)
+        return aux
+
+    def _fill_attention_inputs(self, t, rows: slice) -> None:
+        c = self.config
+        x = t["x"][:, rows]  # (b, r, h)
+        b, r = x.shape[:2]
+        n1 = self._norm(x, self.attn_norm)  # (b, r, h)
+        t["n1"][:, rows] = n1
+        cos, sin = rope_tables(rows.start, rows.stop, c.head_dim, c.rope_theta, x.dtype, x.device)
+        t["q"][:, rows] = rotate(F.linear(n1, self.wq.weight, self.wq.bias).view(b, r, -1, c.head_dim), cos, sin)
+        t["k"][:, rows] = rotate(F.linear(n1, self.wk.weight, self.wk.bias).view(b, r, -1, c.head_dim), cos, sin)
+        t["v"][:, rows] = F.linear(n1, self.wv.weight, self.wv.bias).view(b, r, -1, c.head_dim)
+
+    def _fill_attention(self, t) -> tuple:
+        out, lse, aux = attention_forward(heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"]), self.scale)
+        heads_major(t["attn"]).copy_(out)  # (b, a, s, d) into token-major (b, s, a, d)
+        t["lse"].copy_(lse)
+        return aux
+
+    def _fill_mlp_inputs(self, t, rows: slice) -> None:
+        x, attn = t["x"][:, rows], t["attn"][:, rows].flatten(2)  # (b, r, h), (b, r, a*d)
+        x1 = x + F.linear(attn, self.wo.weight, self.wo.bias)
+        t["x1"][:, rows] = x1
+        n2 = self._norm(x1, self.mlp_norm)
+        t["n2"][:, rows] = n2
+        up = F.linear(n2, self.w_up.weight, self.w_up.bias)  # (b, r, f)
+        t["up"][:, rows] = up
+        if self.gpt:
+            t["act"][:, rows] = F.gelu(up)
+        else:
+            gate = F.linear(n2, self.w_gate.weight)
+            t["gate"][:, rows] = gate
+            t["act"][:, rows] = F.silu(gate) * up
+
+    def output(self, t) -> torch.Tensor:
+        """Returns the layer output y = x1 + act·W_downᵀ (b, s, h), a fresh tensor."""
+        return t["x1"] + F.linear(t["act"], self.w_down.weight, self.w_down.bias)
+
+    # ---- backward ---------------------------------------------------------------------------------------
+    def _norm_backward(self, dy, x, norm: nn.Module, grads: dict, prefix: str) -> torch.Tensor:
+        """Returns dx of a norm and stores its parameter grads; mean/rstd are recomputed from x (cheap)."""
+        shape = [self.config.hidden_size]
+        if self.gpt:
+            _, mean, rstd = aten.native_layer_norm(x, shape, norm.weight, norm.bias, norm.eps)
+            dx, dw, db = aten.native_layer_norm_backward(
+                dy, x, shape, mean, rstd, norm.weight, norm.bias, [True, True, True]
+            )
+            grads[prefix + ".bias"] = db
+        else:
+            dx, dw = _rms_norm_backward(dy, x, norm.weight, norm.eps)
+        grads[prefix + ".weight"] = dw
+        return dx
+
+    def _linear_backward(self, dy, x, name: str, grads: dict) -> torch.Tensor:
+        """Returns dx of y = x·Wᵀ + b and stores dW (and db)."""
+        lin = getattr(self, name)
+        grads[name + ".weight"] = _weight_grad(dy, x)
+        if lin.bias is not None:
+            grads[name + ".bias"] = _token_sum(dy)
+        return dy @ lin.weight
+
+    def backward(self, dy: torch.Tensor, t: dict, aux: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns (dx, parameter grads by name) from dy (b, s, h) and the complete skeletal tensors."""
+        c, grads = self.config, {}
+        b, s = dy.shape[:2]
+        # MLP: y = x1 + act·W_downᵀ
+        dact = self._linear_backward(dy, t["act"], "w_down", grads)  # (b, s, f)
+        if self.gpt:
+            dup = aten.gelu_backward(dact, t["up"])
+            dn2 = self._linear_backward(dup, t["n2"], "w_up", grads)
+        else:
+            gate, up = t["gate"], t["up"]
+            dup = dact * F.silu(gate)
+            dgate = aten.silu_backward(dact * up, gate)
+            dn2 = self._linear_backward(dup, t["n2"], "w_up", grads)
+            dn2 += self._linear_backward(dgate, t["n2"], "w_gate", grads)
+        dx1 = dy + self._norm_backward(dn2, t["x1"], self.mlp_norm, grads, "mlp_norm")  # (b, s, h)
+        # attention: x1 = x + attn·W_oᵀ
+        dattn = self._linear_backward(dx1, t["attn"].flatten(2), "wo", grads).view(b, s, c.n_heads, c.head_dim)
+        q, k, v = heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"])
+        dq, dk, dv = attention_backward(
+            heads_major(dattn), q, k, v, heads_major(t["attn"]), t["lse"], aux, self.scale
+        )
+        cos, sin = rope_tables(0, s, c.head_dim, c.rope_theta, dy.dtype, dy.device)
+        dq = rotate(heads_major(dq), cos, -sin)  # (b, s, a, d), un-rotated
+        dk = rotate(heads_major(dk), cos, -sin)
+        n1 = t["n1"]
+        dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
+        dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
+        dn1 += self._linear_backward(heads_major(dv).flatten(2), n1, "wv", grads)
+        dx = dx1 + self._norm_backward(dn1, t["x"], self.attn_norm, grads, "attn_norm")
+        return dx, grads
+
+    # ---- module entry -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, store=None) -> torch.Tensor:
+        """Returns the layer output; with a store and grad enabled, through the explicit autograd function."""
+        if store is None or not torch.is_grad_enabled():
+            specs = self.skeletal_specs(x.shape[0], x.shape[1], x.dtype, x.device)
+            t = {n: torch.empty(sp.shape, dtype=sp.dtype, device=x.device) for n, sp in specs.items()}
+            t["x"] = x
+            self.fill(t)
+            return self.output(t)
+        return LayerFunction.apply(x, self, store, *self.parameters())
+
+
+class LayerFunction(torch.autograd.Function):
+    """One layer's forward and backward; the store decides where skeletal tensors live in between."""
+
+    @staticmethod
+    def forward(ctx, x, layer: DecoderLayer, store, *params):
+        t = store.slots(layer.index, x)
+        aux = layer.fill(t)
+        y = layer.output(t)
+        store.after_forward(layer.index, aux)
+        ctx.layer, ctx.store, ctx.step = layer, store, store.step
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer, store = ctx.layer, ctx.store
+        t, aux, recompute = store.before_backward(layer.index, ctx.step)
+        if recompute is not None:
+            new_aux = layer.fill(t, recompute.start, recompute.attention)
+            aux = new_aux if recompute.attention else aux
+        dx, grads = layer.backward(dy.contiguous(), t, aux)
+        store.after_backward(layer.index)
+        return (dx, None, None, *(grads[name] for name, _ in layer.named_parameters()))

@@ -1,0 +1,56 @@
+"""Next-token cross-entropy computed in token chunks, never materialising the full (tokens × vocab) logits."""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Returns targets where position t predicts labels[t+1]; the last position predicts nothing."""
+    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat((labels[:, 1:], pad), dim=1)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of (hidden · Wᵀ) against targets, chunk by chunk.
+
+    The gradients are computed during forward, one chunk of logits at a time (float32), and only the
+    (tokens × hidden) and (vocab × hidden) gradients are kept: memory stays O(chunk × vocab).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = targets.reshape(-1)
+        count = (y != IGNORE_INDEX).sum()
+        if not hidden.is_meta and int(count) == 0:
+            raise ValueError("no target tokens: every label is ignored")
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for lo in range(0, h.shape[0], chunk_tokens):
+            hc, yc = h[lo : lo + chunk_tokens], y[lo : lo + chunk_tokens]
+            logits = (hc @ weight.t()).float()  # (chunk, V)
+            valid = yc != IGNORE_INDEX
+            safe = yc.clamp(min=0)
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, safe[:, None]).squeeze(1)) * valid).sum()
+            grad_logits = torch.softmax(logits, dim=-1)
+            grad_logits[torch.arange(len(yc), device=yc.device), safe] -= 1.0
+            grad_logits *= valid[:, None] / count
+            grad_h[lo : lo + chunk_tokens] = (grad_logits.to(weight.dtype) @ weight).to(h.dtype)
+            grad_w += grad_logits.t() @ hc.float()
+        ctx.save_for_backward(grad_h.view_as(hidden), grad_w.to(weight.dtype))
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
+
+
+def chunked_cross_entropy(hidden, weight, labels, chunk_tokens: int = 4096) -> torch.Tensor:
+    """Returns the mean next-token loss of `labels` (b, s) given final hidden states (b, s, h) and head W."""
+    return ChunkedCrossEntropy.apply(hidden, weight, shift_labels(labels), chunk_tokens)

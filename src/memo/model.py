@@ -1,0 +1,58 @@
+"""The transformer, top to bottom: token embedding → decoder layers → final norm → LM head / chunked loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layer import DecoderLayer
+from .loss import chunked_cross_entropy
+from .policy import ActivationPolicy
+from .swap import ActivationStore, SwapStats, make_store
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM whose layers keep, offload or recompute activations as `policy` says."""
+
+    def __init__(self, config: ModelConfig, policy: ActivationPolicy | None = None, loss_chunk_tokens: int = 4096):
+        super().__init__()
+        self.config = config
+        self.policy = policy or ActivationPolicy("none")
+        self.policy.layer_alphas(config.n_layers)  # validates a per-layer α list against the depth
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        h = config.hidden_size
+        self.norm = nn.LayerNorm(h, eps=config.norm_eps) if config.arch == "gpt" else nn.RMSNorm(h, eps=config.norm_eps)
+        self.head = nn.Linear(h, config.vocab_size, bias=False)
+        self.store: ActivationStore = make_store(self.policy, config.n_layers)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2n)."""
+        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the mean next-token loss when `labels` are given, else logits (b, s, V) for short inputs."""
+        b, s = input_ids.shape
+        x = self.embed(input_ids)  # (b, s, h)
+        if torch.is_grad_enabled():
+            self.store.begin_step(self.layers, b, s, x.dtype, x.device)
+        for layer in self.layers:
+            x = layer(x, self.store)
+        x = self.norm(x)
+        if labels is None:
+            return self.head(x)
+        return chunked_cross_entropy(x, self.head.weight, labels, self.loss_chunk_tokens)
+
+    def swap_stats(self) -> SwapStats:
+        """Returns what the activation store did in the last step (bytes offloaded, recomputed, pool peak)."""
+        return self.store.stats

@@ -1,0 +1,94 @@
+"""A plain `torch.nn` + autograd transformer with the same arithmetic as `memo.Transformer`.
+
+It shares no code with the MEMO layer: the tests use it as the independent oracle for loss and gradients,
+and the benchmarks wrap it with `torch.utils.checkpoint` / `save_on_cpu` as the alternatives users have.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style rotary embedding: q·cos + rotate_half(q)·sin with the frequency table repeated twice."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (b, heads, s, d)
+        s, d = x.shape[2], self.head_dim
+        freqs = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+        pos = torch.arange(s, dtype=torch.float32, device=x.device)
+        emb = torch.cat([pos[:, None] * freqs[None, :]] * 2, dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+        return x * cos + half * sin
+
+
+class ReferenceBlock(nn.Module):
+    def __init__(self, c: ModelConfig, attention: str):
+        super().__init__()
+        self.c, self.attention = c, attention
+        gpt = c.arch == "gpt"
+        norm = (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps)) if gpt else (lambda: nn.RMSNorm(c.hidden_size, eps=c.norm_eps))
+        kv = c.n_kv_heads * c.head_dim
+        self.attn_norm, self.mlp_norm = norm(), norm()
+        self.wq = nn.Linear(c.hidden_size, c.hidden_size, bias=gpt)
+        self.wk = nn.Linear(c.hidden_size, kv, bias=gpt)
+        self.wv = nn.Linear(c.hidden_size, kv, bias=gpt)
+        self.wo = nn.Linear(c.hidden_size, c.hidden_size, bias=gpt)
+        self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=False)
+        self.w_up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=gpt)
+        self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=gpt)
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta)
+
+    def _attend(self, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        s = q.shape[2]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        return probs @ v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, -1, self.c.head_dim).transpose(1, 2)  # noqa: E731
+        n = self.attn_norm(x)
+        q, k, v = split(self.wq(n)), split(self.wk(n)), split(self.wv(n))
+        o = self._attend(self.rope(q), self.rope(k), v)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        n = self.mlp_norm(x)
+        hidden = F.gelu(self.w_up(n)) if self.w_gate is None else F.silu(self.w_gate(n)) * self.w_up(n)
+        return x + self.w_down(hidden)
+
+
+class ReferenceTransformer(nn.Module):
+    """Embedding → blocks → norm → head with full logits; `attention` is "math" (explicit) or "sdpa"."""
+
+    def __init__(self, c: ModelConfig, attention: str = "math"):
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(ReferenceBlock(c, attention) for _ in range(c.n_layers))
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.norm_eps) if c.arch == "gpt" else nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def forward(self, input_ids, labels=None, block=None):
+        """Returns the mean next-token loss (or logits); `block(layer, x)` wraps each layer, e.g. checkpoint."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x) if block is None else block(layer, x)
+        logits = self.head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
