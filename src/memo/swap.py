@@ -18,6 +18,7 @@ import torch
 from . import device as dev
 from .layer import DecoderLayer, Recompute, SkeletalSpec
 from .policy import ActivationPolicy, AlphaProblem, solve_alpha, split_row
+from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -179,15 +180,6 @@ class HostPool:
         self.in_use -= nbytes
 
 
-def format_bytes(n: float) -> str:
-    """Returns `n` bytes in binary units, the way the CLI accepts them (e.g. '1.50GiB')."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f}{unit}" if unit != "B" else f"{int(n)}B"
-        n /= 1024
-    raise AssertionError
-
-
 class SwapEngine(ActivationStore):
     """Strategy `memo`: layer-wise offload with token-wise swap/recompute (memo-method.md §3-4)."""
 
@@ -239,7 +231,7 @@ class SwapEngine(ActivationStore):
             other_bytes=by_role["other"],
             bandwidth=measure_copy_bandwidth(self._buffers[0]["x"]),
             layer_seconds=measure_layer_seconds(layer, self._buffers[0]),
-            host_budget=budget,
+            host_budget=budget - len(self.offloaded) * len(self.specs) * ALIGN,  # room for slot alignment
             offloaded_layers=len(self.offloaded),
         )
         alpha = solve_alpha(problem)

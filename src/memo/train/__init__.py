@@ -1,0 +1,1 @@
+"""Training: generated data and the training loop."""

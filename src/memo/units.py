@@ -1,0 +1,26 @@
+"""Human units for sizes and lengths: parse `512K`, `1M`, `80GB`, `2GiB`; print bytes the same way."""
+
+from __future__ import annotations
+
+import re
+
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Returns an integer from '1M' (2**20), '512K', '80GB', '2GiB' or a plain number (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; use a number with an optional K/M/G/T suffix, e.g. 512K")
+    return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+
+
+def format_bytes(n: float) -> str:
+    """Returns `n` bytes in binary units, e.g. '1.50GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)}B" if unit == "B" else f"{n:.2f}{unit}"
+        n /= 1024
+    return f"{n:.2f}TiB"
