@@ -9,9 +9,9 @@ import sys
 
 from tqdm import tqdm
 
-from .train.loop import DTYPES, TrainConfig, train
-from .policy import STRATEGIES, ActivationPolicy
 from .config import PRESETS
+from .policy import STRATEGIES, ActivationPolicy
+from .train.loop import DTYPES, TrainConfig, train
 from .units import format_bytes
 
 
@@ -29,6 +29,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default: %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data (default: %(default)s)")
     p.add_argument("--device", default=d.device, help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES), help="parameter/activation dtype (default: %(default)s)")

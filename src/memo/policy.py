@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 Strategy = Literal["none", "full", "memo"]
 STRATEGIES = ("none", "full", "memo")
@@ -93,9 +93,3 @@ def solve_alpha(p: AlphaProblem) -> float:
     by_time = (p.bandwidth * p.layer_seconds - fixed) / p.other_bytes
     by_host = (p.host_budget / p.offloaded_layers - fixed) / p.other_bytes
     return max(0.0, min(1.0, by_time, by_host))
-
-
-def solve_layer_alphas(p: AlphaProblem, n_layers: int, offloaded: Sequence[int]) -> list[float]:
-    """Returns the solved α for every layer (layers that stay on device get 1.0: nothing is dropped)."""
-    alpha = solve_alpha(p)
-    return [alpha if i in offloaded else 1.0 for i in range(n_layers)]

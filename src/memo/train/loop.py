@@ -27,6 +27,7 @@ class TrainConfig:
     batch_size: int = 8
     steps: int = 200
     lr: float = 1e-3
+    grad_clip: float = 1.0
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
@@ -35,6 +36,8 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"`--{name.replace('_', '-')}` must be positive, got {getattr(self, name)}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"`--grad-clip` must be positive, got {self.grad_clip}")
         if not self.lr > 0:
             raise ValueError(f"`--lr` must be positive, got {self.lr}")
         if self.dtype not in DTYPES:
@@ -59,6 +62,7 @@ def train(cfg: TrainConfig) -> Iterator[dict]:
         start = time.perf_counter()
         loss = model(ids, labels=labels)
         loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
@@ -66,6 +70,7 @@ def train(cfg: TrainConfig) -> Iterator[dict]:
         yield {
             "step": step,
             "loss": loss_value,
+            "grad_norm": grad_norm,
             "seconds": seconds,
             "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds,
             **model.swap_stats().as_dict(),
