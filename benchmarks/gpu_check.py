@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import strategies  # noqa: E402
+
 from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
 from memo.swap import measure_copy_bandwidth  # noqa: E402
-import strategies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def gradient_parity() -> tuple[bool, str]:
     """Runs tests/test_layer_gradients.py on CUDA; returns (passed, pytest's summary line)."""
     env = {**os.environ, "MEMO_TEST_DEVICE": "cuda"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_layer_gradients.py")],
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_layer_gradients.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     print(done.stdout[-3000:], flush=True)
     return done.returncode == 0, done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
 
@@ -54,8 +59,22 @@ def main() -> int:
     del model
     torch.cuda.empty_cache()
     print(f"checks took {time.time() - start:.0f}s; strategy benchmark:", flush=True)
-    strategies.main(["--device", "cuda", "--model", "gpt-7b", "--layers", "6", "--seq", "32K",
-                     "--dtype", "bfloat16", "--alpha", "auto"])
+    strategies.main(
+        [
+            "--device",
+            "cuda",
+            "--model",
+            "gpt-7b",
+            "--layers",
+            "6",
+            "--seq",
+            "32K",
+            "--dtype",
+            "bfloat16",
+            "--alpha",
+            "auto",
+        ]
+    )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
     return 0 if passed else 1

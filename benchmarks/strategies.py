@@ -179,8 +179,9 @@ def measure_memory(step, model, ids, device) -> tuple[int, int]:
 
 def _memory_in_subprocess(argv, row: int) -> tuple[int, int]:
     """Returns measure_memory of `row` from a fresh process whose malloc returns freed memory to the OS."""
-    done = subprocess.run([sys.executable, __file__, *argv, "--memory-row", str(row)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, __file__, *argv, "--memory-row", str(row)], capture_output=True, text=True, check=True
+    )
     peak, host = done.stdout.split()
     return int(peak), int(host)
 
@@ -209,8 +210,11 @@ def main(argv=None) -> int:
         _, model, step = rows[args.memory_row]
         print(*measure_memory(step, model, ids, device))
         return 0
-    print(f"# {cfg.name} ({cfg.n_layers} layers, h={cfg.hidden_size}) b={args.batch} s={seq} {args.dtype} on "
-          f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+    print(
+        f"# {cfg.name} ({cfg.n_layers} layers, h={cfg.hidden_size}) b={args.batch} s={seq} {args.dtype} on "
+        f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        flush=True,
+    )
     results = []
     argv = sys.argv[1:] if argv is None else argv
     for row, (name, model, step) in enumerate(rows):
@@ -222,11 +226,13 @@ def main(argv=None) -> int:
         results.append((name, seconds, peak, host))
         print(f"  measured {name}: {seconds:.3f}s", file=sys.stderr, flush=True)
     base_t, base_m = results[0][1], results[0][2]
-    print(f"| strategy | step s | x none | activation MiB | x none | host MiB |")
-    print(f"|---|---:|---:|---:|---:|---:|")
+    print("| strategy | step s | x none | activation MiB | x none | host MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, seconds, peak, host in results:
-        print(f"| {name} | {seconds:.3f} | {seconds / base_t:.2f} | {peak / 2**20:.1f} | "
-              f"{peak / max(base_m, 1):.2f} | {host / 2**20:.1f} |")
+        print(
+            f"| {name} | {seconds:.3f} | {seconds / base_t:.2f} | {peak / 2**20:.1f} | "
+            f"{peak / max(base_m, 1):.2f} | {host / 2**20:.1f} |"
+        )
     return 0
 
 

@@ -13,5 +13,12 @@ import strategies  # noqa: E402
 def test_strategies_benchmark_prints_a_row_per_alternative(capsys):
     assert strategies.main(["--layers", "4", "--seq", "128", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    for row in ("memo none", "memo full", "memo alpha=0.5", "autograd (reference)", "torch.utils.checkpoint", "save_on_cpu"):
+    for row in (
+        "memo none",
+        "memo full",
+        "memo alpha=0.5",
+        "autograd (reference)",
+        "torch.utils.checkpoint",
+        "save_on_cpu",
+    ):
         assert f"| {row} |" in out

@@ -21,7 +21,18 @@ def test_memo_train_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--model", "--strategy", "--alpha", "--seq-len", "--batch-size", "--steps", "--lr", "--seed", "--device", "--dtype"):
+    for flag in (
+        "--model",
+        "--strategy",
+        "--alpha",
+        "--seq-len",
+        "--batch-size",
+        "--steps",
+        "--lr",
+        "--seed",
+        "--device",
+        "--dtype",
+    ):
         assert flag in out
 
 

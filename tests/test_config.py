@@ -12,11 +12,22 @@ def test_every_preset_builds_and_is_consistent(name):
 
 
 def test_paper_presets_match_the_paper_table():
-    rows = {"gpt-7b": (32, 4096, 16384, 32), "gpt-13b": (40, 5120, 20480, 40),
-            "gpt-30b": (48, 7168, 28672, 56), "gpt-65b": (80, 8192, 32768, 64)}
+    rows = {
+        "gpt-7b": (32, 4096, 16384, 32),
+        "gpt-13b": (40, 5120, 20480, 40),
+        "gpt-30b": (48, 7168, 28672, 56),
+        "gpt-65b": (80, 8192, 32768, 64),
+    }
     for name, (n, h, f, a) in rows.items():
         c = ModelConfig.preset(name)
-        assert (c.n_layers, c.hidden_size, c.ffn_hidden_size, c.n_heads, c.vocab_size, c.arch) == (n, h, f, a, 50257, "gpt")
+        assert (c.n_layers, c.hidden_size, c.ffn_hidden_size, c.n_heads, c.vocab_size, c.arch) == (
+            n,
+            h,
+            f,
+            a,
+            50257,
+            "gpt",
+        )
 
 
 def test_llama3_uses_grouped_query_attention():

@@ -37,8 +37,15 @@ def test_split_row_floors_so_the_copy_never_exceeds_alpha():
 
 
 def _problem(**kw):
-    base = dict(input_bytes=100, attention_bytes=100, other_bytes=1000, bandwidth=1000.0,
-                layer_seconds=1.0, host_budget=10**9, offloaded_layers=10)
+    base = dict(
+        input_bytes=100,
+        attention_bytes=100,
+        other_bytes=1000,
+        bandwidth=1000.0,
+        layer_seconds=1.0,
+        host_budget=10**9,
+        offloaded_layers=10,
+    )
     base.update(kw)
     return AlphaProblem(**base)
 

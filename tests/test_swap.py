@@ -14,7 +14,9 @@ def _run(policy, batch=2, seq=40, preset="tiny"):
 
 def _skeletal_bytes(model, batch, seq):
     specs = model.layers[0].skeletal_specs(batch, seq, torch.float32, "cpu")
-    return {role: sum(sp.nbytes for sp in specs.values() if sp.role == role) for role in ("input", "attention", "other")}
+    return {
+        role: sum(sp.nbytes for sp in specs.values() if sp.role == role) for role in ("input", "attention", "other")
+    }
 
 
 def test_memo_offloads_input_attention_and_alpha_of_the_rest_for_all_but_two_layers():
@@ -113,7 +115,9 @@ def test_pack_layout_aligns_every_tensor():
 
 def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
     with torch.device("meta"):
-        model = Transformer(ModelConfig.preset("gpt-7b"), ActivationPolicy("memo", alpha=0.5, host_budget_bytes=1 << 42))
+        model = Transformer(
+            ModelConfig.preset("gpt-7b"), ActivationPolicy("memo", alpha=0.5, host_budget_bytes=1 << 42)
+        )
     model.to(torch.bfloat16)
     ids = torch.zeros(1, 1 << 20, dtype=torch.long, device="meta")
     model(ids, labels=ids).backward()

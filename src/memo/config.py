@@ -88,9 +88,7 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-65b": _gpt("gpt-65b", 80, 8192, 64),
     # published Llama configs
     "llama2-7b": ModelConfig("llama", 32, 4096, 32, 11008, 32000, n_kv_heads=32, name="llama2-7b"),
-    "llama3-8b": ModelConfig(
-        "llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, rope_theta=500000.0, name="llama3-8b"
-    ),
+    "llama3-8b": ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, rope_theta=500000.0, name="llama3-8b"),
     # CPU-sized debug presets used by tests and the default training job
     "tiny": ModelConfig("llama", 4, 64, 4, 176, 256, n_kv_heads=2, name="tiny"),
     "tiny-gpt": ModelConfig("gpt", 4, 64, 4, 256, 256, name="tiny-gpt"),

@@ -245,9 +245,7 @@ class DecoderLayer(nn.Module):
         # attention: x1 = x + attn·W_oᵀ
         dattn = self._linear_backward(dx1, t["attn"].flatten(2), "wo", grads).view(b, s, c.n_heads, c.head_dim)
         q, k, v = heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"])
-        dq, dk, dv = attention_backward(
-            heads_major(dattn), q, k, v, heads_major(t["attn"]), t["lse"], aux, self.scale
-        )
+        dq, dk, dv = attention_backward(heads_major(dattn), q, k, v, heads_major(t["attn"]), t["lse"], aux, self.scale)
         cos, sin = rope_tables(0, s, c.head_dim, c.rope_theta, dy.dtype, dy.device)
         dq = rotate(heads_major(dq), cos, -sin)  # (b, s, a, d), un-rotated
         dk = rotate(heads_major(dk), cos, -sin)

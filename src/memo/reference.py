@@ -37,7 +37,11 @@ class ReferenceBlock(nn.Module):
         super().__init__()
         self.c, self.attention = c, attention
         gpt = c.arch == "gpt"
-        norm = (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps)) if gpt else (lambda: nn.RMSNorm(c.hidden_size, eps=c.norm_eps))
+        norm = (
+            (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps))
+            if gpt
+            else (lambda: nn.RMSNorm(c.hidden_size, eps=c.norm_eps))
+        )
         kv = c.n_kv_heads * c.head_dim
         self.attn_norm, self.mlp_norm = norm(), norm()
         self.wq = nn.Linear(c.hidden_size, c.hidden_size, bias=gpt)
@@ -80,7 +84,11 @@ class ReferenceTransformer(nn.Module):
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(ReferenceBlock(c, attention) for _ in range(c.n_layers))
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.norm_eps) if c.arch == "gpt" else nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.norm = (
+            nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
+            if c.arch == "gpt"
+            else nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        )
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids, labels=None, block=None):

@@ -200,7 +200,9 @@ class SwapEngine(ActivationStore):
         self._sync_all()
         self._device = device
         offsets, total = pack_layout(self.specs)
-        self._buffers = [carve(torch.empty(total, dtype=torch.uint8, device=device), offsets, self.specs) for _ in (0, 1)]
+        self._buffers = [
+            carve(torch.empty(total, dtype=torch.uint8, device=device), offsets, self.specs) for _ in (0, 1)
+        ]
         budget = self.policy.host_budget_bytes or int(0.8 * dev.available_host_bytes())
         alphas = self.policy.layer_alphas(self.n_layers) or self._solve_alphas(layers[0], batch, seq, budget)
         self._split = [split_row(a, seq) for a in alphas]
@@ -224,7 +226,9 @@ class SwapEngine(ActivationStore):
         """Returns α per layer solved from the measured layer time and copy bandwidth (§3)."""
         if self._device.type == "meta":
             raise ValueError("alpha=None needs a real device to measure layer time; give `--alpha` on meta")
-        by_role = {r: sum(sp.nbytes for sp in self.specs.values() if sp.role == r) for r in ("input", "attention", "other")}
+        by_role = {
+            r: sum(sp.nbytes for sp in self.specs.values() if sp.role == r) for r in ("input", "attention", "other")
+        }
         problem = AlphaProblem(
             input_bytes=by_role["input"],
             attention_bytes=by_role["attention"],

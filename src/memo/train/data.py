@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def copy_task_batch(batch: int, seq_len: int, generator: torch.Generator, alphabet: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def copy_task_batch(
+    batch: int, seq_len: int, generator: torch.Generator, alphabet: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (input_ids, labels) where the second half of each sequence repeats the first half.
 
     Tokens of the second half are predictable only by looking back seq_len/2 positions; labels of the
