@@ -92,7 +92,8 @@ class HostBytes:
         pack, unpack = self.inner.pack_hook, self.inner.unpack_hook
 
         def counting_pack(t):
-            self.nbytes += t.numel() * t.element_size()
+            if t.device.type != "cpu":  # on CPU save_on_cpu keeps the tensor itself: nothing moves
+                self.nbytes += t.numel() * t.element_size()
             return pack(t)
 
         self.inner.pack_hook = counting_pack
@@ -174,7 +175,7 @@ def measure_memory(step, model, ids, device) -> tuple[int, int]:
         model.store = make_store(model.policy, model.config.n_layers)
     with PeakMemory(device) as mem:
         host = _run(step, model, ids, device)
-    return max(mem.peak - host, 0), host
+    return (max(mem.peak - host, 0) if device.type == "cpu" else mem.peak), host
 
 
 def _memory_in_subprocess(argv, row: int) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 
 import torch
 
@@ -35,11 +36,11 @@ def record_event(device: torch.device, stream: torch.cuda.Stream | None = None) 
     return event
 
 
-def wait_event(event: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
-    """Makes `stream` (default: current) wait for `event`; nothing to wait for off CUDA."""
+def wait_event(event: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None, device=None) -> None:
+    """Makes `stream` (default: `device`'s current stream) wait for `event`; nothing to wait for off CUDA."""
     if event is None:
         return
-    (stream if stream is not None else torch.cuda.current_stream()).wait_event(event)
+    (stream if stream is not None else torch.cuda.current_stream(device)).wait_event(event)
 
 
 def host_device_for(device: torch.device) -> torch.device:
@@ -48,8 +49,20 @@ def host_device_for(device: torch.device) -> torch.device:
 
 
 def empty_host(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Returns a byte buffer in host memory for copies from `device`, pinned when `device` is CUDA."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=host_device_for(device), pin_memory=is_cuda(device))
+    """Returns a byte buffer in host memory for copies from `device`, page-locked when `device` is CUDA.
+
+    Pinning registers exactly `nbytes` (cudaHostRegister) rather than using `pin_memory=True`, whose caching
+    host allocator rounds every request up to a power of two and keeps freed blocks: a 17 GiB pool would
+    lock 32 GiB and never give it back.
+    """
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=host_device_for(device))
+    if is_cuda(device) and nbytes:
+        cudart = torch.cuda.cudart()
+        ptr = buffer.data_ptr()
+        if cudart.cudaHostRegister(ptr, nbytes, 0) != 0:
+            raise RuntimeError(f"could not pin {nbytes} bytes of host memory (cudaHostRegister failed)")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)  # views keep `buffer` alive via ._base
+    return buffer
 
 
 def synchronize(device: torch.device) -> None:

@@ -199,6 +199,7 @@ class SwapEngine(ActivationStore):
     def _reserve(self, layers, batch, seq, dtype, device) -> None:
         self._sync_all()
         self._device = device
+        self._buffers, self._host, self.pool = [], {}, None  # free the old sizes before allocating new ones
         offsets, total = pack_layout(self.specs)
         self._buffers = [
             carve(torch.empty(total, dtype=torch.uint8, device=device), offsets, self.specs) for _ in (0, 1)
@@ -245,7 +246,7 @@ class SwapEngine(ActivationStore):
     # ---- forward ----------------------------------------------------------------------------------------
     def slots(self, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Returns rounding buffer index%2 with x copied in, once layer index-2's offload has read it."""
-        dev.wait_event(self._offload_done.pop(index - 2, None))
+        dev.wait_event(self._offload_done.pop(index - 2, None), device=self._device)
         t = self._buffers[index % 2]
         t["x"].copy_(x)
         return t
@@ -269,8 +270,11 @@ class SwapEngine(ActivationStore):
         """Copies layer `index`'s host slot from/to its rounding buffer (kept rows only); returns bytes."""
         host, buf, moved = self._host[index], self._buffers[index % 2], 0
         for name, h in host.items():
-            d = buf[name][:, : h.shape[1]] if self.specs[name].role == "other" else buf[name]
-            (h if to_host else d).copy_(d if to_host else h, non_blocking=True)
+            d = buf[name]
+            # one contiguous block per sequence: a strided copy would stage through a device temporary
+            pairs = zip(h, d[:, : h.shape[1]]) if self.specs[name].role == "other" else [(h, d)]
+            for h_part, d_part in pairs:
+                (h_part if to_host else d_part).copy_(d_part if to_host else h_part, non_blocking=True)
             moved += h.numel() * h.element_size()
         return moved
 
@@ -295,7 +299,7 @@ class SwapEngine(ActivationStore):
         self._prefetch(index - 1)
         recompute = None
         if index in self.offloaded:
-            dev.wait_event(self._prefetch_done.pop(index))
+            dev.wait_event(self._prefetch_done.pop(index), device=self._device)
             self.pool.release(sum(h.numel() * h.element_size() for h in self._host[index].values()))
             split, seq = self._split[index], self.specs["x"].shape[1]
             if split < seq:
@@ -306,7 +310,7 @@ class SwapEngine(ActivationStore):
 
     def _sync_all(self) -> None:
         for event in (*self._offload_done.values(), *self._prefetch_done.values()):
-            dev.wait_event(event)
+            dev.wait_event(event, device=self._device)
         self._offload_done.clear()
         self._prefetch_done.clear()
         if self.pool is not None:

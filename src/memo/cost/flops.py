@@ -1,0 +1,44 @@
+"""FLOP counts (memo-method.md §7). Convention: the full s×s attention matrix is counted (not halved for the
+causal mask), forward + backward = 3 × forward, recomputation is not model FLOPs (it is counted apart).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..policy import split_row
+
+
+def linear_params_per_layer(c: ModelConfig) -> int:
+    """Returns the weight count of one layer's matmuls (q, k, v, o, and the MLP)."""
+    h, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    mlp = (2 if c.arch == "gpt" else 3) * h * c.ffn_hidden_size
+    return h * q + 2 * h * kv + q * h + mlp
+
+
+def layer_forward_flops(c: ModelConfig, seq: int, tokens: int | None = None) -> tuple[float, float]:
+    """Returns (matmul, attention) forward FLOPs of one layer for `tokens` tokens attending to `seq` tokens."""
+    tokens = seq if tokens is None else tokens
+    return 2.0 * linear_params_per_layer(c) * tokens, 4.0 * seq * c.n_heads * c.head_dim * tokens
+
+
+def model_flops_per_token(c: ModelConfig, seq: int) -> float:
+    """Returns training FLOPs per token: for a GPT with FFN 4h, 72·n·h² + 12·n·h·s + 6·V·h."""
+    matmul, attention = layer_forward_flops(c, seq, 1)
+    return 3.0 * (c.n_layers * (matmul + attention) + 2.0 * c.vocab_size * c.hidden_size)
+
+
+def recompute_flops(c: ModelConfig, seq: int, strategy: str, alphas=None, offloaded=(), tokens=None) -> float:
+    """Returns the forward FLOPs a strategy spends again before backward, for one sequence.
+
+    `full` re-runs each layer's forward except the last projection (its output is not needed);
+    `memo` re-runs the token-local matmuls (all but the last projection) for the (1 − α) tokens of
+    every offloaded layer (§3).
+    """
+    tokens = seq if tokens is None else tokens
+    w_down = c.ffn_hidden_size * c.hidden_size
+    local = 2.0 * (linear_params_per_layer(c) - w_down)
+    if strategy == "full":
+        return c.n_layers * (local * tokens + layer_forward_flops(c, seq, tokens)[1])
+    if strategy == "memo":
+        return sum(local * (tokens - split_row(alphas[i], tokens)) for i in offloaded)
+    return 0.0

@@ -1,0 +1,98 @@
+"""GPU and node specifications as data, extendable from a user JSON file.
+
+Numbers are vendor datasheet values (dense bf16 tensor-core FLOP/s without sparsity, HBM capacity,
+NVLink per-direction bandwidth, PCIe generation ×16 per-direction bandwidth); host memory per node and
+per-GPU network follow the MEMO paper's testbed (A800: 2 TB host memory) and NVIDIA's DGX reference
+designs. Achieved fractions of these peaks are `Efficiency` parameters, measured by `memo calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GB, TB = 10**9, 10**12
+GiB, TiB = 2**30, 2**40
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes: int
+    host_link_bytes_per_s: float  # PCIe, one direction, per GPU
+    host_link_shared_by: int  # GPUs sharing one host link (PCIe switch) when all copy at once
+    nvlink_bytes_per_s: float  # one direction, per GPU
+    network_bytes_per_s: float  # inter-node, one direction, per GPU
+    host_memory_per_node: int
+    gpus_per_node: int
+    source: str
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("name", "source") and not value > 0:
+                raise ValueError(f"GPU {self.name!r}: `{f.name}` must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fraction of each peak. Defaults are generic assumptions until `memo calibrate` measures them."""
+
+    matmul: float = 0.70
+    attention: float = 0.55
+    host_link: float = 0.80
+    nvlink: float = 0.70
+    network: float = 0.70
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not 0 < getattr(self, f.name) <= 1:
+                raise ValueError(f"efficiency `{f.name}` must be in (0, 1], got {getattr(self, f.name)}")
+
+
+_PCIE4, _PCIE5 = 32 * GB, 64 * GB
+GPUS: dict[str, GPUSpec] = {
+    "A800-80GB": GPUSpec("A800-80GB", 312e12, 80 * GiB, _PCIE4, 2, 200 * GB, 25 * GB, 2 * TiB, 8,
+                         "NVIDIA A800 datasheet (312 TFLOPS bf16, NVLink 400 GB/s bidirectional, PCIe Gen4); "
+                         "2 TB host memory per 8-GPU node as in the MEMO paper; 2 GPUs per PCIe switch (DGX A100 layout)"),
+    "A100-80GB": GPUSpec("A100-80GB", 312e12, 80 * GiB, _PCIE4, 2, 300 * GB, 25 * GB, 2 * TiB, 8,
+                         "NVIDIA A100 datasheet (312 TFLOPS bf16, NVLink 600 GB/s bidirectional, PCIe Gen4); "
+                         "DGX A100: 2 GPUs per PCIe switch, 200 Gb/s HDR per GPU, 2 TB host option"),
+    "H100-SXM": GPUSpec("H100-SXM", 989e12, 80 * GiB, _PCIE5, 1, 450 * GB, 50 * GB, 2 * TiB, 8,
+                        "NVIDIA H100 SXM datasheet (989 TFLOPS bf16 dense, NVLink 900 GB/s bidirectional, PCIe Gen5); "
+                        "DGX H100: 2 TB host memory, 400 Gb/s NDR per GPU"),
+    "H200": GPUSpec("H200", 989e12, 141 * GB, _PCIE5, 1, 450 * GB, 50 * GB, 2 * TiB, 8,
+                    "NVIDIA H200 SXM datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e, NVLink 900 GB/s, PCIe Gen5); "
+                    "DGX H200: 2 TB host memory, 400 Gb/s NDR per GPU"),
+}
+
+
+def load_gpus(path: str | Path) -> dict[str, GPUSpec]:
+    """Returns the built-in GPUs plus those in a JSON file: {"NAME": {field: value, ...}, ...}."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read GPU file {path}: {err}") from None
+    gpus = dict(GPUS)
+    fields = {f.name for f in dataclasses.fields(GPUSpec)}
+    for name, spec in data.items():
+        unknown = set(spec) - fields
+        if unknown:
+            raise ValueError(f"GPU {name!r} in {path}: unknown fields {sorted(unknown)}")
+        try:
+            gpus[name] = GPUSpec(**{"name": name, "source": f"user file {path}", **spec})
+        except TypeError as err:
+            raise ValueError(f"GPU {name!r} in {path}: {err}") from None
+    return gpus
+
+
+def gpu(name: str, gpus: dict[str, GPUSpec] | None = None) -> GPUSpec:
+    """Returns the named GPU spec, or a ValueError listing the known names."""
+    gpus = GPUS if gpus is None else gpus
+    if name not in gpus:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(gpus)} or add it with --gpu-file")
+    return gpus[name]

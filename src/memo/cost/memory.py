@@ -1,0 +1,69 @@
+"""Per-GPU memory: model states, skeletal activations (device and host), and the traced transient peak.
+
+Activation terms come from the real model: the skeletal tensor list of `DecoderLayer.skeletal_specs`
+and an allocation trace of a steady-state training step on the `meta` device (no memory needed).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..config import ModelConfig
+from ..layer import DecoderLayer
+from ..model import Transformer
+from ..plan.trace import trace
+from ..policy import ActivationPolicy
+
+# bf16 weights + fp32 gradient + fp32 Adam master weights, m and v (mixed-precision training)
+BYTES_PER_PARAM = 2 + 4 + 12
+TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
+
+
+def skeletal_bytes(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, int]:
+    """Returns one layer's skeletal bytes by role ("input", "attention", "other") for `tokens` tokens."""
+    specs = DecoderLayer(c.__class__.preset("tiny") if False else c, 0).skeletal_specs if False else None  # noqa
+    specs = _specs(c, tokens, dtype)
+    return {role: sum(s.nbytes for s in specs.values() if s.role == role) for role in ("input", "attention", "other")}
+
+
+def _specs(c: ModelConfig, tokens: int, dtype):
+    with torch.device("meta"):
+        layer = DecoderLayer(c, 0)
+    return layer.skeletal_specs(1, tokens, dtype, "meta")
+
+
+@lru_cache(maxsize=64)
+def traced_transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> int:
+    """Returns the peak bytes allocated during a steady-state step (after buffers are sized), on `meta`.
+
+    The step is traced with `TRACE_LAYERS` layers; `full` keeps one input per layer, so the inputs of the
+    remaining layers are added. Parameter gradients already exist (accumulated), as in training.
+    """
+    layers = min(c.n_layers, TRACE_LAYERS)
+    small = c.__class__(**{**c.__dict__, "n_layers": layers})
+    policy = ActivationPolicy(strategy, alpha=0.5 if strategy == "memo" else None, host_budget_bytes=1 << 60)
+    with torch.device("meta"):
+        model = Transformer(small, policy, loss_chunk_tokens=loss_chunk_tokens).to(torch.bfloat16)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    model(ids, labels=ids).backward()  # sizes the store and creates .grad
+    step, _ = trace(lambda: model(ids, labels=ids).backward())
+    extra_inputs = (c.n_layers - layers) * tokens * c.hidden_size * 2 if strategy == "full" else 0
+    return step.peak + extra_inputs
+
+
+def persistent_activation_bytes(c: ModelConfig, tokens: int, strategy: str) -> int:
+    """Returns device bytes a strategy allocates once for skeletal tensors (rounding buffers or scratch)."""
+    per_layer = sum(skeletal_bytes(c, tokens).values())
+    if strategy == "memo":
+        return 2 * per_layer  # two rounding buffers (§4)
+    if strategy == "full":
+        return per_layer - skeletal_bytes(c, tokens)["input"]  # one shared recompute scratch layer
+    return 0
+
+
+def host_bytes_per_gpu(c: ModelConfig, tokens: int, alphas: list[float], offloaded: list[int]) -> int:
+    """Returns the host bytes one GPU's offload needs: input, attention and α of the rest per layer (§3)."""
+    b = skeletal_bytes(c, tokens)
+    return int(sum(b["input"] + b["attention"] + alphas[i] * b["other"] for i in offloaded))

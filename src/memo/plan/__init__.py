@@ -1,0 +1,1 @@
+"""Static memory planning (memo-method.md §5-6): traces, DSA solvers, bi-level plans, arena, allocator simulator."""

@@ -1,0 +1,125 @@
+"""The Dynamic Storage Allocation problem: buffers with half-open lifetimes, MiniMalloc CSV I/O, LOAD, validation.
+
+A placement gives every buffer an offset; it is valid when buffers that are live at the same time
+(`lower_i < upper_j and lower_j < upper_i`) do not overlap in address, and its peak is max(offset + size).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Buffers as parallel arrays; `ids` are the caller's names (CSV ids, tensor ids)."""
+
+    ids: tuple
+    lower: np.ndarray
+    upper: np.ndarray
+    size: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        for name in ("lower", "upper", "size"):
+            arr = np.asarray(getattr(self, name), dtype=np.int64)
+            if arr.shape != (n,):
+                raise ValueError(f"`{name}` has {arr.shape[0] if arr.ndim else 0} entries for {n} buffers")
+            object.__setattr__(self, name, arr)
+        if n and (self.size <= 0).any():
+            raise ValueError(f"buffer {self.ids[int(np.argmax(self.size <= 0))]!r} has a non-positive size")
+        if n and (self.upper <= self.lower).any():
+            raise ValueError(f"buffer {self.ids[int(np.argmax(self.upper <= self.lower))]!r} has an empty lifetime")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def from_rows(cls, rows) -> "Problem":
+        """Returns the problem of (id, lower, upper, size) rows."""
+        rows = list(rows)
+        ids = tuple(r[0] for r in rows)
+        cols = np.array([r[1:4] for r in rows], dtype=np.int64).reshape(-1, 3)
+        return cls(ids, cols[:, 0], cols[:, 1], cols[:, 2])
+
+    def overlaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Returns index pairs (i < j) of buffers whose lifetimes overlap, by a sweep over start times."""
+        order = np.argsort(self.lower, kind="stable")
+        lo, hi = self.lower[order], self.upper[order]
+        # for each buffer (sorted by start), the later-starting buffers that start before it ends
+        ends = np.searchsorted(lo, hi, side="left")
+        counts = ends - np.arange(len(lo)) - 1
+        first = np.repeat(np.arange(len(lo)), np.maximum(counts, 0))
+        offsets = np.arange(len(first)) - np.repeat(np.cumsum(np.maximum(counts, 0)) - np.maximum(counts, 0), np.maximum(counts, 0))
+        second = first + 1 + offsets
+        a, b = order[first], order[second]
+        return np.minimum(a, b), np.maximum(a, b)
+
+
+def read_csv(path: str | Path) -> Problem:
+    """Returns the problem in a MiniMalloc CSV (`id,lower,upper,size`, half-open lifetimes)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no such DSA instance: {path}")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        fields = set(reader.fieldnames or ())
+        if not {"id", "lower", "upper", "size"} <= fields:
+            raise ValueError(f"{path}: header must have id,lower,upper,size; got {sorted(fields)}")
+        try:
+            rows = [(r["id"], int(r["lower"]), int(r["upper"]), int(r["size"])) for r in reader]
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: line {reader.line_num}: {err}") from None
+    return Problem.from_rows(rows)
+
+
+def write_csv(problem: Problem, path: str | Path, offsets: np.ndarray | None = None) -> None:
+    """Writes the problem (with an `offset` column when a placement is given) in MiniMalloc's CSV format."""
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "lower", "upper", "size"] + (["offset"] if offsets is not None else []))
+        for i, name in enumerate(problem.ids):
+            row = [name, int(problem.lower[i]), int(problem.upper[i]), int(problem.size[i])]
+            w.writerow(row + ([int(offsets[i])] if offsets is not None else []))
+
+
+def max_load(problem: Problem) -> int:
+    """Returns LOAD: the most bytes live at any one time, a lower bound on any placement's peak."""
+    if not len(problem):
+        return 0
+    times = np.concatenate((problem.lower, problem.upper))
+    deltas = np.concatenate((problem.size, -problem.size))
+    order = np.lexsort((deltas, times))  # at equal times frees (negative) come first: half-open lifetimes
+    return int(np.cumsum(deltas[order]).max())
+
+
+def peak(problem: Problem, offsets: np.ndarray) -> int:
+    return int((np.asarray(offsets) + problem.size).max()) if len(problem) else 0
+
+
+def check_placement(problem: Problem, offsets, capacity: int | None = None) -> list[str]:
+    """Returns why a placement is invalid (overlapping live buffers, negative offsets, over capacity); [] if valid.
+
+    Independent of every solver: it tests all lifetime-overlapping pairs directly.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    problems = []
+    if offsets.shape != (len(problem),):
+        return [f"{offsets.shape[0] if offsets.ndim else 0} offsets for {len(problem)} buffers"]
+    for i in np.flatnonzero(offsets < 0)[:5]:
+        problems.append(f"buffer {problem.ids[i]!r} at negative offset {offsets[i]}")
+    if capacity is not None and len(problem) and peak(problem, offsets) > capacity:
+        problems.append(f"peak {peak(problem, offsets)} exceeds capacity {capacity}")
+    a, b = problem.overlaps()
+    clash = (offsets[a] < offsets[b] + problem.size[b]) & (offsets[b] < offsets[a] + problem.size[a])
+    for i, j in zip(a[clash][:5], b[clash][:5]):
+        problems.append(
+            f"buffers {problem.ids[i]!r} [{offsets[i]}, {offsets[i] + problem.size[i]}) and "
+            f"{problem.ids[j]!r} [{offsets[j]}, {offsets[j] + problem.size[j]}) overlap while both live"
+        )
+    if clash.sum() > 5:
+        problems.append(f"... {int(clash.sum()) - 5} more overlapping pairs")
+    return problems

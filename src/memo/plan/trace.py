@@ -1,0 +1,107 @@
+"""Allocation traces: every tensor storage created while a function runs, with its size and lifetime.
+
+`trace(fn)` runs `fn` under a dispatch mode that records an `alloc` event when an op returns a tensor
+with a new storage and a `free` event when the last tensor on that storage is released. On the `meta`
+device this needs no memory at all, so a 7B layer at 1M tokens traces in seconds (memo-method.md §5).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .problem import Problem
+
+
+@dataclass
+class Event:
+    kind: str  # "alloc" or "free"
+    tensor: int  # trace-local tensor id
+    nbytes: int
+    op: str
+
+
+@dataclass
+class Trace:
+    """Alloc/free events in program order; storages still alive at the end have no free event."""
+
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        """Returns the most bytes live at once (LOAD of the trace)."""
+        live = best = 0
+        for e in self.events:
+            live += e.nbytes if e.kind == "alloc" else -e.nbytes
+            best = max(best, live)
+        return best
+
+    @property
+    def live_at_end(self) -> int:
+        return sum(e.nbytes if e.kind == "alloc" else -e.nbytes for e in self.events)
+
+    def to_problem(self) -> Problem:
+        """Returns the DSA instance: each tensor lives [its alloc event, its free event) in event order."""
+        start, rows = {}, []
+        for i, e in enumerate(self.events):
+            if e.kind == "alloc":
+                start[e.tensor] = (i, e.nbytes)
+            else:
+                lo, nbytes = start.pop(e.tensor)
+                rows.append((e.tensor, lo, i, nbytes))
+        end = len(self.events)
+        rows += [(t, lo, end, nbytes) for t, (lo, nbytes) in start.items()]
+        return Problem.from_rows(sorted(rows, key=lambda r: r[1]))
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trace = Trace()
+        self._ids: dict[int, tuple[int, int]] = {}  # storage key -> (tensor id, nbytes)
+        self._refs: Counter = Counter()
+        self._next_id = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t, func, inputs)
+        return out
+
+    def _track(self, t: torch.Tensor, func, inputs: set) -> None:
+        key = _key(t)
+        if key not in self._ids:
+            if key in inputs:  # a view of a tensor made before tracing (parameter, input): not ours
+                return
+            nbytes = t.untyped_storage().nbytes()
+            self._ids[key] = (self._next_id, nbytes)
+            self._next_id += 1
+            self.trace.events.append(Event("alloc", self._ids[key][0], nbytes, str(func)))
+        self._refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0 and key in self._ids:
+            tid, nbytes = self._ids.pop(key)
+            del self._refs[key]
+            self.trace.events.append(Event("free", tid, nbytes, ""))
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def trace(fn, *args, **kwargs) -> tuple[Trace, object]:
+    """Returns (the allocation trace of `fn(*args, **kwargs)`, its result)."""
+    tracer = _Tracer()
+    with tracer:
+        result = fn(*args, **kwargs)
+    return tracer.trace, result
