@@ -6,13 +6,19 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from .config import PRESETS
+from .config import PRESETS, ModelConfig
+from .cost.calibrate import calibrate
+from .cost.estimate import SYSTEMS, estimate, max_seq
+from .cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
+from .cost.sweep import default_lengths, plot_sweep, sweep
 from .policy import STRATEGIES, ActivationPolicy
 from .train.loop import DTYPES, TrainConfig, train
-from .units import format_bytes
+from .units import format_bytes, format_count, parse_size
 
 
 def _train_parser(sub) -> None:
@@ -87,12 +93,115 @@ def _run_train(args) -> int:
     return 0
 
 
+def _estimate_parser(sub) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="predict memory, alpha, step time and MFU before renting GPUs",
+        description="Predict per-GPU device and host memory, alpha, step time, tokens/s and MFU of "
+        "MEMO and the baselines (megatron, deepspeed, offload-all). MFU counts the full attention "
+        "matrix (memo-method.md section 7).",
+    )
+    p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
+    p.add_argument("--seq", type=parse_size, default=None, help="tokens per sequence, e.g. 512K or 1M")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", required=True, help="GPU name: " + ", ".join(GPUS))
+    p.add_argument("--gpu-file", default=None, help="JSON file with more GPU specs (fields as in cost/hardware.py)")
+    p.add_argument("--system", action="append", choices=SYSTEMS, help="system(s) to estimate (default: all)")
+    p.add_argument("--sp", type=int, default=None, help="sequence-parallel GPUs per sequence (default: all GPUs)")
+    p.add_argument("--calibration", default=None, help="JSON written by `memo calibrate` on this GPU type")
+    p.add_argument("--max-seq", action="store_true", help="search the longest sequence that fits, per system")
+    p.add_argument("--sweep", action="store_true", help="MFU against sequence length (32K..4M) for all systems")
+    p.add_argument("--plot", default=None, help="with --sweep: write the MFU plot to this PNG")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_run_estimate)
+
+
+def _run_estimate(args) -> int:
+    gpus = load_gpus(args.gpu_file) if args.gpu_file else GPUS
+    spec = gpu(args.gpu, gpus)
+    eff = efficiency_from_calibration(_read_json(args.calibration), spec) if args.calibration else Efficiency()
+    cfg = ModelConfig.preset(args.model)
+    systems = args.system or list(SYSTEMS)
+    if args.sweep:
+        results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff)
+        if args.plot:
+            plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
+            print(f"wrote {args.plot}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({s: [e.as_dict() for e in es] for s, es in results.items()}))
+            return 0
+        lengths = [e.seq for e in results[systems[0]]]
+        print("| seq | " + " | ".join(f"{s} MFU" for s in systems) + " |")
+        print("|---" * (len(systems) + 1) + "|")
+        for i, n in enumerate(lengths):
+            cells = [f"{100 * results[s][i].mfu:.1f}%" if results[s][i].fits else "OOM" for s in systems]
+            print(f"| {format_count(n)} | " + " | ".join(cells) + " |")
+        return 0
+    if args.max_seq:
+        found = {s: max_seq(cfg, args.gpus, spec, s, args.sp, eff) for s in systems}
+        print(json.dumps(found) if args.json else "\n".join(f"{s}: {format_count(n)} tokens" for s, n in found.items()))
+        return 0
+    if args.seq is None:
+        raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
+    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff) for s in systems]
+    if args.json:
+        print(json.dumps([e.as_dict() for e in results]))
+        return 0
+    print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}")
+    print("| system | fits | alpha | device GiB | host TiB/node | step s | tokens/s | MFU | why not |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    for e in results:
+        alpha = f"{min(e.alphas):.2f}" if e.alphas else "-"
+        print(
+            f"| {e.system} | {'yes' if e.fits else 'no'} | {alpha} | {e.device_bytes['total'] / 2**30:.1f} | "
+            f"{e.host_bytes_per_node / 2**40:.2f} | {e.step_seconds:.1f} | {e.tokens_per_s:.0f} | "
+            f"{100 * e.mfu:.1f}% | {e.why} |"
+        )
+    return 0
+
+
+def _calibrate_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure matmul, attention and host-copy throughput of this device",
+        description="Measure this device's matmul and causal-attention FLOP/s and device->host copy "
+        "bandwidth (pinned on CUDA); pass the JSON to `memo estimate --calibration`.",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
+    p.add_argument("--out", default=None, help="write the measurements to this JSON file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args) -> int:
+    result = calibrate(torch.device(args.device))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"device {result['device']} ({result['dtype']})")
+        print(f"matmul     {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
+        print(f"attention  {result['attention_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work, fwd+bwd)")
+        print(f"host copy  {result['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
+    return 0
+
+
+def _read_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memo", description="MEMO: fine-grained activation memory management for long-context training"
     )
     sub = parser.add_subparsers(dest="verb", required=True)
     _train_parser(sub)
+    _estimate_parser(sub)
+    _calibrate_parser(sub)
     return parser
 
 

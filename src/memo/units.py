@@ -24,3 +24,11 @@ def format_bytes(n: float) -> str:
             return f"{int(n)}B" if unit == "B" else f"{n:.2f}{unit}"
         n /= 1024
     return f"{n:.2f}TiB"
+
+
+def format_count(n: int) -> str:
+    """Returns a token count the way `parse_size` reads it: 1048576 -> '1M', 524288 -> '512K'."""
+    for suffix in ("T", "G", "M", "K"):
+        if n >= _SUFFIX[suffix] and n % _SUFFIX[suffix] == 0:
+            return f"{n // _SUFFIX[suffix]}{suffix}"
+    return str(n)

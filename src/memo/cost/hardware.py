@@ -41,8 +41,8 @@ class GPUSpec:
 class Efficiency:
     """Achieved fraction of each peak. Defaults are generic assumptions until `memo calibrate` measures them."""
 
-    matmul: float = 0.70
-    attention: float = 0.55
+    matmul: float = 0.60
+    attention: float = 0.40  # of the causal (half-matrix) work, forward and backward
     host_link: float = 0.80
     nvlink: float = 0.70
     network: float = 0.70
@@ -55,19 +55,74 @@ class Efficiency:
 
 _PCIE4, _PCIE5 = 32 * GB, 64 * GB
 GPUS: dict[str, GPUSpec] = {
-    "A800-80GB": GPUSpec("A800-80GB", 312e12, 80 * GiB, _PCIE4, 2, 200 * GB, 25 * GB, 2 * TiB, 8,
-                         "NVIDIA A800 datasheet (312 TFLOPS bf16, NVLink 400 GB/s bidirectional, PCIe Gen4); "
-                         "2 TB host memory per 8-GPU node as in the MEMO paper; 2 GPUs per PCIe switch (DGX A100 layout)"),
-    "A100-80GB": GPUSpec("A100-80GB", 312e12, 80 * GiB, _PCIE4, 2, 300 * GB, 25 * GB, 2 * TiB, 8,
-                         "NVIDIA A100 datasheet (312 TFLOPS bf16, NVLink 600 GB/s bidirectional, PCIe Gen4); "
-                         "DGX A100: 2 GPUs per PCIe switch, 200 Gb/s HDR per GPU, 2 TB host option"),
-    "H100-SXM": GPUSpec("H100-SXM", 989e12, 80 * GiB, _PCIE5, 1, 450 * GB, 50 * GB, 2 * TiB, 8,
-                        "NVIDIA H100 SXM datasheet (989 TFLOPS bf16 dense, NVLink 900 GB/s bidirectional, PCIe Gen5); "
-                        "DGX H100: 2 TB host memory, 400 Gb/s NDR per GPU"),
-    "H200": GPUSpec("H200", 989e12, 141 * GB, _PCIE5, 1, 450 * GB, 50 * GB, 2 * TiB, 8,
-                    "NVIDIA H200 SXM datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e, NVLink 900 GB/s, PCIe Gen5); "
-                    "DGX H200: 2 TB host memory, 400 Gb/s NDR per GPU"),
+    "A800-80GB": GPUSpec(
+        "A800-80GB",
+        312e12,
+        80 * GiB,
+        _PCIE4,
+        2,
+        200 * GB,
+        25 * GB,
+        2 * TiB,
+        8,
+        "NVIDIA A800 datasheet (312 TFLOPS bf16, NVLink 400 GB/s bidirectional, PCIe Gen4); "
+        "2 TB host memory per 8-GPU node as in the MEMO paper; 2 GPUs per PCIe switch (DGX A100 layout)",
+    ),
+    "A100-80GB": GPUSpec(
+        "A100-80GB",
+        312e12,
+        80 * GiB,
+        _PCIE4,
+        2,
+        300 * GB,
+        25 * GB,
+        2 * TiB,
+        8,
+        "NVIDIA A100 datasheet (312 TFLOPS bf16, NVLink 600 GB/s bidirectional, PCIe Gen4); "
+        "DGX A100: 2 GPUs per PCIe switch, 200 Gb/s HDR per GPU, 2 TB host option",
+    ),
+    "H100-SXM": GPUSpec(
+        "H100-SXM",
+        989e12,
+        80 * GiB,
+        _PCIE5,
+        1,
+        450 * GB,
+        50 * GB,
+        2 * TiB,
+        8,
+        "NVIDIA H100 SXM datasheet (989 TFLOPS bf16 dense, NVLink 900 GB/s bidirectional, PCIe Gen5); "
+        "DGX H100: 2 TB host memory, 400 Gb/s NDR per GPU",
+    ),
+    "H200": GPUSpec(
+        "H200",
+        989e12,
+        141 * GB,
+        _PCIE5,
+        1,
+        450 * GB,
+        50 * GB,
+        2 * TiB,
+        8,
+        "NVIDIA H200 SXM datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e, NVLink 900 GB/s, PCIe Gen5); "
+        "DGX H200: 2 TB host memory, 400 Gb/s NDR per GPU",
+    ),
 }
+
+
+def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Efficiency:
+    """Returns the efficiencies that `memo calibrate`'s measurements on a `spec` GPU imply."""
+
+    def ratio(key: str, peak: float) -> float:
+        if key not in calibration:
+            raise ValueError(f"calibration lacks {key!r}; rerun `memo calibrate`")
+        return min(1.0, float(calibration[key]) / peak)
+
+    return Efficiency(
+        matmul=ratio("matmul_flops_per_s", spec.peak_flops),
+        attention=ratio("attention_flops_per_s", spec.peak_flops),
+        host_link=ratio("host_copy_bytes_per_s", spec.host_link_bytes_per_s),
+    )
 
 
 def load_gpus(path: str | Path) -> dict[str, GPUSpec]:

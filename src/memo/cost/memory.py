@@ -6,6 +6,7 @@ and an allocation trace of a steady-state training step on the `meta` device (no
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import torch
@@ -23,7 +24,6 @@ TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper mo
 
 def skeletal_bytes(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, int]:
     """Returns one layer's skeletal bytes by role ("input", "attention", "other") for `tokens` tokens."""
-    specs = DecoderLayer(c.__class__.preset("tiny") if False else c, 0).skeletal_specs if False else None  # noqa
     specs = _specs(c, tokens, dtype)
     return {role: sum(s.nbytes for s in specs.values() if s.role == role) for role in ("input", "attention", "other")}
 
@@ -42,7 +42,7 @@ def traced_transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk
     remaining layers are added. Parameter gradients already exist (accumulated), as in training.
     """
     layers = min(c.n_layers, TRACE_LAYERS)
-    small = c.__class__(**{**c.__dict__, "n_layers": layers})
+    small = dataclasses.replace(c, n_layers=layers)
     policy = ActivationPolicy(strategy, alpha=0.5 if strategy == "memo" else None, host_budget_bytes=1 << 60)
     with torch.device("meta"):
         model = Transformer(small, policy, loss_chunk_tokens=loss_chunk_tokens).to(torch.bfloat16)

@@ -51,10 +51,10 @@ class Problem:
         lo, hi = self.lower[order], self.upper[order]
         # for each buffer (sorted by start), the later-starting buffers that start before it ends
         ends = np.searchsorted(lo, hi, side="left")
-        counts = ends - np.arange(len(lo)) - 1
-        first = np.repeat(np.arange(len(lo)), np.maximum(counts, 0))
-        offsets = np.arange(len(first)) - np.repeat(np.cumsum(np.maximum(counts, 0)) - np.maximum(counts, 0), np.maximum(counts, 0))
-        second = first + 1 + offsets
+        counts = np.maximum(ends - np.arange(len(lo)) - 1, 0)
+        first = np.repeat(np.arange(len(lo)), counts)
+        rank = np.arange(len(first)) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... per group
+        second = first + 1 + rank
         a, b = order[first], order[second]
         return np.minimum(a, b), np.maximum(a, b)
 

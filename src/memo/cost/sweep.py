@@ -1,0 +1,55 @@
+"""MFU against sequence length for several systems, as data and as a PNG plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..units import format_count
+from .estimate import SYSTEMS, Estimate, estimate
+from .hardware import Efficiency, GPUSpec
+
+
+def default_lengths(start: int = 32 * 1024, stop: int = 4 << 20) -> list[int]:
+    """Returns powers of two from 32K to 4M tokens."""
+    lengths = [start]
+    while lengths[-1] * 2 <= stop:
+        lengths.append(lengths[-1] * 2)
+    return lengths
+
+
+def sweep(
+    c: ModelConfig,
+    lengths: list[int],
+    gpus: int,
+    gpu: GPUSpec,
+    systems=SYSTEMS,
+    sp: int | None = None,
+    eff: Efficiency = Efficiency(),
+) -> dict[str, list[Estimate]]:
+    """Returns each system's estimate at each length."""
+    return {s: [estimate(c, n, gpus, gpu, s, sp, eff) for n in lengths] for s in systems}
+
+
+def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str) -> None:
+    """Writes MFU against sequence length (log scale), one line per system; lengths that do not fit are not drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for system, estimates in results.items():
+        fitting = [e for e in estimates if e.fits]
+        ax.plot([e.seq for e in fitting], [100 * e.mfu for e in fitting], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    lengths = [e.seq for e in next(iter(results.values()))]
+    ax.set_xticks(lengths, [format_count(n) for n in lengths])
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("MFU (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,66 @@
+"""The FLOPs formulas against torch's FlopCounterMode on tiny models, recomputation included."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from memo import ActivationPolicy, ModelConfig, Transformer
+from memo.cost.flops import model_flops_per_token, recompute_flops
+from memo.reference import ReferenceTransformer
+
+aten = torch.ops.aten
+
+
+def _cpu_flash_forward(query, key, value, *args, out_shape=None, **kwargs):
+    b, h, s, d = query  # FlopCounterMode passes shapes; full s×s matrix, QKᵀ and PV
+    return 4 * b * h * s * key[2] * d
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    b, h, s, d = query  # dV, dP, dQ, dK
+    return 8 * b * h * s * key[2] * d
+
+
+CPU_FLASH = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+def _count(model, ids) -> int:
+    with FlopCounterMode(display=False, custom_mapping=CPU_FLASH) as counter:
+        model(ids, labels=ids).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_model_flops_match_the_counted_flops_of_the_autograd_reference(preset):
+    cfg = ModelConfig.preset(preset)
+    ids = torch.randint(0, 256, (2, 24))
+    assert _count(ReferenceTransformer(cfg), ids) == model_flops_per_token(cfg, 24) * 2 * 24
+
+
+def test_gpt_formula_is_the_papers():
+    c = ModelConfig.preset("gpt-7b")
+    n, h, v, s = c.n_layers, c.hidden_size, c.vocab_size, 1 << 20
+    assert model_flops_per_token(c, s) == 72 * n * h * h + 12 * n * h * s + 6 * v * h
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        ActivationPolicy("none"),
+        ActivationPolicy("full"),
+        ActivationPolicy("memo", alpha=0.3),
+        ActivationPolicy("memo", alpha=[0.2, 0.9, 0.5, 0.5], offload_last_layers=True),
+    ],
+    ids=["none", "full", "memo", "memo-all-layers"],
+)
+def test_recompute_flops_are_exactly_what_the_model_runs_again(preset, policy):
+    cfg = ModelConfig.preset(preset)
+    b, s = 2, 24
+    ids = torch.randint(0, 256, (b, s))
+    alphas = policy.layer_alphas(cfg.n_layers)
+    extra = recompute_flops(cfg, s, policy.strategy, alphas, policy.offloaded_layers(cfg.n_layers))
+    assert _count(Transformer(cfg, policy), ids) == model_flops_per_token(cfg, s) * b * s + b * extra
