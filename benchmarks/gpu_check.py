@@ -3,7 +3,9 @@
 1. Gradient parity on CUDA: tests/test_layer_gradients.py with MEMO_TEST_DEVICE=cuda (every strategy, α,
    per-layer α, all layers offloaded; fp32 through the efficient kernel, bf16 through flash).
 2. Copy bandwidth device->pinned host, and the α the solver picks for a gpt-7b layer at 32K tokens.
-3. benchmarks/strategies.py on CUDA: a gpt-7b-shaped model (6 layers, bf16) at 32K tokens.
+3. `memo calibrate` on this GPU, and the measured step time of a 4-layer gpt-7b-shaped model (memo, 32K
+   tokens, bf16) against the cost model's prediction with that calibration (ratio measured / predicted).
+4. benchmarks/strategies.py on CUDA: a gpt-7b-shaped model (6 layers, bf16) at 32K tokens.
 
     python benchmarks/gpu_check.py            # prints a report; writes $OUT/gpu_check.json if $OUT is set
 """
@@ -24,6 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import strategies  # noqa: E402
 
 from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
+from memo.cost.calibrate import calibrate  # noqa: E402
+from memo.cost.estimate import estimate  # noqa: E402
+from memo.cost.hardware import GPUS, efficiency_from_calibration  # noqa: E402
+from memo.device import timed  # noqa: E402
 from memo.swap import measure_copy_bandwidth  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +48,29 @@ def gradient_parity() -> tuple[bool, str]:
     return done.returncode == 0, done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
 
 
+def prediction_check(model: Transformer, ids: torch.Tensor) -> dict:
+    """Returns calibration, measured and predicted step seconds of `model` on `ids` (one GPU)."""
+    calibration = calibrate(torch.device("cuda"))
+    print(f"calibration: {calibration}", flush=True)
+    seconds = timed(lambda: model(ids, labels=ids).backward(), torch.device("cuda"), repeats=3)
+    spec = GPUS["H200"]
+    predicted = estimate(
+        model.config, ids.shape[1], 1, spec, "memo", eff=efficiency_from_calibration(calibration, spec)
+    )
+    ratio = seconds / predicted.step_seconds
+    print(
+        f"4-layer gpt-7b, 32K tokens: measured {seconds:.3f}s, predicted {predicted.step_seconds:.3f}s, "
+        f"ratio {ratio:.2f}",
+        flush=True,
+    )
+    return {
+        "calibration": calibration,
+        "measured_step_s": seconds,
+        "predicted_step_s": predicted.step_seconds,
+        "measured_over_predicted": ratio,
+    }
+
+
 def main() -> int:
     assert torch.cuda.is_available(), "gpu_check needs a CUDA device"
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -56,6 +85,7 @@ def main() -> int:
     model(ids, labels=ids).backward()
     report["solved_alpha_gpt7b_32k"] = model.swap_stats().alphas[0]
     print(f"solved alpha, gpt-7b layer at 32K tokens on one GPU: {report['solved_alpha_gpt7b_32k']:.3f}", flush=True)
+    report.update(prediction_check(model, ids))
     del model
     torch.cuda.empty_cache()
     print(f"checks took {time.time() - start:.0f}s; strategy benchmark:", flush=True)

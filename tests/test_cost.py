@@ -90,13 +90,19 @@ def test_longest_sequence_ranks_memo_above_the_baselines():
         ({"sp": 3}, "must divide `--gpus`"),
         ({"seq": 1001}, "multiple of `--sp`"),
         ({"system": "alpa"}, "unknown system"),
-        ({"gpus": 64, "sp": 64}, "cannot be split over 64 GPUs"),
     ],
 )
 def test_impossible_settings_are_clear_errors(kwargs, message):
     args = {"seq": 1 << 20, "gpus": 8, "system": "memo", "sp": None, **kwargs}
     with pytest.raises(ValueError, match=message):
         estimate(GPT7B, args["seq"], args["gpus"], A800, args["system"], args["sp"])
+
+
+def test_a_layout_one_system_cannot_run_is_reported_not_raised():
+    gpt13b = ModelConfig.preset("gpt-13b")  # 40 heads: Ulysses cannot split them over 16 GPUs, Megatron (tp=8) can
+    ulysses = estimate(gpt13b, 1 << 20, 16, A800, "memo")
+    assert not ulysses.fits and "40 attention heads cannot be split over 16 GPUs" in ulysses.why
+    assert estimate(gpt13b, 1 << 20, 16, A800, "megatron").why != ulysses.why
 
 
 def test_unknown_gpu_lists_the_known_ones():

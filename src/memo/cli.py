@@ -148,16 +148,29 @@ def _run_estimate(args) -> int:
         print(json.dumps([e.as_dict() for e in results]))
         return 0
     print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}")
-    print("| system | fits | alpha | device GiB | host TiB/node | step s | tokens/s | MFU | why not |")
+    print("| system | fits | alpha per layer | device GiB/GPU | host GiB/GPU | step s | tokens/s | MFU | why not |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    node_gpus = min(args.gpus, spec.gpus_per_node)
     for e in results:
-        alpha = f"{min(e.alphas):.2f}" if e.alphas else "-"
         print(
-            f"| {e.system} | {'yes' if e.fits else 'no'} | {alpha} | {e.device_bytes['total'] / 2**30:.1f} | "
-            f"{e.host_bytes_per_node / 2**40:.2f} | {e.step_seconds:.1f} | {e.tokens_per_s:.0f} | "
+            f"| {e.system} | {'yes' if e.fits else 'no'} | {_runs(e.alphas)} | {e.device_bytes['total'] / 2**30:.1f} | "
+            f"{e.host_bytes_per_node / node_gpus / 2**30:.1f} | {e.step_seconds:.1f} | {e.tokens_per_s:.0f} | "
             f"{100 * e.mfu:.1f}% | {e.why} |"
         )
     return 0
+
+
+def _runs(alphas: list[float] | None) -> str:
+    """Returns α per layer as runs, e.g. '0.40x30 1.00x2' ('-' when nothing is offloaded)."""
+    if not alphas:
+        return "-"
+    runs: list[list] = []
+    for a in alphas:
+        if runs and abs(runs[-1][0] - a) < 1e-9:
+            runs[-1][1] += 1
+        else:
+            runs.append([a, 1])
+    return " ".join(f"{a:.2f}x{k}" for a, k in runs)
 
 
 def _calibrate_parser(sub) -> None:

@@ -63,6 +63,10 @@ class Estimate:
         return dict(self.__dict__)
 
 
+class Unsupported(ValueError):
+    """The system cannot split this model this way (a fact about the system, not bad input)."""
+
+
 def _layout(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> tuple[int, int, int]:
     """Returns (sp, tp, cp) after checking that the split is possible."""
     if system not in SYSTEMS:
@@ -79,7 +83,7 @@ def _layout(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: 
         raise ValueError(f"megatron: sp={sp} is not a multiple of the tensor-parallel size {tp}")
     heads_split = tp if system == "megatron" else sp
     if c.n_heads % heads_split:
-        raise ValueError(f"{system}: {c.n_heads} attention heads cannot be split over {heads_split} GPUs")
+        raise Unsupported(f"{c.n_heads} attention heads cannot be split over {heads_split} GPUs")
     return sp, tp, sp // tp
 
 
@@ -93,7 +97,13 @@ def estimate(
     eff: Efficiency = Efficiency(),
 ) -> Estimate:
     """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences."""
-    sp, tp, cp = _layout(c, seq, gpus, gpu, system, sp)
+    try:
+        sp, tp, cp = _layout(c, seq, gpus, gpu, system, sp)
+    except Unsupported as err:  # this system cannot run the layout; the others may
+        nan = float("nan")
+        return Estimate(
+            system, seq, gpus, sp or gpus, False, str(err), None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0
+        )
     tokens = seq // sp  # per GPU
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * gpu.host_memory_per_node)

@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memo.plan.problem import Problem, check_placement, max_load, peak, read_csv, write_csv
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "dsa-benchmarks"
+
+
+def _brute_force_load(p: Problem) -> int:
+    return max(int(p.size[(p.lower <= t) & (t < p.upper)].sum()) for t in range(int(p.upper.max())))
+
+
+def test_load_matches_brute_force_on_random_instances():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 12))
+        lo = rng.integers(0, 20, n)
+        p = Problem(tuple(range(n)), lo, lo + rng.integers(1, 10, n), rng.integers(1, 50, n))
+        assert max_load(p) == _brute_force_load(p)
+
+
+def test_half_open_lifetimes_let_a_buffer_reuse_a_freed_address():
+    p = Problem.from_rows([("a", 0, 5, 10), ("b", 5, 9, 10)])
+    assert max_load(p) == 10
+    assert check_placement(p, [0, 0]) == []
+
+
+def test_checker_catches_a_planted_overlap_and_says_why():
+    p = Problem.from_rows([("a", 0, 5, 10), ("b", 4, 9, 10), ("c", 9, 12, 5)])
+    assert check_placement(p, [0, 10, 0]) == []
+    reasons = check_placement(p, [0, 5, 0])
+    assert len(reasons) == 1 and "'a' [0, 10) and 'b' [5, 15) overlap" in reasons[0]
+    assert "exceeds capacity 12" in check_placement(p, [0, 10, 0], capacity=12)[0]
+    assert "negative offset" in check_placement(p, [-1, 10, 0])[0]
+
+
+def test_csv_round_trip(tmp_path):
+    p = Problem.from_rows([("x", 0, 3, 7), ("y", 1, 4, 9)])
+    write_csv(p, tmp_path / "p.csv")
+    q = read_csv(tmp_path / "p.csv")
+    assert q.ids == ("x", "y") and (q.size == p.size).all() and (q.upper == p.upper).all()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("id,lower,size\n0,1,2\n", "header must have"),
+        ("id,lower,upper,size\n0,5,5,2\n", "empty lifetime"),
+        ("id,lower,upper,size\n0,1,x,2\n", "line 2"),
+        ("id,lower,upper,size\n0,1,4,0\n", "non-positive size"),
+    ],
+)
+def test_bad_csv_is_a_clear_error(tmp_path, text, message):
+    (tmp_path / "bad.csv").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_csv(tmp_path / "bad.csv")
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared/dsa-benchmarks not beside the checkout")
+def test_load_of_the_shared_instances_matches_the_manifest():
+    expected = {
+        "minimalloc/benchmarks/challenging/D.1048576.csv": 986112,
+        "minimalloc/benchmarks/challenging/J.1048576.csv": 989184,
+        "idealloc/benchmarks/somas_tensors/pangu_2.6B.csv": 5530099775,
+    }
+    for rel, load in expected.items():
+        assert max_load(read_csv(SHARED / rel)) == load
+
+
+def test_peak_of_an_empty_problem_is_zero():
+    assert peak(Problem.from_rows([]), np.zeros(0)) == 0
