@@ -1,0 +1,94 @@
+"""One entry point for DSA: always a valid placement within the time limit, with LOAD, gap and proof status.
+
+Greedy (several orders) gives the first answer; the exact search then asks "does a placement fit in C?"
+starting at C = LOAD and moving up, each answer either improving the placement or raising the proven lower
+bound; HiGHS's MIP gets what time is left on small instances. Every returned placement passes the
+independent overlap check of `problem.check_placement`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .greedy import greedy
+from .mip import solve_mip
+from .problem import Problem, check_placement, max_load, peak
+from .search import SearchStats, search
+
+log = logging.getLogger(__name__)
+MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (memo-method.md §5)
+
+
+@dataclass
+class Solution:
+    offsets: np.ndarray
+    peak: int
+    lower_bound: int
+    optimal: bool
+    seconds: float
+    method: str
+    steps: list[str] = field(default_factory=list)
+
+    @property
+    def gap(self) -> float:
+        """Returns peak / lower bound − 1 (0 when the peak meets the bound)."""
+        return self.peak / self.lower_bound - 1 if self.lower_bound else 0.0
+
+    def summary(self) -> dict:
+        return {"peak": self.peak, "lower_bound": self.lower_bound, "gap": self.gap, "optimal": self.optimal,
+                "seconds": self.seconds, "method": self.method}
+
+
+def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip: bool = True) -> Solution:
+    """Returns the best placement found for `p` within `time_limit` seconds (never worse than greedy)."""
+    start = time.perf_counter()
+    deadline = start + time_limit
+    load = max_load(p)
+    offsets, method = greedy(p)
+    best = peak(p, offsets)
+    steps = [f"{method}: peak {best}"]
+    lower = load
+    unit = math.gcd(*(int(s) for s in p.size)) if len(p) else 1
+    if use_search:
+        lower, offsets, best, method = _drive_search(p, lower, offsets, best, method, unit, deadline, steps)
+    if use_mip and best > lower and len(p) <= MIP_MAX_BUFFERS and time.perf_counter() < deadline:
+        found, proven = solve_mip(p, offsets, deadline - time.perf_counter())
+        steps.append(f"mip: peak {peak(p, found)}{' (optimal)' if proven else ''}")
+        if peak(p, found) < best or proven:
+            offsets, best, method = found, peak(p, found), "mip"
+            lower = best if proven else lower
+    problems = check_placement(p, offsets)
+    if problems:  # a solver bug must never reach the caller: fall back to greedy and say so
+        log.error("placement from %s failed verification (%s); falling back to greedy", method, problems[0])
+        offsets, method = greedy(p)
+        best, steps = peak(p, offsets), steps + [f"verification failed: {problems[0]}"]
+    return Solution(offsets, best, lower, best <= lower, time.perf_counter() - start, method, steps)
+
+
+def _drive_search(p, lower, offsets, best, method, unit, deadline, steps):
+    """Asks the exact search for placements at capacity LOAD, then bisects between the highest capacity that
+    failed (proven or out of time) and the best peak found; returns (lower, offsets, peak, method)."""
+    lower = -(-lower // unit) * unit
+    failed = lower - unit  # highest capacity known not to yield a placement (in the time it had)
+    capacity = lower
+    while lower < best and (remaining := deadline - time.perf_counter()) > 0.05:
+        stats = SearchStats()
+        found = search(p, capacity, remaining / 2 if capacity == lower else remaining / 3, stats=stats)
+        if found is not None:
+            offsets, best, method = found, peak(p, found), "search"
+            steps.append(f"search at {capacity}: peak {best} ({stats.nodes} nodes)")
+        else:
+            failed = max(failed, capacity)
+            if stats.exhausted:
+                lower = capacity + unit
+            steps.append(f"search at {capacity}: {'none fits' if stats.exhausted else 'out of time'} "
+                         f"({stats.nodes} nodes)")
+        capacity = max(lower, (failed + best) // 2 // unit * unit)
+        if capacity <= failed or capacity >= best:
+            break
+    return lower, offsets, best, method
