@@ -18,10 +18,11 @@ import numpy as np
 from .greedy import greedy
 from .mip import solve_mip
 from .problem import Problem, check_placement, max_load, peak
-from .search import SearchStats, search
+from .search import SearchStats, compile_kernel, search
 
 log = logging.getLogger(__name__)
 MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (memo-method.md §5)
+SEARCH_MAX_BUFFERS = 4000  # the recursive kernel goes one frame per placement
 
 
 @dataclass
@@ -40,12 +41,24 @@ class Solution:
         return self.peak / self.lower_bound - 1 if self.lower_bound else 0.0
 
     def summary(self) -> dict:
-        return {"peak": self.peak, "lower_bound": self.lower_bound, "gap": self.gap, "optimal": self.optimal,
-                "seconds": self.seconds, "method": self.method}
+        return {
+            "peak": self.peak,
+            "lower_bound": self.lower_bound,
+            "gap": self.gap,
+            "optimal": self.optimal,
+            "seconds": self.seconds,
+            "method": self.method,
+        }
 
 
 def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip: bool = True) -> Solution:
-    """Returns the best placement found for `p` within `time_limit` seconds (never worse than greedy)."""
+    """Returns the best placement found for `p` within `time_limit` seconds (never worse than greedy).
+
+    The first call in a process also compiles the search kernel (about 10 s), before the clock starts.
+    """
+    use_search = use_search and len(p) <= SEARCH_MAX_BUFFERS
+    if use_search:
+        compile_kernel()
     start = time.perf_counter()
     deadline = start + time_limit
     load = max_load(p)
@@ -86,8 +99,9 @@ def _drive_search(p, lower, offsets, best, method, unit, deadline, steps):
             failed = max(failed, capacity)
             if stats.exhausted:
                 lower = capacity + unit
-            steps.append(f"search at {capacity}: {'none fits' if stats.exhausted else 'out of time'} "
-                         f"({stats.nodes} nodes)")
+            steps.append(
+                f"search at {capacity}: {'none fits' if stats.exhausted else 'out of time'} ({stats.nodes} nodes)"
+            )
         capacity = max(lower, (failed + best) // 2 // unit * unit)
         if capacity <= failed or capacity >= best:
             break

@@ -26,7 +26,7 @@ def order_by(p: Problem, key: str) -> np.ndarray:
 
 
 def place_greedy(p: Problem, order: np.ndarray, best_fit: bool = True) -> np.ndarray:
-    """Returns offsets placing buffers in `order`, each in the smallest gap that holds it (or lowest, if not best_fit)."""
+    """Returns offsets placing buffers in `order`, each in the smallest gap that holds it (lowest if not best_fit)."""
     n = len(p)
     offsets = np.full(n, -1, dtype=np.int64)
     placed = np.zeros(n, dtype=bool)
@@ -53,12 +53,15 @@ def _best_gap(starts: np.ndarray, ends: np.ndarray, size: int, best_fit: bool) -
     return int(gap_lo[pick])
 
 
+LARGE = 10_000  # buffers: above this, one pass costs seconds, so only best fit is tried
+
+
 def greedy(p: Problem) -> tuple[np.ndarray, str]:
-    """Returns the best placement over all orders and both fit rules, and its name (e.g. 'greedy:size')."""
+    """Returns the best placement over all orders and fit rules, and its name (e.g. 'greedy:size')."""
     best, name, best_peak = None, "", None
     for key in ORDERS:
         order = order_by(p, key)
-        for best_fit in (True, False):
+        for best_fit in (True,) if len(p) > LARGE else (True, False):
             offsets = place_greedy(p, order, best_fit)
             peak = int((offsets + p.size).max()) if len(p) else 0
             if best_peak is None or peak < best_peak:

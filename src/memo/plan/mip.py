@@ -36,8 +36,9 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndar
     cost = np.zeros(n + 1 + pairs)
     cost[n] = 1.0
     h.addCols(n + 1 + pairs, cost, lower, upper, 0, np.zeros(n + 1 + pairs, dtype=np.int32), [], [])
-    h.changeColsIntegrality(pairs, np.arange(n + 1, n + 1 + pairs, dtype=np.int32),
-                            np.full(pairs, highspy.HighsVarType.kInteger))
+    h.changeColsIntegrality(
+        pairs, np.arange(n + 1, n + 1 + pairs, dtype=np.int32), np.full(pairs, highspy.HighsVarType.kInteger)
+    )
     z = n + 1 + np.arange(pairs)
     # A_i − M <= −S_i
     _add_rows(h, np.stack((np.arange(n), np.full(n, n)), 1), [1.0, -1.0], -inf, -size.astype(float))
@@ -66,5 +67,12 @@ def _add_rows(h, cols: np.ndarray, coefficients: list[float], lower, upper) -> N
     rows, width = cols.shape
     starts = np.arange(rows, dtype=np.int32) * width
     values = np.tile(np.asarray(coefficients, dtype=float), rows)
-    h.addRows(rows, np.full(rows, lower), np.asarray(upper, dtype=float), rows * width, starts,
-              cols.reshape(-1).astype(np.int32), values)
+    h.addRows(
+        rows,
+        np.full(rows, lower),
+        np.asarray(upper, dtype=float),
+        rows * width,
+        starts,
+        cols.reshape(-1).astype(np.int32),
+        values,
+    )

@@ -6,6 +6,7 @@ A placement gives every buffer an offset; it is valid when buffers that are live
 
 from __future__ import annotations
 
+import bisect
 import csv
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,23 +104,38 @@ def peak(problem: Problem, offsets: np.ndarray) -> int:
 def check_placement(problem: Problem, offsets, capacity: int | None = None) -> list[str]:
     """Returns why a placement is invalid (overlapping live buffers, negative offsets, over capacity); [] if valid.
 
-    Independent of every solver: it tests all lifetime-overlapping pairs directly.
+    Independent of every solver: a sweep over time keeps the live buffers sorted by offset, and each new
+    buffer is compared with its neighbours in that order (the live set never overlaps, so they suffice).
     """
     offsets = np.asarray(offsets, dtype=np.int64)
-    problems = []
     if offsets.shape != (len(problem),):
         return [f"{offsets.shape[0] if offsets.ndim else 0} offsets for {len(problem)} buffers"]
-    for i in np.flatnonzero(offsets < 0)[:5]:
-        problems.append(f"buffer {problem.ids[i]!r} at negative offset {offsets[i]}")
+    problems = [f"buffer {problem.ids[i]!r} at negative offset {offsets[i]}" for i in np.flatnonzero(offsets < 0)[:5]]
     if capacity is not None and len(problem) and peak(problem, offsets) > capacity:
         problems.append(f"peak {peak(problem, offsets)} exceeds capacity {capacity}")
-    a, b = problem.overlaps()
-    clash = (offsets[a] < offsets[b] + problem.size[b]) & (offsets[b] < offsets[a] + problem.size[a])
-    for i, j in zip(a[clash][:5], b[clash][:5]):
-        problems.append(
-            f"buffers {problem.ids[i]!r} [{offsets[i]}, {offsets[i] + problem.size[i]}) and "
-            f"{problem.ids[j]!r} [{offsets[j]}, {offsets[j] + problem.size[j]}) overlap while both live"
-        )
-    if clash.sum() > 5:
-        problems.append(f"... {int(clash.sum()) - 5} more overlapping pairs")
+    n = len(problem)
+    times = np.concatenate((problem.lower, problem.upper))
+    kinds = np.concatenate((np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)))  # frees (0) first
+    which = np.concatenate((np.arange(n), np.arange(n)))
+    live: list[tuple[int, int]] = []  # (offset, buffer), sorted
+    for k in np.lexsort((kinds, times)):
+        b = int(which[k])
+        key = (int(offsets[b]), b)
+        if not kinds[k]:
+            del live[bisect.bisect_left(live, key)]
+            continue
+        at = bisect.bisect_left(live, key)
+        for j in (at - 1, at):
+            if 0 <= j < len(live) and len(problems) < 10:
+                _, other = live[j]
+                lo, hi = (
+                    max(offsets[b], offsets[other]),
+                    min(offsets[b] + problem.size[b], offsets[other] + problem.size[other]),
+                )
+                if lo < hi:
+                    problems.append(
+                        f"buffers {problem.ids[other]!r} [{offsets[other]}, {offsets[other] + problem.size[other]}) "
+                        f"and {problem.ids[b]!r} [{offsets[b]}, {offsets[b] + problem.size[b]}) overlap while both live"
+                    )
+        live.insert(at, key)
     return problems

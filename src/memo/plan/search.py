@@ -33,10 +33,10 @@ from numba import njit
 
 from .problem import Problem
 
-HEURISTICS = ("WAT", "TAW", "TWA")  # static orders: W lifetime, A area, T largest section total
+HEURISTICS = ("WAT", "TAW", "TWA", "AWT", "WTA", "ATW")  # static orders: W lifetime, A area, T section total
 _KEY = {"W": 0, "A": 1, "T": 2}
 FOUND, NOT_FOUND, STOPPED = 1, 0, -1
-ASSUMED_NODES_PER_S = 200_000  # until the first run measures the rate
+ASSUMED_NODES_PER_S = 50_000  # until the first run measures the rate
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Techniques:
 
 @dataclass
 class SearchStats:
-    nodes: int = 0
+    nodes: int = 0  # nodes entered plus placements tried
     exhausted: bool = False  # the search space was covered: a None result proves that nothing fits
 
 
@@ -98,15 +98,20 @@ def _instance(p: Problem, sec: Sections):
     return nb_ptr, nb_idx, sec_ptr, sec_idx
 
 
-def search(p: Problem, capacity: int, time_limit: float, techniques: Techniques = Techniques(),
-           stats: SearchStats | None = None):
+def search(
+    p: Problem,
+    capacity: int,
+    time_limit: float,
+    techniques: Techniques = Techniques(),
+    stats: SearchStats | None = None,
+):
     """Returns offsets with peak <= capacity, or None: proven impossible if `stats.exhausted`, else out of time."""
     stats = stats if stats is not None else SearchStats()
     n = len(p)
     if not n:
         stats.exhausted = True
         return np.zeros(0, dtype=np.int64)
-    _compile()
+    compile_kernel()
     deadline = time.perf_counter() + time_limit
     sec = Sections.of(p)
     nb_ptr, nb_idx, sec_ptr, sec_idx = _instance(p, sec)
@@ -135,9 +140,23 @@ def search(p: Problem, capacity: int, time_limit: float, techniques: Techniques 
             counters = np.array([0, limit], dtype=np.int64)
             solution = np.full(n, -1, dtype=np.int64)
             started = time.perf_counter()
-            result = _run(size, width, sec.first, sec.last, nb_ptr, nb_idx, sec_ptr, sec_idx, total0.copy(),
-                          cuts0.copy(), capacity, np.array([_KEY[c] for c in name], dtype=np.int64), flags,
-                          counters, solution)
+            result = _run(
+                size,
+                width,
+                sec.first,
+                sec.last,
+                nb_ptr,
+                nb_idx,
+                sec_ptr,
+                sec_idx,
+                total0.copy(),
+                cuts0.copy(),
+                capacity,
+                np.array([_KEY[c] for c in name], dtype=np.int64),
+                flags,
+                counters,
+                solution,
+            )
             stats.nodes += int(counters[0])
             rate = counters[0] / max(time.perf_counter() - started, 1e-6)
             if result == FOUND:
@@ -150,7 +169,7 @@ def search(p: Problem, capacity: int, time_limit: float, techniques: Techniques 
         budget *= 2
 
 
-def _compile() -> None:
+def compile_kernel() -> None:
     """Compiles the kernel once per process (about 10 s), outside any search's time limit."""
     global _compiled
     if not _compiled:
@@ -162,12 +181,32 @@ _compiled = False
 
 
 @njit(cache=False)  # cached recursive kernels crash when reloaded (numba)
-def _run(size, width, first, last, nb_ptr, nb_idx, sec_ptr, sec_idx, total, cuts, capacity, keys, flags,
-         counters, solution):
+def _run(
+    size, width, first, last, nb_ptr, nb_idx, sec_ptr, sec_idx, total, cuts, capacity, keys, flags, counters, solution
+):
     n = size.shape[0]
-    state = (size, width, first, last, nb_ptr, nb_idx, sec_ptr, sec_idx, total, cuts, capacity, keys, flags,
-             counters, solution, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.bool_),
-             np.zeros(total.shape[0], dtype=np.int64), np.zeros(total.shape[0], dtype=np.int64), np.zeros(1, np.int64))
+    state = (
+        size,
+        width,
+        first,
+        last,
+        nb_ptr,
+        nb_idx,
+        sec_ptr,
+        sec_idx,
+        total,
+        cuts,
+        capacity,
+        keys,
+        flags,
+        counters,
+        solution,
+        np.zeros(n, dtype=np.int64),
+        np.zeros(n, dtype=np.bool_),
+        np.zeros(total.shape[0], dtype=np.int64),
+        np.zeros(total.shape[0], dtype=np.int64),
+        np.zeros(1, np.int64),
+    )
     return _solve_range(state, 0, total.shape[0])
 
 
@@ -216,7 +255,7 @@ def _solve_range(state, lo, hi):
 @njit(cache=False)  # cached recursive kernels crash when reloaded (numba)
 def _dfs(state, order, rank, lo, hi, last_off, last_rank):
     size, first, last, nb_ptr, nb_idx = state[0], state[2], state[3], state[4], state[5]
-    sec_ptr, sec_idx, total, cuts, capacity, flags = state[6], state[7], state[8], state[9], state[10], state[12]
+    sec_ptr, sec_idx, total, capacity, flags = state[6], state[7], state[8], state[10], state[12]
     counters, solution, min_off, placed, floor, stamp = state[13], state[14], state[15], state[16], state[17], state[18]
     counters[0] += 1
     if counters[0] > counters[1]:
@@ -245,6 +284,7 @@ def _dfs(state, order, rank, lo, hi, last_off, last_rank):
         if flags[3] and o >= min_height:
             break  # dominance
         # ---- place b at o ----
+        counters[0] += 1  # work = nodes entered + placements tried
         placed[b] = True
         solution[b] = o
         top = o + size[b]
@@ -330,9 +370,9 @@ def _dfs(state, order, rank, lo, hi, last_off, last_rank):
 @njit(cache=False)  # cached recursive kernels crash when reloaded (numba)
 def _split(state, b, order, rank, lo, hi, o):
     first, last, cuts = state[2], state[3], state[9]
-    f, l = first[b], last[b]
+    f, end = first[b], last[b]
     fresh = 0
-    for s in range(f, l - 1):
+    for s in range(f, end - 1):
         cuts[s] -= 1
         if cuts[s] == 0 and lo < s + 1 < hi:
             fresh += 1
@@ -341,7 +381,7 @@ def _split(state, b, order, rank, lo, hi, o):
     else:
         result = 1
         start = lo
-        for s in range(f, l - 1):
+        for s in range(f, end - 1):
             if cuts[s] == 0 and lo < s + 1 < hi:
                 result = _solve_range(state, start, s + 1)
                 start = s + 1
@@ -349,6 +389,6 @@ def _split(state, b, order, rank, lo, hi, o):
                     break
         if result == 1:
             result = _solve_range(state, start, hi)
-    for s in range(f, l - 1):
+    for s in range(f, end - 1):
         cuts[s] += 1
     return result

@@ -20,10 +20,10 @@ from .problem import Problem
 
 @dataclass
 class Event:
-    kind: str  # "alloc" or "free"
-    tensor: int  # trace-local tensor id
+    kind: str  # "alloc", "free" or "mark"
+    tensor: int  # trace-local tensor id (-1 for marks)
     nbytes: int
-    op: str
+    op: object  # the op that allocated, or a mark's label
 
 
 @dataclass
@@ -37,13 +37,13 @@ class Trace:
         """Returns the most bytes live at once (LOAD of the trace)."""
         live = best = 0
         for e in self.events:
-            live += e.nbytes if e.kind == "alloc" else -e.nbytes
+            live += e.nbytes if e.kind == "alloc" else -e.nbytes if e.kind == "free" else 0
             best = max(best, live)
         return best
 
     @property
     def live_at_end(self) -> int:
-        return sum(e.nbytes if e.kind == "alloc" else -e.nbytes for e in self.events)
+        return sum(e.nbytes if e.kind == "alloc" else -e.nbytes if e.kind == "free" else 0 for e in self.events)
 
     def to_problem(self) -> Problem:
         """Returns the DSA instance: each tensor lives [its alloc event, its free event) in event order."""
@@ -51,7 +51,7 @@ class Trace:
         for i, e in enumerate(self.events):
             if e.kind == "alloc":
                 start[e.tensor] = (i, e.nbytes)
-            else:
+            elif e.kind == "free":
                 lo, nbytes = start.pop(e.tensor)
                 rows.append((e.tensor, lo, i, nbytes))
         end = len(self.events)
@@ -59,7 +59,9 @@ class Trace:
         return Problem.from_rows(sorted(rows, key=lambda r: r[1]))
 
 
-class _Tracer(TorchDispatchMode):
+class Tracer(TorchDispatchMode):
+    """Records allocations while active; `mark(label)` inserts a labelled event (e.g. a layer boundary)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.trace = Trace()
@@ -87,6 +89,9 @@ class _Tracer(TorchDispatchMode):
         self._refs[key] += 1
         weakref.finalize(t, self._release, key)
 
+    def mark(self, label) -> None:
+        self.trace.events.append(Event("mark", -1, 0, label))
+
     def _release(self, key: int) -> None:
         self._refs[key] -= 1
         if self._refs[key] == 0 and key in self._ids:
@@ -101,7 +106,7 @@ def _key(t: torch.Tensor) -> int:
 
 def trace(fn, *args, **kwargs) -> tuple[Trace, object]:
     """Returns (the allocation trace of `fn(*args, **kwargs)`, its result)."""
-    tracer = _Tracer()
+    tracer = Tracer()
     with tracer:
         result = fn(*args, **kwargs)
     return tracer.trace, result

@@ -1,0 +1,129 @@
+"""Bi-level static memory plan (memo-method.md §5): level 1 packs one layer's forward and, separately, its
+backward; level 2 packs the whole iteration with every layer's forward (backward) as one block of the
+level-1 peak, beside the embedding, layer outputs, gradients, loss chunks and store buffers.
+
+Everything is traced on the `meta` device from the real model, so a 7B model at 512K tokens plans in
+seconds without memory. The caching-allocator simulator replays the same iteration for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Transformer
+from ..policy import ActivationPolicy
+from .caching_sim import SimResult, replay
+from .dsa import Solution, solve
+from .problem import Problem
+from .trace import Trace, Tracer
+
+
+@dataclass
+class Plan:
+    forward: Solution  # level 1: one layer's forward transients
+    backward: Solution  # level 1: one layer's backward transients
+    iteration: Solution  # level 2: the step, layers as blocks
+    problem: Problem  # the level-2 instance
+    load: int  # LOAD of the raw iteration trace (every tensor on its own)
+    caching: SimResult  # PyTorch's caching allocator replaying the raw iteration trace
+    store_bytes: int  # rounding buffers / scratch allocated once, outside the step
+    trace: Trace
+
+
+def meta_model(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, dtype=torch.bfloat16):
+    """Returns a model on `meta` that has run one step (buffers sized, grads created) and its input."""
+    with torch.device("meta"):
+        model = Transformer(config, dataclasses.replace(policy, host_budget_bytes=1 << 62)).to(dtype)
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+    model(ids, labels=ids).backward()
+    return model, ids
+
+
+def trace_iteration(model: Transformer, ids: torch.Tensor) -> Trace:
+    """Returns the allocation trace of one training step, with marks where each layer's forward and backward
+    start and end (module hooks for the forward, gradient hooks on its output and input for the backward)."""
+    tracer = Tracer()
+
+    def pre(module, args):
+        tracer.mark(("fwd", module.index, "start"))
+
+    def post(module, args, output):
+        tracer.mark(("fwd", module.index, "end"))
+        if output.requires_grad:
+            output.register_hook(lambda g, i=module.index: tracer.mark(("bwd", i, "start")))
+        if args[0].requires_grad:
+            args[0].register_hook(lambda g, i=module.index: tracer.mark(("bwd", i, "end")))
+
+    handles = [
+        h for layer in model.layers for h in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post))
+    ]
+    try:
+        with tracer:
+            model(ids, labels=ids).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return tracer.trace
+
+
+def windows(t: Trace) -> dict[tuple[str, int], tuple[int, int]]:
+    """Returns (phase, layer) -> (first event, last event) of each layer's forward and backward."""
+    opened, spans = {}, {}
+    for i, e in enumerate(t.events):
+        if e.kind == "mark":
+            phase, layer, edge = e.op
+            if edge == "start":
+                opened[(phase, layer)] = i
+            elif (phase, layer) in opened:
+                spans[(phase, layer)] = (opened.pop((phase, layer)), i)
+    return spans
+
+
+def level_problems(t: Trace) -> tuple[Problem, Problem, Problem, list[tuple]]:
+    """Returns (one layer's forward problem, its backward problem, the iteration with blocks, block list)."""
+    rows = _lifetimes(t)
+    spans = windows(t)
+    inside = {key: [r for r in rows if lo <= r[1] and r[2] <= hi] for key, (lo, hi) in spans.items()}
+    fwd = min((k for k in inside if k[0] == "fwd"), key=lambda k: k[1])
+    bwd = min((k for k in inside if k[0] == "bwd"), key=lambda k: k[1])
+    first_fwd = Problem.from_rows(inside[fwd]) if inside[fwd] else Problem.from_rows([("none", 0, 1, 1)])
+    first_bwd = Problem.from_rows(inside[bwd]) if inside[bwd] else Problem.from_rows([("none", 0, 1, 1)])
+    internal = {r[0] for rs in inside.values() for r in rs}
+    outer = [r for r in rows if r[0] not in internal]
+    return first_fwd, first_bwd, outer, spans
+
+
+def _lifetimes(t: Trace) -> list[tuple]:
+    p = t.to_problem()
+    return list(zip(p.ids, p.lower.tolist(), p.upper.tolist(), p.size.tolist()))
+
+
+def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, time_limit: float = 20.0) -> Plan:
+    """Returns the bi-level plan of one training step of `config` at `tokens` tokens per GPU."""
+    model, ids = meta_model(config, policy, tokens, batch)
+    step = trace_iteration(model, ids)
+    fwd_problem, bwd_problem, outer, spans = level_problems(step)
+    fwd = solve(fwd_problem, time_limit / 4)
+    bwd = solve(bwd_problem, time_limit / 4)
+    # a block spans the events strictly after its start mark: the next layer's backward starts on the mark
+    # that ends this one's (both hooks fire on the same gradient), so the two must not overlap
+    blocks = [
+        (f"{phase}{layer}", lo + 1, hi, (fwd if phase == "fwd" else bwd).peak)
+        for (phase, layer), (lo, hi) in spans.items()
+    ]
+    level2 = Problem.from_rows([(f"t{r[0]}", *r[1:]) for r in outer] + blocks)
+    events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
+    return Plan(
+        fwd,
+        bwd,
+        solve(level2, time_limit / 2),
+        level2,
+        step.peak,
+        replay(events),
+        model.swap_stats().device_skeletal_bytes,
+        step,
+    )

@@ -1,0 +1,152 @@
+"""DSA solvers against brute force and against each other; the search's techniques each cut work."""
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memo.plan.dsa import solve
+from memo.plan.greedy import ORDERS, greedy, order_by, place_greedy
+from memo.plan.mip import solve_mip
+from memo.plan.problem import Problem, check_placement, max_load, peak, read_csv
+from memo.plan.search import SearchStats, Techniques, search
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "dsa-benchmarks"
+
+# memo-method.md §5: one layer's allocation sequence in MB; 15 and 16 live from forward into backward
+PAPER_LAYER = (
+    "malloc 13 128, malloc 14 128, free 14, malloc 15 256, free 13, malloc 16 512, malloc 17 128, malloc 18 128, "
+    "malloc 19 256, free 17, free 19, free 18, malloc 20 512, free 20, malloc 21 1024, malloc 22 256, free 15, "
+    "malloc 23 128, malloc 24 512, free 21, free 22, free 23, free 24, free 16"
+)
+
+
+def paper_problem() -> Problem:
+    start, rows = {}, []
+    for t, step in enumerate(PAPER_LAYER.split(", ")):
+        words = step.split()
+        if words[0] == "malloc":
+            start[words[1]] = (t, int(words[2]))
+        else:
+            lo, size = start.pop(words[1])
+            rows.append((words[1], lo, t, size))
+    return Problem.from_rows(rows)
+
+
+def brute_force_peak(p: Problem) -> int:
+    """Returns the least peak by trying every offset vector (tiny instances only)."""
+    capacity = max_load(p)
+    while True:
+        ranges = [range(capacity - int(s) + 1) for s in p.size]
+        for offsets in itertools.product(*ranges):
+            if not check_placement(p, np.array(offsets)):
+                return capacity
+        capacity += 1
+
+
+def random_problem(rng, n, horizon=12, max_size=3) -> Problem:
+    lo = rng.integers(0, horizon, n)
+    return Problem(tuple(range(n)), lo, lo + rng.integers(1, horizon // 2, n), rng.integers(1, max_size + 1, n))
+
+
+def test_paper_layer_is_packed_at_its_load():
+    p = paper_problem()
+    solution = solve(p, time_limit=20)
+    assert max_load(p) == 512 + 1024 + 256 + 128 + 512  # 16, 21, 22, 23 and 24 live together
+    assert solution.peak == max_load(p) and solution.optimal and solution.gap == 0
+    assert check_placement(p, solution.offsets) == []
+
+
+def test_search_finds_the_brute_force_optimum_and_proves_nothing_lower():
+    rng = np.random.default_rng(0)
+    for _ in range(25):
+        p = random_problem(rng, int(rng.integers(2, 6)))
+        best = brute_force_peak(p)
+        found = search(p, best, 20)
+        assert found is not None and check_placement(p, found, best) == []
+        if best > max_load(p):
+            stats = SearchStats()
+            assert search(p, best - 1, 20, stats=stats) is None and stats.exhausted
+
+
+def test_mip_matches_brute_force():
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        p = random_problem(rng, int(rng.integers(2, 6)))
+        offsets, optimal = solve_mip(p, greedy(p)[0], 20)
+        assert optimal and peak(p, offsets) == brute_force_peak(p) and check_placement(p, offsets) == []
+
+
+ALL_OFF = Techniques(False, False, False, False, False, False, False)
+FLAGS = [f for f in Techniques.__dataclass_fields__]
+
+
+@pytest.mark.parametrize(
+    "techniques",
+    [Techniques(), ALL_OFF] + [replace(Techniques(), **{f: False}) for f in FLAGS],
+    ids=["all", "none"] + [f"no-{f}" for f in FLAGS],
+)
+def test_every_technique_combination_gives_the_same_answers(techniques):
+    rng = np.random.default_rng(2)
+    for _ in range(15):
+        p = random_problem(rng, int(rng.integers(6, 11)), horizon=16, max_size=4)
+        best = solve(p, time_limit=20, use_search=False).peak  # MIP optimum on these sizes
+        assert search(p, best, 20, techniques) is not None
+        stats = SearchStats()
+        assert search(p, best - 1, 20, techniques, stats) is None and stats.exhausted
+
+
+def hard_instances() -> list[tuple[Problem, int]]:
+    """Returns small instances whose optimum exceeds LOAD, so proving it takes a real search (shipped data:
+    such instances are rare among random ones and slow to find)."""
+    data = json.loads((Path(__file__).parent / "data" / "hard_dsa.json").read_text())
+    return [(Problem.from_rows([(i, *row) for i, row in enumerate(d["rows"])]), d["optimum"]) for d in data]
+
+
+def test_hard_instances_are_what_they_claim():
+    for p, best in hard_instances():
+        assert best > max_load(p)
+        offsets, optimal = solve_mip(p, greedy(p)[0], 20)
+        assert optimal and peak(p, offsets) == best
+
+
+@pytest.mark.parametrize("flag", ["section_inference", "monotonic_floor", "unallocated_floor", "dominance", "hatless"])
+def test_each_technique_cuts_the_work_of_proofs(flag):
+    base = Techniques(restarts=False)
+    nodes = {True: 0, False: 0}
+    for p, best in hard_instances():
+        for on in (True, False):
+            stats = SearchStats()
+            assert search(p, best - 1, 20, base if on else replace(base, **{flag: False}), stats) is None
+            nodes[on] += stats.nodes
+    assert nodes[True] < nodes[False]
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared/dsa-benchmarks not beside the checkout")
+def test_decomposition_cuts_the_work_on_a_real_instance():
+    p = read_csv(SHARED / "minimalloc" / "benchmarks" / "challenging" / "G.1048576.csv")
+    with_it, without = SearchStats(), SearchStats()
+    assert search(p, max_load(p), 30, stats=with_it) is not None
+    search(p, max_load(p), 3, replace(Techniques(), decomposition=False), without)  # finds nothing in 3 s
+    assert with_it.nodes < without.nodes
+
+
+@pytest.mark.parametrize("key", ORDERS)
+def test_greedy_orders_are_valid(key):
+    rng = np.random.default_rng(4)
+    for _ in range(10):
+        p = random_problem(rng, 30, horizon=40, max_size=9)
+        for best_fit in (True, False):
+            assert check_placement(p, place_greedy(p, order_by(p, key), best_fit)) == []
+
+
+def test_solve_is_never_worse_than_greedy_and_reports_gap():
+    rng = np.random.default_rng(5)
+    p = random_problem(rng, 60, horizon=50, max_size=20)
+    g, _ = greedy(p)
+    s = solve(p, time_limit=5)
+    assert s.peak <= peak(p, g) and check_placement(p, s.offsets) == []
+    assert s.lower_bound >= max_load(p) and s.gap == pytest.approx(s.peak / s.lower_bound - 1)

@@ -1,0 +1,57 @@
+import json
+
+import numpy as np
+
+from memo import ActivationPolicy, ModelConfig
+from memo.cli import main
+from memo.plan.bilevel import plan
+from memo.plan.problem import Problem, check_placement, max_load, read_csv, write_csv
+
+
+def test_bilevel_plan_of_a_tiny_model_is_valid_and_layer_blocks_never_overlap():
+    result = plan(ModelConfig.preset("tiny-gpt"), ActivationPolicy("memo", alpha=0.5), 256, time_limit=5)
+    p = result.problem
+    assert check_placement(p, result.iteration.offsets) == []
+    blocks = np.flatnonzero([str(i).startswith(("fwd", "bwd")) for i in p.ids])
+    assert len(blocks) == 2 * 4
+    lower, upper = p.lower[blocks], p.upper[blocks]
+    order = np.argsort(lower)
+    assert (upper[order][:-1] <= lower[order][1:]).all()  # one layer phase at a time
+    assert result.iteration.peak >= result.load >= max(result.forward.peak, result.backward.peak)
+    assert result.caching.peak_reserved >= result.caching.peak_allocated >= result.load
+
+
+def test_plan_cli_reports_load_arena_and_allocator(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    argv = ["plan", "--model", "tiny", "--seq", "512", "--tp", "2", "--json", "--plot", str(png), "--time-limit", "5"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["arena_peak"] >= report["load"] > 0 and report["caching_peak_reserved"] > 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_cli_rejects_a_tp_that_does_not_divide(capsys):
+    assert main(["plan", "--model", "tiny", "--seq", "100", "--tp", "3"]) == 2
+    assert "`--tp` (3)" in capsys.readouterr().err
+
+
+def test_dsa_cli_solves_the_example_and_writes_offsets(capsys, tmp_path):
+    src = tmp_path / "in.csv"
+    src.write_text("id,lower,upper,size\n0,0,3,4\n1,3,9,4\n2,0,9,4\n3,9,21,4\n4,0,21,4\n")  # MiniMalloc's example
+    out = tmp_path / "out.csv"
+    assert main(["dsa", str(src), "--time-limit", "5", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["peak"] == result["lower_bound"] == max_load(read_csv(src)) and result["optimal"]
+    offsets = np.loadtxt(out, delimiter=",", skiprows=1, usecols=4, dtype=np.int64)
+    assert check_placement(read_csv(src), offsets) == []
+
+
+def test_dsa_cli_bad_file_is_one_line(capsys, tmp_path):
+    assert main(["dsa", str(tmp_path / "missing.csv")]) == 2
+    assert "no such DSA instance" in capsys.readouterr().err
+
+
+def test_csv_with_offsets_round_trips(tmp_path):
+    p = Problem.from_rows([(0, 0, 2, 3), (1, 1, 3, 3)])
+    write_csv(p, tmp_path / "o.csv", np.array([0, 3]))
+    assert read_csv(tmp_path / "o.csv").ids == ("0", "1")
