@@ -35,3 +35,39 @@ def test_trace_converts_to_a_dsa_instance_with_the_same_load():
     assert len(problem) == 6 and max_load(problem) == tr.peak
     stacked = torch.tensor(problem.size).cumsum(0) - torch.tensor(problem.size)
     assert check_placement(problem, stacked.numpy()) == []  # everything side by side is always valid
+
+
+def test_snapshot_import_reads_a_synthetic_snapshot_and_refuses_code(tmp_path):
+    import os
+    import pickle
+
+    import pytest
+
+    from memo.plan.trace import load_snapshot
+
+    trace_entries = [
+        {"action": "segment_alloc", "addr": 0, "size": 2 << 20, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 1024, "stream": 0, "frames": [{"filename": "x.py", "line": 1}]},
+        {"action": "alloc", "addr": 1024, "size": 512, "stream": 0, "frames": []},
+        {"action": "free_requested", "addr": 0, "size": 1024, "stream": 0, "frames": []},
+        {"action": "free_completed", "addr": 0, "size": 1024, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 2048, "stream": 0, "frames": []},  # address reused
+    ]
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace_entries]}))
+    t = load_snapshot(path)
+    assert [(e.kind, e.tensor, e.nbytes) for e in t.events] == [
+        ("alloc", 0, 1024),
+        ("alloc", 1, 512),
+        ("free", 0, 1024),
+        ("alloc", 2, 2048),
+    ]
+    assert t.peak == 512 + 2048
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path.write_bytes(pickle.dumps({"device_traces": [[Evil()]]}))
+    with pytest.raises(ValueError, match="refusing to load"):
+        load_snapshot(path)

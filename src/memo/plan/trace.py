@@ -7,9 +7,11 @@ device this needs no memory at all, so a 7B layer at 1M tokens traces in seconds
 
 from __future__ import annotations
 
+import pickle
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,3 +112,37 @@ def trace(fn, *args, **kwargs) -> tuple[Trace, object]:
     with tracer:
         result = fn(*args, **kwargs)
     return tracer.trace, result
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain data (dicts, lists, strings, numbers) and refuses every class or function."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: a memory snapshot holds plain data only")
+
+
+def load_snapshot(path: str | Path, device: int = 0) -> Trace:
+    """Returns the allocation trace in a `torch.cuda.memory._snapshot()` pickle (its `device_traces`).
+
+    Nothing executable is loaded. Allocations are `alloc` entries; a block is freed at `free_completed`
+    (or `free` in older snapshots); addresses are reused, so every allocation gets its own tensor id.
+    """
+    try:
+        with open(path, "rb") as f:
+            snapshot = _DataOnlyUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError) as err:
+        raise ValueError(f"cannot read memory snapshot {path}: {err}") from None
+    traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
+    if not traces or device >= len(traces):
+        raise ValueError(f"{path}: no allocation trace for device {device} (record with _record_memory_history)")
+    result, live, next_id = Trace(), {}, 0
+    for entry in traces[device]:
+        action, addr, size = entry.get("action"), entry.get("addr"), int(entry.get("size", 0))
+        if action == "alloc":
+            live[addr] = (next_id, size)
+            result.events.append(Event("alloc", next_id, size, "snapshot"))
+            next_id += 1
+        elif action in ("free_completed", "free") and addr in live:
+            tid, nbytes = live.pop(addr)
+            result.events.append(Event("free", tid, nbytes, "snapshot"))
+    return result
