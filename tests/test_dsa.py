@@ -76,8 +76,21 @@ def test_mip_matches_brute_force():
     rng = np.random.default_rng(1)
     for _ in range(10):
         p = random_problem(rng, int(rng.integers(2, 6)))
-        offsets, optimal = solve_mip(p, greedy(p)[0], 20)
-        assert optimal and peak(p, offsets) == brute_force_peak(p) and check_placement(p, offsets) == []
+        offsets, optimal, bound = solve_mip(p, greedy(p)[0], 20)
+        assert optimal and peak(p, offsets) == bound == brute_force_peak(p) and check_placement(p, offsets) == []
+
+
+def test_mip_proves_optimality_to_the_unit_on_large_coprime_sizes():
+    rng = np.random.default_rng(6)
+    for _ in range(15):  # sizes with gcd 1 and ~1e6 magnitude: a relative MIP gap would hide whole units
+        small = random_problem(rng, int(rng.integers(3, 7)))
+        p = Problem(small.ids, small.lower, small.upper, small.size * 10**6 + rng.integers(0, 3, len(small)))
+        offsets, optimal, bound = solve_mip(p, greedy(p)[0], 20)
+        assert check_placement(p, offsets) == []
+        if optimal:
+            assert search(p, peak(p, offsets), 20) is not None
+            stats = SearchStats()
+            assert search(p, peak(p, offsets) - 1, 20, stats=stats) is None and stats.exhausted
 
 
 ALL_OFF = Techniques(False, False, False, False, False, False, False)
@@ -109,7 +122,7 @@ def hard_instances() -> list[tuple[Problem, int]]:
 def test_hard_instances_are_what_they_claim():
     for p, best in hard_instances():
         assert best > max_load(p)
-        offsets, optimal = solve_mip(p, greedy(p)[0], 20)
+        offsets, optimal, _ = solve_mip(p, greedy(p)[0], 20)
         assert optimal and peak(p, offsets) == best
 
 

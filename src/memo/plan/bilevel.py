@@ -24,8 +24,8 @@ from .trace import Trace, Tracer
 
 @dataclass
 class Plan:
-    forward: Solution  # level 1: one layer's forward transients
-    backward: Solution  # level 1: one layer's backward transients
+    forward: Solution  # level 1: the largest layer forward (each phase gets its own block)
+    backward: Solution  # level 1: the largest layer backward
     iteration: Solution  # level 2: the step, layers as blocks
     problem: Problem  # the level-2 instance
     load: int  # LOAD of the raw iteration trace (every tensor on its own)
@@ -83,18 +83,29 @@ def windows(t: Trace) -> dict[tuple[str, int], tuple[int, int]]:
     return spans
 
 
-def level_problems(t: Trace) -> tuple[Problem, Problem, Problem, list[tuple]]:
-    """Returns (one layer's forward problem, its backward problem, the iteration with blocks, block list)."""
+def level_problems(t: Trace) -> tuple[dict[tuple[str, int], Problem], list[tuple], dict]:
+    """Returns (each layer phase's transient problem, the tensors outside every phase, the phase windows)."""
     rows = _lifetimes(t)
     spans = windows(t)
     inside = {key: [r for r in rows if lo <= r[1] and r[2] <= hi] for key, (lo, hi) in spans.items()}
-    fwd = min((k for k in inside if k[0] == "fwd"), key=lambda k: k[1])
-    bwd = min((k for k in inside if k[0] == "bwd"), key=lambda k: k[1])
-    first_fwd = Problem.from_rows(inside[fwd]) if inside[fwd] else Problem.from_rows([("none", 0, 1, 1)])
-    first_bwd = Problem.from_rows(inside[bwd]) if inside[bwd] else Problem.from_rows([("none", 0, 1, 1)])
     internal = {r[0] for rs in inside.values() for r in rs}
     outer = [r for r in rows if r[0] not in internal]
-    return first_fwd, first_bwd, outer, spans
+    phases = {
+        key: Problem.from_rows(rs or [("none", lo, lo + 1, 1)])
+        for (key, rs), (lo, _) in zip(inside.items(), spans.values())
+    }
+    return phases, outer, spans
+
+
+def _solve_phases(phases: dict[tuple[str, int], Problem], time_limit: float) -> dict[tuple[str, int], Solution]:
+    """Returns a level-1 solution per layer phase; phases with the same allocation sequence share one."""
+    solved, by_shape = {}, {}
+    for key, p in phases.items():
+        shape = (tuple(p.size), tuple(p.lower - p.lower.min()), tuple(p.upper - p.lower.min()))
+        if shape not in by_shape:
+            by_shape[shape] = solve(p, time_limit)
+        solved[key] = by_shape[shape]
+    return solved
 
 
 def _lifetimes(t: Trace) -> list[tuple]:
@@ -106,17 +117,17 @@ def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int 
     """Returns the bi-level plan of one training step of `config` at `tokens` tokens per GPU."""
     model, ids = meta_model(config, policy, tokens, batch)
     step = trace_iteration(model, ids)
-    fwd_problem, bwd_problem, outer, spans = level_problems(step)
-    fwd = solve(fwd_problem, time_limit / 4)
-    bwd = solve(bwd_problem, time_limit / 4)
+    phases, outer, spans = level_problems(step)
+    level1 = _solve_phases(phases, time_limit / 8)
     # a block spans the events strictly after its start mark: the next layer's backward starts on the mark
     # that ends this one's (both hooks fire on the same gradient), so the two must not overlap
     blocks = [
-        (f"{phase}{layer}", lo + 1, hi, (fwd if phase == "fwd" else bwd).peak)
-        for (phase, layer), (lo, hi) in spans.items()
+        (f"{phase}{layer}", lo + 1, hi, level1[(phase, layer)].peak) for (phase, layer), (lo, hi) in spans.items()
     ]
     level2 = Problem.from_rows([(f"t{r[0]}", *r[1:]) for r in outer] + blocks)
     events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
+    fwd = max((level1[k] for k in level1 if k[0] == "fwd"), key=lambda s: s.peak)
+    bwd = max((level1[k] for k in level1 if k[0] == "bwd"), key=lambda s: s.peak)
     return Plan(
         fwd,
         bwd,

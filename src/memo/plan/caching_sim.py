@@ -9,7 +9,9 @@ The rules follow `c10/cuda/CUDACachingAllocator.cpp` with default settings:
 - a freed block merges with free neighbours of its segment; segments go back to the driver only when a
   new segment would not fit the capacity (then every fully free segment is released and the request is
   retried) — an out-of-memory happens only after that;
-- with `expandable_segments`, each pool is one segment that grows in 2 MiB (large) / 2 MiB (small) pages.
+- with `expandable_segments`, each pool is one segment that grows in 20 MiB (large) / 2 MiB (small) pages,
+  and any block is split when at least 512 B remain;
+- a request of 0 bytes allocates nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ SMALL_SEGMENT = 2 << 20
 LARGE_SEGMENT = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
-PAGE = 2 << 20
 
 
 def round_size(nbytes: int) -> int:
@@ -104,7 +105,7 @@ class CachingAllocator:
         _, address, segment = free.pop(k)
         block = next(b for b in self.blocks[segment] if b.address == address)
         rest = block.size - size
-        if (rest >= MIN_BLOCK) if small else (rest > SMALL_REQUEST):
+        if (rest >= MIN_BLOCK) if (small or self.expandable) else (rest > SMALL_REQUEST):
             blocks = self.blocks[segment]
             tail = Block(segment, block.address + size, rest)
             blocks.insert(blocks.index(block) + 1, tail)
@@ -132,7 +133,8 @@ class CachingAllocator:
             self.blocks[seg] = []
         blocks = self.blocks[seg]
         tail_free = blocks[-1].size if blocks and blocks[-1].free else 0
-        grow = -(-(size - tail_free) // PAGE) * PAGE
+        page = SMALL_SEGMENT if small else LARGE_SEGMENT
+        grow = -(-(size - tail_free) // page) * page
         if not self._fits(grow):
             return None
         self.reserved += grow
@@ -180,6 +182,8 @@ def replay(events, capacity: int | None = None, expandable_segments: bool = Fals
     sim = CachingAllocator(capacity, expandable_segments)
     result, live = SimResult(), {}
     for index, (kind, tensor, nbytes) in enumerate(events):
+        if nbytes == 0:
+            continue  # PyTorch returns no block for an empty request
         if kind == "alloc":
             block = sim.malloc(nbytes)
             if block is None:

@@ -22,7 +22,7 @@ from .search import SearchStats, compile_kernel, search
 
 log = logging.getLogger(__name__)
 MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (memo-method.md §5)
-SEARCH_MAX_BUFFERS = 4000  # the recursive kernel goes one frame per placement
+SEARCH_MAX_BUFFERS = 1500  # the recursive kernel takes stack frames per placement: 3000 overflows 8 MiB
 
 
 @dataclass
@@ -70,13 +70,13 @@ def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip
     if use_search:
         lower, offsets, best, method = _drive_search(p, lower, offsets, best, method, unit, deadline, steps)
     if use_mip and best > lower and len(p) <= MIP_MAX_BUFFERS and time.perf_counter() < deadline:
-        found, proven = solve_mip(p, offsets, deadline - time.perf_counter())
-        steps.append(f"mip: peak {peak(p, found)}{' (optimal)' if proven else ''}")
-        if peak(p, found) < best or proven:
+        found, proven, bound = solve_mip(p, offsets, deadline - time.perf_counter())
+        steps.append(f"mip: peak {peak(p, found)}{' (optimal)' if proven else ''}, bound {bound}")
+        lower = max(lower, bound)
+        if peak(p, found) < best:
             offsets, best, method = found, peak(p, found), "mip"
-            lower = best if proven else lower
     problems = check_placement(p, offsets)
-    if problems:  # a solver bug must never reach the caller: fall back to greedy and say so
+    if problems:  # every accepted placement was checked, so this is a bug: fall back to greedy and say so
         log.error("placement from %s failed verification (%s); falling back to greedy", method, problems[0])
         offsets, method = greedy(p)
         best, steps = peak(p, offsets), steps + [f"verification failed: {problems[0]}"]
@@ -92,6 +92,9 @@ def _drive_search(p, lower, offsets, best, method, unit, deadline, steps):
     while lower < best and (remaining := deadline - time.perf_counter()) > 0.05:
         stats = SearchStats()
         found = search(p, capacity, remaining / 2 if capacity == lower else remaining / 3, stats=stats)
+        if found is not None and check_placement(p, found):
+            log.error("search returned an invalid placement at capacity %d; ignoring it", capacity)
+            found = None
         if found is not None:
             offsets, best, method = found, peak(p, found), "search"
             steps.append(f"search at {capacity}: peak {best} ({stats.nodes} nodes)")

@@ -14,11 +14,14 @@ import math
 import highspy
 import numpy as np
 
-from .problem import Problem, max_load
+from .problem import Problem, check_placement, max_load, peak
 
 
-def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndarray, bool]:
-    """Returns (offsets, proven optimal) starting from the placement `start`; never worse than `start`."""
+def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndarray, bool, int]:
+    """Returns (offsets, proven optimal, proven lower bound) starting from `start`; never worse than `start`.
+
+    The offsets are checked before they are returned (rounding a near-integral solution could overlap).
+    """
     n = len(p)
     unit = math.gcd(*(int(s) for s in p.size)) if n else 1
     size = p.size // unit
@@ -29,6 +32,8 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndar
     h.silent()
     h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
     h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_rel_gap", 0.0)  # the default 1e-4 would call a peak optimal while units remain
+    h.setOptionValue("mip_abs_gap", 0.999)  # peaks are whole units
     inf = highspy.kHighsInf
     # columns: A_0..A_{n-1}, M, z_0..z_{pairs-1}
     lower = np.concatenate((np.zeros(n), [max_load(p) // unit], np.zeros(pairs)))
@@ -50,16 +55,19 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndar
     warm.col_value = list(np.concatenate((start_units, [best], (start_units[a] > start_units[b]).astype(float))))
     h.setSolution(warm)
     h.run()
-    if h.getModelStatus() not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
-        return start, False
+    load = max_load(p)
+    status = h.getModelStatus()
+    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+        return start, False, load
+    bound = max(load, math.ceil(h.getInfo().mip_dual_bound - 1e-6) * unit)
     values = np.asarray(h.getSolution().col_value)
     if not len(values):
-        return start, False
+        return start, False, bound
     offsets = np.rint(values[:n]).astype(np.int64) * unit
-    optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-    if int((offsets + p.size).max()) > int((start + p.size).max()):
-        return start, False
-    return offsets, optimal
+    if check_placement(p, offsets) or peak(p, offsets) > peak(p, start):
+        return start, False, bound
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    return offsets, optimal, peak(p, offsets) if optimal else bound
 
 
 def _add_rows(h, cols: np.ndarray, coefficients: list[float], lower, upper) -> None:

@@ -85,6 +85,8 @@ class Tracer(TorchDispatchMode):
             if key in inputs:  # a view of a tensor made before tracing (parameter, input): not ours
                 return
             nbytes = t.untyped_storage().nbytes()
+            if nbytes == 0:
+                return  # empty tensors take no memory
             self._ids[key] = (self._next_id, nbytes)
             self._next_id += 1
             self.trace.events.append(Event("alloc", self._ids[key][0], nbytes, str(func)))
