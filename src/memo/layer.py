@@ -56,6 +56,13 @@ class SkeletalSpec:
         return SkeletalSpec((self.shape[0], n_rows, *self.shape[2:]), self.dtype, self.role)
 
 
+def bytes_by_role(specs: dict[str, SkeletalSpec]) -> dict[str, int]:
+    """Returns the summed bytes of the skeletal tensors of each role (the S_in, S_attn, S_oth of §3)."""
+    return {
+        role: sum(sp.nbytes for sp in specs.values() if sp.role == role) for role in ("input", "attention", "other")
+    }
+
+
 @dataclass(frozen=True)
 class Recompute:
     """What a layer must rebuild before its backward: token rows [start, s), and attention too if asked."""

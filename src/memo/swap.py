@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import device as dev
-from .layer import DecoderLayer, Recompute, SkeletalSpec
+from .layer import DecoderLayer, Recompute, SkeletalSpec, bytes_by_role
 from .policy import ActivationPolicy, AlphaProblem, solve_alpha, split_row
 from .units import format_bytes
 
@@ -227,9 +227,7 @@ class SwapEngine(ActivationStore):
         """Returns α per layer solved from the measured layer time and copy bandwidth (§3)."""
         if self._device.type == "meta":
             raise ValueError("alpha=None needs a real device to measure layer time; give `--alpha` on meta")
-        by_role = {
-            r: sum(sp.nbytes for sp in self.specs.values() if sp.role == r) for r in ("input", "attention", "other")
-        }
+        by_role = bytes_by_role(self.specs)
         problem = AlphaProblem(
             input_bytes=by_role["input"],
             attention_bytes=by_role["attention"],

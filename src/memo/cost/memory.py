@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 
 from ..config import ModelConfig
-from ..layer import DecoderLayer
+from ..layer import DecoderLayer, bytes_by_role
 from ..model import Transformer
 from ..plan.trace import trace
 from ..policy import ActivationPolicy
@@ -25,7 +25,7 @@ TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper mo
 def skeletal_bytes(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, int]:
     """Returns one layer's skeletal bytes by role ("input", "attention", "other") for `tokens` tokens."""
     specs = _specs(c, tokens, dtype)
-    return {role: sum(s.nbytes for s in specs.values() if s.role == role) for role in ("input", "attention", "other")}
+    return bytes_by_role(specs)
 
 
 def _specs(c: ModelConfig, tokens: int, dtype):

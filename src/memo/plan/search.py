@@ -35,7 +35,7 @@ from .problem import Problem
 
 HEURISTICS = ("WAT", "TAW", "TWA", "AWT", "WTA", "ATW")  # static orders: W lifetime, A area, T section total
 _KEY = {"W": 0, "A": 1, "T": 2}
-FOUND, NOT_FOUND, STOPPED = 1, 0, -1
+FOUND, NOT_FOUND = 1, 0  # kernel results; -1: stopped by the node budget
 ASSUMED_NODES_PER_S = 50_000  # until the first run measures the rate
 
 
