@@ -6,14 +6,30 @@ q, k, v are (batch, heads, seq, head_dim) views; k and v may have fewer heads (g
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
 aten = torch.ops.aten
+_META_KERNELS: ContextVar[str] = ContextVar("memo_meta_kernels", default="cpu")
+
+
+@contextmanager
+def meta_kernels(device_type: str):
+    """Makes attention on `meta` tensors call the kernels of `device_type`, so a meta trace of a CUDA step
+    allocates what the CUDA kernels allocate (the arena plans a run before it happens)."""
+    token = _META_KERNELS.set(device_type)
+    try:
+        yield
+    finally:
+        _META_KERNELS.reset(token)
 
 
 def _kernel(q: torch.Tensor) -> str:
-    if q.device.type != "cuda":
-        return "cpu_flash"  # also serves `meta`
+    device_type = _META_KERNELS.get() if q.device.type == "meta" else q.device.type
+    if device_type != "cuda":
+        return "cpu_flash"
     return "cuda_flash" if q.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
 
 

@@ -127,6 +127,7 @@ class DecoderLayer(nn.Module):
         self.w_up = nn.Linear(h, f, bias=self.gpt)
         self.w_down = nn.Linear(f, h, bias=self.gpt)
         self.scale = d**-0.5
+        self.arena = None  # a plan.arena.Arena: transient tensors at planned offsets (Transformer.plan_memory)
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
@@ -264,6 +265,10 @@ class DecoderLayer(nn.Module):
         return dx, grads
 
     # ---- module entry -----------------------------------------------------------------------------------
+    def run(self, phase, *args):
+        """Returns `phase(self, *args)`, its transient tensors carved from the arena when there is one."""
+        return phase(self, *args) if self.arena is None else self.arena.run(self, phase, *args)
+
     def forward(self, x: torch.Tensor, store=None) -> torch.Tensor:
         """Returns the layer output; with a store and grad enabled, through the explicit autograd function."""
         if store is None or not torch.is_grad_enabled():
@@ -275,14 +280,27 @@ class DecoderLayer(nn.Module):
         return LayerFunction.apply(x, self, store, *self.parameters())
 
 
+def forward_phase(layer: DecoderLayer, t: dict) -> tuple[torch.Tensor, tuple]:
+    """Returns (output, attention aux): a layer's forward writing its skeletal tensors into `t`."""
+    aux = layer.fill(t)
+    return layer.output(t), aux
+
+
+def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, recompute: Recompute | None):
+    """Returns (dx, parameter grads): the recompute the store asks for, then the layer's backward."""
+    if recompute is not None:
+        new_aux = layer.fill(t, recompute.start, recompute.attention)
+        aux = new_aux if recompute.attention else aux
+    return layer.backward(dy, t, aux)
+
+
 class LayerFunction(torch.autograd.Function):
     """One layer's forward and backward; the store decides where skeletal tensors live in between."""
 
     @staticmethod
     def forward(ctx, x, layer: DecoderLayer, store, *params):
         t = store.slots(layer.index, x)
-        aux = layer.fill(t)
-        y = layer.output(t)
+        y, aux = layer.run(forward_phase, t)
         store.after_forward(layer.index, aux)
         ctx.layer, ctx.store, ctx.step = layer, store, store.step
         return y
@@ -291,9 +309,6 @@ class LayerFunction(torch.autograd.Function):
     def backward(ctx, dy):
         layer, store = ctx.layer, ctx.store
         t, aux, recompute = store.before_backward(layer.index, ctx.step)
-        if recompute is not None:
-            new_aux = layer.fill(t, recompute.start, recompute.attention)
-            aux = new_aux if recompute.attention else aux
-        dx, grads = layer.backward(dy.contiguous(), t, aux)
+        dx, grads = layer.run(backward_phase, dy.contiguous(), t, aux, recompute)
         store.after_backward(layer.index)
         return (dx, None, None, *(grads[name] for name, _ in layer.named_parameters()))

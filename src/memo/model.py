@@ -10,6 +10,7 @@ from torch import nn
 from .config import ModelConfig
 from .layer import DecoderLayer
 from .loss import chunked_cross_entropy
+from .plan.arena import Arena
 from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
 
@@ -52,6 +53,14 @@ class Transformer(nn.Module):
         if labels is None:
             return self.head(x)
         return chunked_cross_entropy(x, self.head.weight, labels, self.loss_chunk_tokens)
+
+    def plan_memory(self, debug: bool = False, time_limit: float = 2.0) -> Arena:
+        """From now on, carves every layer phase's transient tensors from one planned arena (§5); `debug`
+        proves at run time that no two live planned tensors overlap."""
+        arena = Arena(time_limit, debug)
+        for layer in self.layers:
+            layer.arena = arena
+        return arena
 
     def swap_stats(self) -> SwapStats:
         """Returns what the activation store did in the last step (bytes offloaded, recomputed, pool peak)."""

@@ -20,12 +20,25 @@ from torch.utils._pytree import tree_flatten
 from .problem import Problem
 
 
+@dataclass(frozen=True)
+class Output:
+    """Where a new storage came from and what it held: enough to allocate it again by hand (the arena)."""
+
+    call: int  # index of the op call in `Trace.calls`
+    position: int  # index among the call's flattened outputs
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str  # device type
+
+
 @dataclass
 class Event:
     kind: str  # "alloc", "free" or "mark"
     tensor: int  # trace-local tensor id (-1 for marks)
     nbytes: int
     op: object  # the op that allocated, or a mark's label
+    output: Output | None = None  # for allocations seen by the Tracer
 
 
 @dataclass
@@ -33,6 +46,7 @@ class Trace:
     """Alloc/free events in program order; storages still alive at the end have no free event."""
 
     events: list[Event] = field(default_factory=list)
+    calls: list = field(default_factory=list)  # every op called, in order (the Tracer's)
 
     @property
     def peak(self) -> int:
@@ -74,12 +88,14 @@ class Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
+        call = len(self.trace.calls)
+        self.trace.calls.append(func)
+        for position, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor):
-                self._track(t, func, inputs)
+                self._track(t, func, inputs, call, position)
         return out
 
-    def _track(self, t: torch.Tensor, func, inputs: set) -> None:
+    def _track(self, t: torch.Tensor, func, inputs: set, call: int, position: int) -> None:
         key = _key(t)
         if key not in self._ids:
             if key in inputs:  # a view of a tensor made before tracing (parameter, input): not ours
@@ -89,7 +105,8 @@ class Tracer(TorchDispatchMode):
                 return  # empty tensors take no memory
             self._ids[key] = (self._next_id, nbytes)
             self._next_id += 1
-            self.trace.events.append(Event("alloc", self._ids[key][0], nbytes, str(func)))
+            output = Output(call, position, tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
+            self.trace.events.append(Event("alloc", self._ids[key][0], nbytes, str(func), output))
         self._refs[key] += 1
         weakref.finalize(t, self._release, key)
 

@@ -1,0 +1,296 @@
+"""The planned run-time mode (memo-method.md §5): a layer's transient tensors live in one pre-allocated
+arena at offsets solved offline, so the allocator never sees them and cannot fragment.
+
+A layer phase (its forward, or its recompute + backward) is first traced on `meta` with the same shapes,
+which gives every op call and every new tensor with its lifetime. The tensors that die inside the phase
+and come from an op with an `out=` overload (or a factory such as `empty`) become a DSA instance; its
+solution is the arena layout. At run time a dispatch mode follows the recorded op sequence and hands each
+planned op a view of the arena as its `out=`. Whatever cannot be planned (no `out=` overload, a tensor
+that outlives the phase, a host tensor) is allocated as usual and listed in `ArenaPlan.unplanned`.
+
+With `debug`, every tensor that points into the arena is reference-counted at run time: handing out a
+region that overlaps a live planned tensor, or touching a region whose tensor is dead, raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..attention import meta_kernels
+from .dsa import Solution, solve
+from .problem import Problem
+from .trace import Output, trace
+
+aten = torch.ops.aten
+ALIGN = 512  # bytes; every planned tensor starts on this boundary (the CUDA caching allocator's granule)
+FACTORIES = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+@functools.cache
+def out_overload(func) -> tuple[object, tuple[str, ...]] | None:
+    """Returns (the `out=` overload of `func` with the same inputs, its out argument names), or None."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        args = candidate._schema.arguments
+        outs = tuple(a.name for a in args if a.is_out)
+        same_inputs = [(a.name, str(a.type)) for a in args if not a.is_out] == want
+        if outs and same_inputs and len(outs) == len(func._schema.returns):
+            return candidate, outs
+    return None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One new tensor of a planned op call: its place in the arena (None: allocated as usual) and layout."""
+
+    tensor: int
+    offset: int | None
+    nbytes: int
+    output: Output
+
+
+@dataclass
+class ArenaPlan:
+    """The op sequence of one phase and the slots of the op calls whose outputs come from the arena."""
+
+    calls: list
+    slots: dict[int, list[Slot]]  # op call -> its outputs in order
+    problem: Problem  # the planned tensors, in ALIGN units
+    solution: Solution | None
+    unplanned: list[tuple[str, int, str]]  # (op, bytes, why)
+    planned_bytes: int = 0  # summed sizes of the planned tensors, each on its own
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.solution.peak * ALIGN if self.solution else 0
+
+
+def plan_phase(phase_trace, time_limit: float = 2.0) -> ArenaPlan:
+    """Returns the arena plan of a traced phase: a DSA over its plannable transient tensors, in ALIGN units."""
+    frees = {e.tensor: i for i, e in enumerate(phase_trace.events) if e.kind == "free"}
+    by_call: dict[int, list] = {}
+    for i, e in enumerate(phase_trace.events):
+        if e.kind == "alloc":
+            by_call.setdefault(e.output.call, []).append((i, e))
+    rows, planned, unplanned = [], {}, []
+    for call, outs in by_call.items():
+        func = phase_trace.calls[call]
+        why = _unplannable(func, [e for _, e in outs], frees)
+        if why:
+            unplanned += [(str(func), e.nbytes, why) for _, e in outs]
+            continue
+        planned[call] = sorted((e for _, e in outs), key=lambda e: e.output.position)
+        for i, e in outs:
+            if e.tensor in frees:
+                rows.append((e.tensor, i, frees[e.tensor], -(-e.nbytes // ALIGN)))
+            else:
+                unplanned.append((str(func), e.nbytes, "outlives the phase"))
+    problem = Problem.from_rows(rows)
+    solution = solve(problem, time_limit) if rows else None
+    offsets = dict(zip((r[0] for r in rows), solution.offsets.tolist())) if rows else {}
+    slots = {
+        call: [
+            Slot(e.tensor, offsets[e.tensor] * ALIGN if e.tensor in offsets else None, e.nbytes, e.output) for e in outs
+        ]
+        for call, outs in planned.items()
+    }
+    return ArenaPlan(phase_trace.calls, slots, problem, solution, unplanned, sum(r[3] for r in rows) * ALIGN)
+
+
+def _unplannable(func, outs, frees) -> str | None:
+    """Returns why an op call's new tensors cannot come from the arena, or None when they can."""
+    if any(e.output.device != "meta" for e in outs):
+        return "host tensor"
+    if all(e.tensor not in frees for e in outs):
+        return "outlives the phase"
+    if func in FACTORIES or func in ZEROS:
+        return None
+    if out_overload(func) is None:
+        return "no out= overload"
+    returns = func._schema.returns
+    if len(outs) != len(returns) or any(str(r.type) != "Tensor" for r in returns):
+        return "returns a view or a non-tensor"
+    return None
+
+
+def _meta_twin(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _signature(args) -> tuple:
+    leaves, spec = tree_flatten(args)
+    return (
+        str(spec),
+        tuple(
+            (tuple(x.shape), x.stride(), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else x for x in leaves
+        ),
+    )
+
+
+@dataclass
+class Arena:
+    """One device buffer shared by every layer phase, and the plan of each phase signature met so far."""
+
+    time_limit: float = 2.0
+    debug: bool = False
+    buffer: torch.Tensor | None = None
+    plans: dict = field(default_factory=dict)
+    _twins: dict = field(default_factory=dict)
+
+    def run(self, layer, phase, *args):
+        """Returns `phase(layer, *args)` with the phase's transient tensors carved from the arena."""
+        device = next(layer.parameters()).device
+        key = (phase.__name__, next(layer.parameters()).dtype, _signature(args))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(layer, phase, args, device)
+        if self.buffer is None or self.buffer.numel() < plan.arena_bytes or self.buffer.device != device:
+            self.buffer = None  # no planned tensor is alive between phases: the old arena can go first
+            self.buffer = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8, device=device)
+        mode = _PlannedMode(self.buffer, plan, self.debug)
+        with mode:
+            result = phase(layer, *args)
+        mode.finish()
+        return result
+
+    def _plan(self, layer, phase, args, device) -> ArenaPlan:
+        twin = self._twin(layer)
+        meta_args = tree_map(_meta_twin, args)
+        with meta_kernels(device.type):
+            phase_trace, _ = trace(phase, twin, *meta_args)
+        return plan_phase(phase_trace, self.time_limit)
+
+    def _twin(self, layer):
+        """Returns a parameter-free copy of `layer` on `meta` (same code, same shapes, no memory)."""
+        dtype = next(layer.parameters()).dtype
+        if dtype not in self._twins:
+            with torch.device("meta"):
+                self._twins[dtype] = type(layer)(layer.config, layer.index).to(dtype)
+        return self._twins[dtype]
+
+    def summary(self) -> dict:
+        """Returns the arena size, what was planned, and every op whose output could not be planned."""
+        unplanned = Counter()
+        for plan in self.plans.values():
+            for op, nbytes, why in plan.unplanned:
+                unplanned[(op, why)] += nbytes
+        return {
+            "arena_bytes": 0 if self.buffer is None else self.buffer.numel(),
+            "phases": len(self.plans),
+            "load_bytes": max((p.solution.lower_bound * ALIGN for p in self.plans.values() if p.solution), default=0),
+            "planned_bytes": max((p.planned_bytes for p in self.plans.values()), default=0),
+            "unplanned": [{"op": op, "why": why, "bytes": n} for (op, why), n in sorted(unplanned.items())],
+        }
+
+
+class _PlannedMode(TorchDispatchMode):
+    """Replays one phase's recorded op sequence, giving planned ops their arena views as `out=`."""
+
+    def __init__(self, buffer: torch.Tensor, plan: ArenaPlan, debug: bool):
+        super().__init__()
+        self.buffer, self.plan, self.debug = buffer, plan, debug
+        self.call = 0
+        self.live: dict[int, list] = {}  # debug: tensor id -> [start, end, references]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call, self.call = self.call, self.call + 1
+        if call >= len(self.plan.calls) or self.plan.calls[call] != func:
+            expected = self.plan.calls[call] if call < len(self.plan.calls) else "the end of the phase"
+            raise RuntimeError(f"arena plan out of step at op {call}: planned {expected}, ran {func}")
+        slots = self.plan.slots.get(call)
+        if slots is None:
+            out = func(*args, **kwargs)
+            if self.debug:
+                self._check_outputs(out)
+            return out
+        views = [self._view(slot) for slot in slots]
+        if func in FACTORIES:
+            out = views[0]
+        elif func in ZEROS:
+            out = views[0].zero_()
+        else:
+            overload, names = out_overload(func)
+            try:
+                out = overload(*args, **kwargs, **dict(zip(names, views)))
+            except RuntimeError as err:  # the device kernel disagrees with the meta kernel (e.g. an out dtype)
+                out = self._demote(call, func, err, args, kwargs)
+        if self.debug:
+            self._check_outputs(out)
+        return out
+
+    def _view(self, slot: Slot) -> torch.Tensor:
+        """Returns the slot's tensor: an arena view at its offset, or a fresh tensor if it is not planned."""
+        o = slot.output
+        if slot.offset is None:
+            return torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=self.buffer.device)
+        if self.debug:
+            self._claim(slot)
+        return self.buffer[slot.offset : slot.offset + slot.nbytes].view(o.dtype).as_strided(o.shape, o.stride)
+
+    def _demote(self, call: int, func, err: RuntimeError, args, kwargs):
+        """Runs `func` as usual and drops its slots from the plan for good (a placement minus some tensors
+        stays valid); the reason is listed with the unplanned ops."""
+        why = f"its {self.buffer.device.type} kernel differs from the meta kernel: {str(err).splitlines()[0]}"
+        for slot in self.plan.slots.pop(call):
+            self.live.pop(slot.tensor, None)
+            self.plan.unplanned.append((str(func), slot.nbytes, why))
+        return func(*args, **kwargs)
+
+    # ---- debug: prove at run time that no two live planned tensors overlap ------------------------------
+    def _claim(self, slot: Slot) -> None:
+        start, end = slot.offset, slot.offset + slot.nbytes
+        for tensor, (s, e, _) in self.live.items():
+            if s < end and start < e:
+                raise RuntimeError(
+                    f"arena overlap: tensor {slot.tensor} at [{start}, {end}) meets live tensor {tensor} at [{s}, {e})"
+                )
+        self.live[slot.tensor] = [start, end, 0]
+
+    def _check_outputs(self, out) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() == self._base():
+                self._hold(t)
+
+    def _base(self) -> int:
+        return self.buffer.untyped_storage().data_ptr()
+
+    def _hold(self, t: torch.Tensor) -> None:
+        at = t.data_ptr() - self._base()
+        owner = next((k for k, (s, e, _) in self.live.items() if s <= at < e), None)
+        if owner is None:
+            raise RuntimeError(f"arena: a tensor at offset {at} points into memory whose planned tensor is dead")
+        self.live[owner][2] += 1
+        weakref.finalize(t, self._release, owner)
+
+    def _release(self, tensor: int) -> None:
+        entry = self.live.get(tensor)
+        if entry is not None:
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self.live[tensor]
+
+    def finish(self) -> None:
+        """Checks the phase ran its whole plan and (debug) left no planned tensor alive."""
+        if self.call != len(self.plan.calls):
+            raise RuntimeError(f"arena plan out of step: the phase ran {self.call} of {len(self.plan.calls)} ops")
+        if self.debug and self.live:
+            raise RuntimeError(f"arena: planned tensors {sorted(self.live)} outlive their phase")
