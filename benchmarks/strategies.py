@@ -1,8 +1,8 @@
 """Step time and activation memory of MEMO's strategies against what users run today, in one run.
 
-Rows: memo.Transformer with strategies none / full / memo (α), and the plain-autograd reference model
-(same weights, PyTorch's flash SDPA) under no wrapper, `torch.utils.checkpoint` per layer, and
-`torch.autograd.graph.save_on_cpu`. Ratios are against MEMO's `none`.
+Rows: memo.Transformer with strategies none / full / memo (α), memo with the planned arena (§5), and the
+plain-autograd reference model (same weights, PyTorch's flash SDPA) under no wrapper, `torch.utils.checkpoint`
+per layer, and `torch.autograd.graph.save_on_cpu`. Ratios are against MEMO's `none`.
 
 Memory is measured, the same way for every row: the process's resident-set high-water mark during one
 training step minus the resident set before it (CPU), or `torch.cuda.max_memory_allocated` minus the
@@ -117,9 +117,12 @@ def build_rows(args, cfg: ModelConfig, device, dtype):
         ("memo none", ActivationPolicy("none")),
         ("memo full", ActivationPolicy("full")),
         (f"memo alpha={args.alpha}", ActivationPolicy("memo", alpha=alpha)),
+        (f"memo alpha={args.alpha} + arena", ActivationPolicy("memo", alpha=alpha)),
     ]:
         model = Transformer(cfg, policy).to(device=device, dtype=dtype)
         model.load_state_dict(ref.state_dict())
+        if name.endswith("arena"):
+            model.plan_memory()
         rows.append((name, model, lambda ids, m=model: _memo_step(m, ids)))
     saver = HostBytes(device)
     rows += [
@@ -173,6 +176,8 @@ def measure_memory(step, model, ids, device) -> tuple[int, int]:
     _run(step, model, ids, device)
     if isinstance(model, Transformer):
         model.store = make_store(model.policy, model.config.n_layers)
+        if model.layers[0].arena is not None:
+            model.layers[0].arena.buffer = None  # the arena too is allocated inside the measured step
     with PeakMemory(device) as mem:
         host = _run(step, model, ids, device)
     return (max(mem.peak - host, 0) if device.type == "cpu" else mem.peak), host

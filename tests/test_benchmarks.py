@@ -17,6 +17,7 @@ def test_strategies_benchmark_prints_a_row_per_alternative(capsys):
         "memo none",
         "memo full",
         "memo alpha=0.5",
+        "memo alpha=0.5 + arena",
         "autograd (reference)",
         "torch.utils.checkpoint",
         "save_on_cpu",

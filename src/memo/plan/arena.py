@@ -38,6 +38,7 @@ FACTORIES = {
     aten.new_empty_strided.default,
 }
 ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+COPIES = {aten._to_copy.default}  # dtype/device conversions: copy_ into the planned tensor does the same
 
 
 @functools.cache
@@ -119,7 +120,7 @@ def _unplannable(func, outs, frees) -> str | None:
         return "host tensor"
     if all(e.tensor not in frees for e in outs):
         return "outlives the phase"
-    if func in FACTORIES or func in ZEROS:
+    if func in FACTORIES or func in ZEROS or func in COPIES:
         return None
     if out_overload(func) is None:
         return "no out= overload"
@@ -227,6 +228,8 @@ class _PlannedMode(TorchDispatchMode):
             out = views[0]
         elif func in ZEROS:
             out = views[0].zero_()
+        elif func in COPIES:
+            out = views[0].copy_(args[0])
         else:
             overload, names = out_overload(func)
             try:
