@@ -1,6 +1,6 @@
 """Every DSA instance in ../shared/dsa-benchmarks: our solver against best-of-orders greedy, in one table.
 
-python benchmarks/dsa.py                      # 30 s per instance, 60 s for pangu, greedy only above 1500 buffers
+python benchmarks/dsa.py                      # 30 s each, 60 s for pangu; greedy only above 20M overlapping pairs
 python benchmarks/dsa.py --only A B pangu     # a subset, matched on the file name
 """
 

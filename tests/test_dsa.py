@@ -128,7 +128,9 @@ def test_hard_instances_are_what_they_claim():
 
 @pytest.mark.parametrize("flag", ["section_inference", "monotonic_floor", "unallocated_floor", "dominance", "hatless"])
 def test_each_technique_cuts_the_work_of_proofs(flag):
-    base = Techniques(restarts=False)
+    # decomposition solves the two sides of a buffer that overlaps nothing unplaced on their own, which
+    # subsumes hatless pruning on these instances; decomposition has its own tests
+    base = Techniques(restarts=False, decomposition=False)
     nodes = {True: 0, False: 0}
     for p, best in hard_instances():
         for on in (True, False):
@@ -145,6 +147,32 @@ def test_decomposition_cuts_the_work_on_a_real_instance():
     assert search(p, max_load(p), 30, stats=with_it) is not None
     search(p, max_load(p), 3, replace(Techniques(), decomposition=False), without)  # finds nothing in 3 s
     assert with_it.nodes < without.nodes
+
+
+def test_decomposition_splits_at_boundaries_no_buffer_crosses_from_the_start():
+    (easy, _), (hard, best) = min(hard_instances(), key=lambda h: h[1]), max(hard_instances(), key=lambda h: h[1])
+    shift = int(easy.upper.max())  # the hard instance starts when the easy one has ended
+    rows = [(f"e{i}", lo, hi, sz) for i, (lo, hi, sz) in enumerate(zip(easy.lower, easy.upper, easy.size))]
+    rows += [
+        (f"h{i}", lo + shift, hi + shift, sz) for i, (lo, hi, sz) in enumerate(zip(hard.lower, hard.upper, hard.size))
+    ]
+    p = Problem.from_rows(rows)
+    nodes = {}
+    for on in (True, False):
+        stats = SearchStats()
+        assert search(p, best - 1, 20, Techniques(decomposition=on, restarts=False), stats) is None and stats.exhausted
+        nodes[on] = stats.nodes
+    assert nodes[True] < nodes[False]
+
+
+def test_search_places_thousands_of_buffers_without_recursion():
+    rng = np.random.default_rng(8)
+    lo = rng.integers(0, 10_000, 5000)
+    p = Problem(tuple(range(5000)), lo, lo + rng.integers(1, 40, 5000), rng.integers(1, 50, 5000))
+    capacity = peak(p, place_greedy(p, order_by(p, "area")))
+    # without decomposition the search is one dive 5000 placements deep (the recursive kernel overflowed ~3000)
+    found = search(p, capacity, 60, Techniques(decomposition=False), orders=("AWT",))
+    assert found is not None and check_placement(p, found, capacity) == []
 
 
 @pytest.mark.parametrize("key", ORDERS)

@@ -18,11 +18,19 @@ import numpy as np
 from .greedy import greedy
 from .mip import solve_mip
 from .problem import Problem, check_placement, max_load, peak
-from .search import SearchStats, compile_kernel, search
+from .search import HEURISTICS, SearchStats, Techniques, compile_kernel, search
 
 log = logging.getLogger(__name__)
 MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (memo-method.md §5)
-SEARCH_MAX_BUFFERS = 1500  # the recursive kernel takes stack frames per placement: 3000 overflows 8 MiB
+# The search's overlap lists take 16 bytes and its per-node work grows with the overlapping pairs: beyond this
+# many (S_1 has 43M, Y_1 180M) building them alone costs more than the time limit leaves.
+SEARCH_MAX_OVERLAPS = 20_000_000
+# Above this many buffers the search at LOAD has no chance in seconds (a single dive visits every buffer, and
+# each node scans the range), so the driver first dives below greedy's peak: area-first orders (on pangu_2.6B
+# their canonical dive ends 0.76% above LOAD, greedy 3.34%), without the unallocated floor (its per-placement
+# cost is the sections of every raised buffer times their members: it made a dive five times slower).
+LARGE = 2000
+LARGE_ORDERS = ("AWT", "ATW") + tuple(h for h in HEURISTICS if h not in ("AWT", "ATW"))
 
 
 @dataclass
@@ -54,9 +62,10 @@ class Solution:
 def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip: bool = True) -> Solution:
     """Returns the best placement found for `p` within `time_limit` seconds (never worse than greedy).
 
-    The first call in a process also compiles the search kernel (about 10 s), before the clock starts.
+    The first call in a process also loads the search kernel from numba's cache (about 1 s; 15 s to compile it
+    the first time), before the clock starts.
     """
-    use_search = use_search and len(p) <= SEARCH_MAX_BUFFERS
+    use_search = use_search and _overlapping_pairs(p) <= SEARCH_MAX_OVERLAPS
     if use_search:
         compile_kernel()
     start = time.perf_counter()
@@ -83,15 +92,27 @@ def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip
     return Solution(offsets, best, lower, best <= lower, time.perf_counter() - start, method, steps)
 
 
+def _overlapping_pairs(p: Problem) -> int:
+    """Returns how many pairs of buffers overlap in time (without listing them)."""
+    order = np.argsort(p.lower, kind="stable")
+    later = np.searchsorted(p.lower[order], p.upper[order], side="left") - np.arange(1, len(p) + 1)
+    return int(later.clip(0).sum())
+
+
 def _drive_search(p, lower, offsets, best, method, unit, deadline, steps):
-    """Asks the exact search for placements at capacity LOAD, then bisects between the highest capacity that
-    failed (proven or out of time) and the best peak found; returns (lower, offsets, peak, method)."""
+    """Asks the exact search for placements at capacity LOAD (large instances: just below the best peak), then
+    bisects between the highest capacity that failed (proven or out of time) and the best peak found; returns
+    (lower, offsets, peak, method)."""
     lower = -(-lower // unit) * unit
     failed = lower - unit  # highest capacity known not to yield a placement (in the time it had)
-    capacity = lower
+    large = len(p) > LARGE
+    capacity = (best - 1) // unit * unit if large else lower
+    techniques = Techniques(unallocated_floor=False) if large else Techniques()
+    orders = LARGE_ORDERS if large else HEURISTICS
     while lower < best and (remaining := deadline - time.perf_counter()) > 0.05:
         stats = SearchStats()
-        found = search(p, capacity, remaining / 2 if capacity == lower else remaining / 3, stats=stats)
+        share = remaining / 2 if capacity == lower or capacity >= best - unit else remaining / 3
+        found = search(p, capacity, share, techniques, stats, orders)
         if found is not None and check_placement(p, found):
             log.error("search returned an invalid placement at capacity %d; ignoring it", capacity)
             found = None
