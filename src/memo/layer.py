@@ -9,7 +9,7 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
     k    (b,s,g,d)  rotated key                      -- other
     v    (b,s,g,d)  value                            -- other
     attn (b,s,a,d)  attention output                 -- role "attention": always to host in full
-    lse  (b,a,s')   attention log-sum-exp, float32   -- attention
+    lse  (b,a,s')   attention log-sum-exp, float32   -- attention (b, a/sp, s'·sp) under sequence parallelism
     x1   (b,s,h)    x + attention projection         -- other
     n2   (b,s,h)    MLP-norm output                  -- other
     gate (b,s,f)    SwiGLU gate (llama only)         -- other
@@ -18,6 +18,10 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
 
 Every "other" tensor is a token-local function of x and attn, so `fill(t, start)` recomputes rows
 [start, s) from them without touching attention (§3).
+
+Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
+shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions.
+Attention alone sees all tokens: for a/sp heads, between the all-to-alls `seq_parallel` provides.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class DecoderLayer(nn.Module):
         self.w_down = nn.Linear(f, h, bias=self.gpt)
         self.scale = d**-0.5
         self.arena = None  # a plan.arena.Arena: transient tensors at planned offsets (Transformer.plan_memory)
+        self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
@@ -146,7 +151,7 @@ class DecoderLayer(nn.Module):
             "k": spec("other", g, d),
             "v": spec("other", g, d),
             "attn": spec("attention", a, d),
-            "lse": SkeletalSpec((b, a, lse_seq_len(s, torch.device(device), dtype)), torch.float32, "attention"),
+            "lse": self._lse_spec(b, s, dtype, torch.device(device)),
             "x1": spec("other", h),
             "n2": spec("other", h),
             "gate": spec("other", f),
@@ -156,6 +161,17 @@ class DecoderLayer(nn.Module):
         if self.gpt:
             del specs["gate"]
         return specs
+
+    def _lse_spec(self, b: int, s: int, dtype, device: torch.device) -> SkeletalSpec:
+        """Returns the LSE's spec: the kernel's, for all heads, or for a/sp heads of all s·sp tokens."""
+        a, sp = self.config.n_heads, self.seq_parallel
+        if sp is None:
+            return SkeletalSpec((b, a, lse_seq_len(s, device, dtype)), torch.float32, "attention")
+        return SkeletalSpec((b, a // sp.size, lse_seq_len(s * sp.size, device, dtype)), torch.float32, "attention")
+
+    def _offset(self, s: int) -> int:
+        """Returns the global position of this rank's first token (0 without sequence parallelism)."""
+        return 0 if self.seq_parallel is None else self.seq_parallel.token_offset(s)
 
     # ---- forward (also the token-wise recompute) --------------------------------------------------------
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -181,14 +197,23 @@ class DecoderLayer(nn.Module):
         b, r = x.shape[:2]
         n1 = self._norm(x, self.attn_norm)  # (b, r, h)
         t["n1"][:, rows] = n1
-        cos, sin = rope_tables(rows.start, rows.stop, c.head_dim, c.rope_theta, x.dtype, x.device)
+        at = self._offset(t["x"].shape[1])
+        cos, sin = rope_tables(at + rows.start, at + rows.stop, c.head_dim, c.rope_theta, x.dtype, x.device)
         t["q"][:, rows] = rotate(F.linear(n1, self.wq.weight, self.wq.bias).view(b, r, -1, c.head_dim), cos, sin)
         t["k"][:, rows] = rotate(F.linear(n1, self.wk.weight, self.wk.bias).view(b, r, -1, c.head_dim), cos, sin)
         t["v"][:, rows] = F.linear(n1, self.wv.weight, self.wv.bias).view(b, r, -1, c.head_dim)
 
     def _fill_attention(self, t) -> tuple:
-        out, lse, aux = attention_forward(heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"]), self.scale)
-        heads_major(t["attn"]).copy_(out)  # (b, a, s, d) into token-major (b, s, a, d)
+        sp = self.seq_parallel
+        if sp is None:
+            q, k, v = heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"])
+            out, lse, aux = attention_forward(q, k, v, self.scale)
+            heads_major(t["attn"]).copy_(out)  # (b, a, s, d) into token-major (b, s, a, d)
+        else:
+            # (b, local tokens, all heads) -> (b, all tokens, a/sp heads) and back: two all-to-alls
+            q, k, v = sp.to_heads(t["q"], sp.expand_kv(t["k"]), sp.expand_kv(t["v"]))
+            out, lse, aux = attention_forward(heads_major(q), heads_major(k), heads_major(v), self.scale)
+            sp.to_tokens(heads_major(out), out=(t["attn"],))
         t["lse"].copy_(lse)
         return aux
 
@@ -252,17 +277,30 @@ class DecoderLayer(nn.Module):
         dx1 = dy + self._norm_backward(dn2, t["x1"], self.mlp_norm, grads, "mlp_norm")  # (b, s, h)
         # attention: x1 = x + attn·W_oᵀ
         dattn = self._linear_backward(dx1, t["attn"].flatten(2), "wo", grads).view(b, s, c.n_heads, c.head_dim)
-        q, k, v = heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"])
-        dq, dk, dv = attention_backward(heads_major(dattn), q, k, v, heads_major(t["attn"]), t["lse"], aux, self.scale)
-        cos, sin = rope_tables(0, s, c.head_dim, c.rope_theta, dy.dtype, dy.device)
-        dq = rotate(heads_major(dq), cos, -sin)  # (b, s, a, d), un-rotated
-        dk = rotate(heads_major(dk), cos, -sin)
+        dq, dk, dv = self._attention_backward(dattn, t, aux)  # token-major (b, s, heads, d)
+        at = self._offset(s)
+        cos, sin = rope_tables(at, at + s, c.head_dim, c.rope_theta, dy.dtype, dy.device)
+        dq = rotate(dq, cos, -sin)  # (b, s, a, d), un-rotated
+        dk = rotate(dk, cos, -sin)
         n1 = t["n1"]
         dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
         dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
-        dn1 += self._linear_backward(heads_major(dv).flatten(2), n1, "wv", grads)
+        dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads)
         dx = dx1 + self._norm_backward(dn1, t["x"], self.attn_norm, grads, "attn_norm")
         return dx, grads
+
+    def _attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):
+        """Returns token-major (dq, dk, dv) of this rank's tokens from dattn (b, s, a, d); attention is not rerun."""
+        sp = self.seq_parallel
+        if sp is None:
+            q, k, v, out = (heads_major(t[n]) for n in ("q", "k", "v", "attn"))
+            grads = attention_backward(heads_major(dattn), q, k, v, out, t["lse"], aux, self.scale)
+            return tuple(heads_major(g) for g in grads)
+        # the mirror of _fill_attention: everything the kernel reads to head shards, dq, dk, dv back to tokens
+        q, k, v, out, dout = sp.to_heads(t["q"], sp.expand_kv(t["k"]), sp.expand_kv(t["v"]), t["attn"], dattn)
+        grads = attention_backward(*(heads_major(x) for x in (dout, q, k, v, out)), t["lse"], aux, self.scale)
+        dq, dk, dv = sp.to_tokens(*(heads_major(g) for g in grads))
+        return dq, sp.fold_kv(dk), sp.fold_kv(dv)
 
     # ---- module entry -----------------------------------------------------------------------------------
     def run(self, phase, *args):

@@ -1,6 +1,13 @@
-"""Next-token cross-entropy computed in token chunks, never materialising the full (tokens × vocab) logits."""
+"""Next-token cross-entropy computed in token chunks, never materialising the full (tokens × vocab) logits.
+
+When several ranks hold parts of one batch (data or sequence parallel), the loss is the mean over the target
+tokens of all of them: each rank divides its own sum by the global count, and a `TokenReduction` (given by
+`memo.parallel`) sums the count and the partial losses across those ranks.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -13,20 +20,25 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat((labels[:, 1:], pad), dim=1)
 
 
+class TokenReduction(Protocol):
+    """Sums over the ranks that share a batch; `sum_loss` passes its gradient through unchanged."""
+
+    def sum_count(self, count: torch.Tensor) -> torch.Tensor: ...
+
+    def sum_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of (hidden · Wᵀ) against targets, chunk by chunk.
+    """Cross-entropy of (hidden · Wᵀ) against targets summed and divided by `count`, chunk by chunk.
 
     The gradients are computed during forward, one chunk of logits at a time (float32), and only the
     (tokens × hidden) and (vocab × hidden) gradients are kept: memory stays O(chunk × vocab).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int):
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, count: torch.Tensor):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = targets.reshape(-1)
-        count = (y != IGNORE_INDEX).sum()
-        if not hidden.is_meta and int(count) == 0:
-            raise ValueError("no target tokens: every label is ignored")
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -48,9 +60,23 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
 
 
 def chunked_cross_entropy(hidden, weight, labels, chunk_tokens: int = 4096) -> torch.Tensor:
     """Returns the mean next-token loss of `labels` (b, s) given final hidden states (b, s, h) and head W."""
-    return ChunkedCrossEntropy.apply(hidden, weight, shift_labels(labels), chunk_tokens)
+    return target_cross_entropy(hidden, weight, shift_labels(labels), chunk_tokens)
+
+
+def target_cross_entropy(
+    hidden, weight, targets, chunk_tokens: int = 4096, across: TokenReduction | None = None
+) -> torch.Tensor:
+    """Returns the mean cross-entropy over the target tokens (already shifted: position t predicts
+    targets[t]) of this rank, or of every rank `across` spans; the gradient is this rank's share."""
+    count = (targets != IGNORE_INDEX).sum()
+    if across is not None:
+        count = across.sum_count(count)
+    if not hidden.is_meta and int(count) == 0:
+        raise ValueError("no target tokens: every label is ignored")
+    loss = ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, count)
+    return loss if across is None else across.sum_loss(loss)

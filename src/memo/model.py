@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layer import DecoderLayer
-from .loss import chunked_cross_entropy
+from .loss import TokenReduction, shift_labels, target_cross_entropy
 from .plan.arena import Arena
 from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
@@ -30,6 +30,7 @@ class Transformer(nn.Module):
         self.norm = nn.LayerNorm(h, eps=config.norm_eps) if config.arch == "gpt" else nn.RMSNorm(h, eps=config.norm_eps)
         self.head = nn.Linear(h, config.vocab_size, bias=False)
         self.store: ActivationStore = make_store(self.policy, config.n_layers)
+        self.token_reduction: TokenReduction | None = None  # memo.parallel: the loss is a mean over all ranks
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -41,8 +42,14 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the mean next-token loss when `labels` are given, else logits (b, s, V) for short inputs."""
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Returns the mean next-token loss when `labels` are given, else logits (b, s, V) for short inputs.
+
+        `targets` replaces `labels` with labels already shifted (position t predicts targets[t]): what a
+        sequence-parallel rank holds, its last token predicting the next rank's first (parallel.shard_batch).
+        """
         b, s = input_ids.shape
         x = self.embed(input_ids)  # (b, s, h)
         if torch.is_grad_enabled():
@@ -50,13 +57,16 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, self.store)
         x = self.norm(x)
-        if labels is None:
+        if labels is None and targets is None:
             return self.head(x)
-        return chunked_cross_entropy(x, self.head.weight, labels, self.loss_chunk_tokens)
+        targets = shift_labels(labels) if targets is None else targets
+        return target_cross_entropy(x, self.head.weight, targets, self.loss_chunk_tokens, self.token_reduction)
 
     def plan_memory(self, debug: bool = False, time_limit: float = 2.0) -> Arena:
         """From now on, carves every layer phase's transient tensors from one planned arena (§5); `debug`
         proves at run time that no two live planned tensors overlap."""
+        if any(layer.seq_parallel is not None for layer in self.layers):
+            raise ValueError("the planned arena does not support sequence parallelism (`--sp` > 1)")
         arena = Arena(time_limit, debug)
         for layer in self.layers:
             layer.arena = arena

@@ -1,0 +1,61 @@
+"""Distributed training: a dp × sp device mesh, Ulysses sequence parallelism inside the MEMO layer, FSDP2
+parameter sharding over all ranks, and each rank's share of the node's host memory.
+
+A training loop (launched by torchrun) uses it as
+
+    mesh = init_mesh(sp)
+    budget = host_budget_per_rank()                        # before building the policy
+    model = Transformer(config, ActivationPolicy("memo", alpha, host_budget_bytes=budget)).to(device)
+    parallelize(model, mesh)
+    check_host_budget(model, local_batch, seq // sp, dtype, budget)
+    optimizer = torch.optim.AdamW(model.parameters())      # over the sharded parameters
+    ids, targets = shard_batch(global_ids, global_labels, mesh)
+    loss = model(ids, targets=targets)                     # the global token mean, the same on every rank
+    loss.backward()
+    norm = clip_grad_norm(model, 1.0)
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .fsdp import apply_fsdp, clip_grad_norm, full_gradients
+from .host import check_host_budget, host_budget_per_rank, local_ranks, offload_bytes
+from .loss import GlobalTokenMean
+from .mesh import Shard, flat_mesh, init_mesh, shard_batch, shard_of, shard_sequence
+from .ulysses import Ulysses, apply_ulysses
+
+__all__ = [
+    "GlobalTokenMean",
+    "Shard",
+    "Ulysses",
+    "apply_fsdp",
+    "apply_ulysses",
+    "check_host_budget",
+    "clip_grad_norm",
+    "flat_mesh",
+    "full_gradients",
+    "host_budget_per_rank",
+    "init_mesh",
+    "local_ranks",
+    "offload_bytes",
+    "parallelize",
+    "shard_batch",
+    "shard_of",
+    "shard_sequence",
+]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool | None = None) -> nn.Module:
+    """Returns `model` (a memo.Transformer, built the same on every rank) made to train on `mesh`: Ulysses over
+    "sp", the loss a mean over the tokens of all ranks, parameters sharded over dp×sp. `mixed_precision`
+    (bf16 parameters, float32 gradient reduction) defaults to on for CUDA. A one-rank mesh changes nothing."""
+    if mesh.size() == 1:
+        return model
+    apply_ulysses(model.layers, mesh["sp"].get_group())
+    flat = flat_mesh(mesh)
+    model.token_reduction = GlobalTokenMean(flat.get_group())
+    apply_fsdp(model, flat, mesh.device_type == "cuda" if mixed_precision is None else mixed_precision)
+    return model
