@@ -10,6 +10,11 @@ from memo.cli import main
 BIN = Path(sys.executable).parent
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs without --out go to ./runs: keep them out of the work tree
+
+
 def test_memo_help_lists_train(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -43,21 +48,22 @@ def test_console_script_is_installed():
 
 @pytest.mark.parametrize("strategy", ["none", "full", "memo"])
 def test_short_training_run_prints_loss_and_throughput(capsys, strategy):
-    assert main(["train", "--steps", "3", "--seq-len", "32", "--batch-size", "2", "--strategy", strategy]) == 0
+    assert main(["train", "--steps", "3", "--seq-len", "64", "--batch-size", "2", "--strategy", strategy]) == 0
     out = capsys.readouterr().out
     assert "loss" in out and "tokens/s" in out
 
 
 def test_json_output_is_one_record_per_step(capsys):
-    assert main(["train", "--steps", "2", "--seq-len", "16", "--batch-size", "1", "--json"]) == 0
+    assert main(["train", "--steps", "2", "--seq-len", "64", "--batch-size", "1", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [2]  # held-out check at the end
     assert records[0]["bytes_offloaded"] > 0
 
 
 def test_auto_alpha_is_solved_on_cpu(capsys):
-    assert main(["train", "--steps", "1", "--seq-len", "32", "--alpha", "auto", "--json"]) == 0
-    alphas = json.loads(capsys.readouterr().out)["alphas"]
+    assert main(["train", "--steps", "1", "--seq-len", "64", "--alpha", "auto", "--json"]) == 0
+    alphas = json.loads(capsys.readouterr().out.splitlines()[0])["alphas"]
     assert all(0.0 <= a <= 1.0 for a in alphas)
 
 

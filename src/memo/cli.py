@@ -21,47 +21,38 @@ from .plan.dsa import solve
 from .plan.plot import plot_plan
 from .plan.problem import read_csv, write_csv
 from .policy import STRATEGIES, ActivationPolicy
-from .train.loop import DTYPES, TrainConfig, train
+from .train.config import TrainConfig, read_config_file
+from .train.loop import Trainer, resume_config
+from .train.report import plot_report
 from .units import format_bytes, format_count, parse_size
 
 
 def _train_parser(sub) -> None:
-    d = TrainConfig()
     p = sub.add_parser(
         "train",
-        help="train a model on the embedded generated task",
+        help="train a model (default: `tiny` on the generated long-range retrieval task)",
         description=(
-            "Train on a generated long-range copy task (the second half of each sequence repeats the first), "
-            "printing loss and throughput."
+            "Train with MEMO's activation memory management. Every field can come from --config FILE "
+            "(YAML, TOML or JSON) and be overridden by its flag; --resume RUN_DIR continues a run exactly."
         ),
     )
-    p.add_argument("--model", default=d.model, choices=list(PRESETS), help="model preset (default: %(default)s)")
-    p.add_argument(
-        "--strategy",
-        default=d.strategy,
-        choices=STRATEGIES,
-        help="none (keep all), full (recompute layers), memo (token-wise swap) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--alpha",
-        type=_alpha,
-        default=argparse.SUPPRESS,
-        help=f"memo: fraction of tokens offloaded in [0, 1], or 'auto' to solve it (default: {d.alpha})",
-    )
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
-    p.add_argument(
-        "--grad-clip", type=float, default=d.grad_clip, help="max global gradient norm (default: %(default)s)"
-    )
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data (default: %(default)s)")
-    p.add_argument("--device", default=d.device, help="torch device, e.g. cpu or cuda (default: %(default)s)")
-    p.add_argument(
-        "--dtype", default=d.dtype, choices=list(DTYPES), help="parameter/activation dtype (default: %(default)s)"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON line per step instead of a progress bar")
+    p.add_argument("--config", help="YAML/TOML/JSON file of the fields below")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    for f in dataclasses.fields(TrainConfig):
+        _add_field(p, f)
+    p.add_argument("--json", action="store_true", help="print one JSON line per record instead of a progress bar")
     p.set_defaults(run=_run_train)
+
+
+def _add_field(p, f) -> None:
+    """Adds the flag of one TrainConfig field; defaults are suppressed so that only given flags override."""
+    flag = "--" + f.name.replace("_", "-")
+    help_text = f"{f.metadata['help']} (default: {f.default})"
+    if isinstance(f.default, bool):
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        return
+    kind = {"alpha": _alpha, "seq_len": parse_size}.get(f.name) or (type(f.default) if f.default is not None else str)
+    p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text)
 
 
 def _alpha(text: str) -> float | None:
@@ -70,30 +61,77 @@ def _alpha(text: str) -> float | None:
 
 def _run_train(args) -> int:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    given = {k: v for k, v in vars(args).items() if k in fields}
-    if "alpha" in given and given.get("strategy", TrainConfig.strategy) != "memo":
-        ActivationPolicy(given.get("strategy", TrainConfig.strategy), alpha=given["alpha"])  # raises the clear error
-    cfg = TrainConfig(**given)
-    bar = tqdm(total=cfg.steps, desc="train", file=sys.stderr, disable=args.json)
-    history = []
-    for metrics in train(cfg):
-        history.append(metrics)
+    flags = {k: v for k, v in vars(args).items() if k in fields}
+    if args.resume:
+        if args.config:
+            raise ValueError("`--resume` takes the run's own config; give changes as flags, not `--config`")
+        cfg, resume = resume_config(args.resume, flags), True
+    else:
+        values = {**(read_config_file(args.config) if args.config else {}), **flags}
+        if values.get("alpha") is not None and values.get("strategy", TrainConfig.strategy) != "memo":
+            ActivationPolicy(values.get("strategy"), alpha=values["alpha"])  # raises the clear error
+        cfg, resume = TrainConfig.from_dict(values, args.config or "flags"), False
+    trainer = Trainer(cfg, resume=resume)
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=args.json)
+    history, evals = [], []
+    for record in trainer.records():
         if args.json:
-            print(json.dumps(metrics), flush=True)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            print(json.dumps(record), flush=True)
+        if "eval_loss" in record:
+            evals.append(record)
+            continue
+        history.append(record)
+        bar.set_postfix(
+            loss=f"{record['loss']:.3f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            mem=_memory_label(record),
+            refresh=False,
+        )
         bar.update()
     bar.close()
-    timed = history[1:] or history  # the first step includes one-off sizing and warm-up
-    tokens_per_s = sum(m["tokens_per_s"] for m in timed) / len(timed)
+    if not args.json and history:
+        _print_summary(cfg, trainer, history, evals)
+    return 0
+
+
+def _memory_label(record: dict) -> str:
+    if "device_peak_reserved" in record:
+        return format_bytes(record["device_peak_reserved"])
+    return f"host {format_bytes(record['host_pool_bytes'])}"
+
+
+def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None:
+    timed = history[1:] or history  # the first step includes one-off sizing, planning and warm-up
+    tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
     last = history[-1]
-    if not args.json:
-        print(f"model {cfg.model}  strategy {cfg.strategy}  alpha {last['alphas'] or '-'}")
-        print(f"loss {history[0]['loss']:.4f} -> {last['loss']:.4f} over {cfg.steps} steps")
+    print(f"model {cfg.model}  strategy {cfg.strategy}  alpha {last['alphas'] or '-'}  run {trainer.run_dir}")
+    print(f"loss {history[0]['loss']:.4f} -> {last['loss']:.4f} over steps {history[0]['step']}-{last['step']}")
+    if evals:
+        e = evals[-1]
+        accuracy = f"  accuracy {e['eval_accuracy']:.1%}" if "eval_accuracy" in e else ""
+        print(f"held-out loss {e['eval_loss']:.4f}{accuracy}  (step {e['step']})")
+    print(
+        f"throughput {tokens_per_s:.0f} tokens/s  offloaded {format_bytes(last['bytes_offloaded'])}/step  "
+        f"recomputed {format_bytes(last['bytes_recomputed'])}/step  host pool {format_bytes(last['host_pool_bytes'])}"
+    )
+    if trainer.arena is not None:
+        summary = trainer.arena.summary()
         print(
-            f"throughput {tokens_per_s:.0f} tokens/s  offloaded {format_bytes(last['bytes_offloaded'])}/step  "
-            f"recomputed {format_bytes(last['bytes_recomputed'])}/step  "
-            f"host pool peak {format_bytes(last['host_pool_peak'])}"
+            f"arena {format_bytes(summary['arena_bytes'])} for {format_bytes(summary['planned_bytes'])} of planned "
+            f"tensors; not planned: {', '.join(sorted({u['op'] for u in summary['unplanned']})) or 'nothing'}"
         )
+    print(f"metrics {trainer.run_dir / 'metrics.jsonl'}  picture: memo report {trainer.run_dir}")
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="plot a run's loss, throughput and memory to PNG")
+    p.add_argument("run_dir", help="a run directory written by `memo train`")
+    p.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args) -> int:
+    print(plot_report(args.run_dir, args.out))
     return 0
 
 
@@ -312,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="verb", required=True)
     _train_parser(sub)
+    _report_parser(sub)
     _estimate_parser(sub)
     _calibrate_parser(sub)
     _dsa_parser(sub)

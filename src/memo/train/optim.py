@@ -1,0 +1,83 @@
+"""AdamW over fp32 master weights, and the learning-rate schedule (linear warm-up, then cosine/linear/constant).
+
+The layers run hand-written kernels in their parameters' dtype, so `torch.autocast` cannot lower their
+precision; bf16 training instead keeps bf16 compute weights and an fp32 master copy that AdamW updates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import TrainConfig
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Returns the learning rate of optimizer step `step` (1-based): a pure function of the step, so a
+    resumed run follows the same schedule without scheduler state."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    shape = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) if cfg.schedule == "cosine" else 1 - min(progress, 1)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * shape
+
+
+class MasterAdamW:
+    """AdamW whose parameters are fp32 masters of the model's (possibly lower-precision) parameters."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+        self.names = [n for n, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
+        self.separate = any(p.dtype != torch.float32 for p in self.params)
+        self.master = [p.detach().float().clone() if self.separate else p for p in self.params]
+        decay = [m for m, p in zip(self.master, self.params) if p.dim() >= 2]
+        flat = [m for m, p in zip(self.master, self.params) if p.dim() < 2]
+        self.adamw = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": flat, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+        )
+
+    def step(self, lr: float, grad_clip: float) -> float:
+        """Clips the global gradient norm, updates the masters, copies them to the model; returns the norm."""
+        if self.separate:
+            for m, p in zip(self.master, self.params):
+                m.grad = None if p.grad is None else p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.master, grad_clip).item()
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        if self.separate:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+        return norm
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Returns every tensor of the optimizer state (moments, step counts, masters) by a flat name."""
+        index = {id(m): i for i, m in enumerate(self.master)}
+        out = {}
+        for m, state in self.adamw.state.items():
+            for key, value in state.items():
+                out[f"{self.names[index[id(m)]]}.{key}"] = value
+        if self.separate:
+            out.update({f"{name}.master": m for name, m in zip(self.names, self.master)})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restores `state_tensors()` output exactly (dtypes and values)."""
+        with torch.no_grad():
+            for name, m, p in zip(self.names, self.master, self.params):
+                if self.separate:
+                    m.copy_(tensors[f"{name}.master"])
+                    p.copy_(m)
+                state = {key.rsplit(".", 1)[1]: t for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+                state.pop("master", None)
+                if state:
+                    self.adamw.state[m] = {k: v.to(m.device) if k != "step" else v for k, v in state.items()}

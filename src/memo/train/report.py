@@ -1,0 +1,63 @@
+"""`memo report RUN_DIR`: loss, throughput and memory of a run, from its metrics.jsonl, in one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .metrics import read_metrics  # noqa: E402
+
+GIB = 1 << 30
+
+
+def plot_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Writes the run's report picture (default RUN_DIR/report.png) and returns its path."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    if not steps:
+        raise ValueError(f"{run_dir}: no training records in metrics.jsonl")
+    evals = [r for r in records if "eval_loss" in r]
+    x = [r["step"] for r in steps]
+    fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
+    ax_loss.plot(x, [r["loss"] for r in steps], lw=1, label="train")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
+        if "eval_accuracy" in evals[0]:
+            acc = ax_loss.twinx()
+            acc.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "s--", color="tab:green")
+            acc.set_ylabel("held-out accuracy", color="tab:green")
+            acc.set_ylim(0, 1)
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_loss.legend(loc="upper right")
+    ax_speed.plot(x, [r["tokens_per_s"] for r in steps], lw=1)
+    ax_speed.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    _memory(ax_mem, x, steps)
+    fig.suptitle(f"{run_dir.name}")
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "report.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _memory(ax, x, steps) -> None:
+    """Plots device peak memory where it was measured (CUDA), and the offload's host and traffic bytes."""
+    series = {
+        "device peak allocated": "device_peak_allocated",
+        "device peak reserved": "device_peak_reserved",
+        "pinned host pool": "host_pool_bytes",
+        "offloaded / step": "bytes_offloaded",
+        "recomputed / step": "bytes_recomputed",
+    }
+    for label, key in series.items():
+        values = [r.get(key) for r in steps]
+        if any(v for v in values):
+            ax.plot(x, [(v or 0) / GIB for v in values], lw=1, label=label)
+    ax.set(xlabel="step", ylabel="GiB", title="memory")
+    if ax.lines:
+        ax.legend(fontsize=8)

@@ -1,0 +1,334 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from memo.config import ModelConfig
+from memo.model import Transformer
+from memo.policy import ActivationPolicy
+from memo.train.data import (
+    IGNORE,
+    ByteTokenizer,
+    HFTokenizer,
+    RetrievalTask,
+    TokenDataset,
+    check_vocab,
+    make_source,
+    read_token_file,
+    retrieval_accuracy,
+    retrieval_batch,
+    write_token_file,
+)
+
+
+def _write_jsonl(path, texts, key="text"):
+    path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts))
+    return path
+
+
+def _word_level_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tokenizer.train_from_iterator(["the cat sat", "the dog sat on the cat"], trainer)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path, tokenizer
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+def test_packing_masks_labels_that_cross_document_boundaries():
+    # Documents [10 11 12] [20 21] [30 31 32 33 34], stream of 10 tokens, seq_len 4 -> 3 chunks, last padded.
+    tokens = np.array([10, 11, 12, 20, 21, 30, 31, 32, 33, 34])
+    data = TokenDataset(tokens, np.array([0, 3, 5]), seq_len=4)
+    assert data.num_sequences == 3
+    ids, labels = data.sequence(0)
+    assert ids.tolist() == [10, 11, 12, 20]
+    assert labels.tolist() == [10, 11, 12, IGNORE]  # 12 -> 20 crosses into document 2
+    ids, labels = data.sequence(1)
+    assert ids.tolist() == [21, 30, 31, 32]
+    assert labels.tolist() == [21, IGNORE, 31, 32]  # 21 -> 30 crosses into document 3
+    ids, labels = data.sequence(2)
+    assert ids.tolist() == [33, 34, 0, 0]
+    assert labels.tolist() == [33, 34, IGNORE, IGNORE]  # padding is never a target
+
+
+def test_packed_loss_equals_per_document_loss_on_boundary_free_targets():
+    tokens = np.array([1, 2, 3, 4, 5, 6])
+    ids, labels = TokenDataset(tokens, np.array([0, 2]), seq_len=6).sequence(0)
+    targets = [(t, int(labels[t + 1])) for t in range(5) if labels[t + 1] != IGNORE]
+    assert targets == [(0, 2), (2, 4), (3, 5), (4, 6)]  # never predicts 3 from 2
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_round_trips_unicode():
+    text = "héllo wörld — 你好\n"
+    ids = ByteTokenizer().encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < 256
+    assert ByteTokenizer().decode(ids) == text
+
+
+def test_hf_tokenizer_json_encodes_like_the_tokenizers_library(tmp_path):
+    path, reference = _word_level_tokenizer(tmp_path)
+    tokenizer = HFTokenizer(path)
+    assert tokenizer.vocab_size == reference.get_vocab_size()
+    assert tokenizer.encode("the dog sat") == reference.encode("the dog sat").ids
+    assert tokenizer.decode(tokenizer.encode("the dog sat")) == "the dog sat"
+
+
+def test_make_source_tokenizes_jsonl_with_a_tokenizer_json(tmp_path):
+    path, reference = _word_level_tokenizer(tmp_path)
+    data = _write_jsonl(tmp_path / "d.jsonl", ["the cat", "dog sat on"], key="body")
+    source = make_source(data, seq_len=5, tokenizer_path=path, text_key="body")
+    expected = reference.encode("the cat").ids + reference.encode("dog sat on").ids
+    assert source.sequence(0)[0].tolist() == expected
+    assert source.sequence(0)[1].tolist() == expected[:2] + [IGNORE] + expected[3:]
+    assert source.vocab_size_needed == max(expected) + 1
+
+
+def test_txt_file_is_one_document_and_a_directory_is_many(tmp_path):
+    (tmp_path / "a.txt").write_text("ab\n\ncd")  # blank lines do not split a .txt document
+    (tmp_path / "b.txt").write_text("ef")
+    source = make_source(tmp_path, seq_len=8)
+    ids, labels = source.sequence(0)
+    assert ids.tolist() == list(b"ab\n\ncdef")
+    assert labels.tolist() == list(b"ab\n\ncd") + [IGNORE, ord("f")]
+
+
+# ---------------------------------------------------------------------------------------------- token files
+
+
+def test_token_file_round_trip_is_memory_mapped_and_matches_in_memory_packing(tmp_path):
+    data = _write_jsonl(tmp_path / "d.jsonl", ["hello", "", "wörld", "x"])
+    sidecar = write_token_file(data, tmp_path / "corpus.bin")
+    assert sidecar["num_tokens"] == len(b"hello") + len("wörld".encode()) + 1
+    assert sidecar["num_documents"] == 3 and sidecar["dtype"] == "uint16"
+    tokens, starts, max_id = read_token_file(tmp_path / "corpus.bin")
+    assert isinstance(tokens, np.memmap)
+    assert bytes(tokens.tolist()) == "hellowörldx".encode()
+    assert starts.tolist() == [0, 5, 11] and max_id == max("hellowörldx".encode())
+    from_file = make_source(tmp_path / "corpus.bin", seq_len=4, seed=3)
+    in_memory = make_source(data, seq_len=4, seed=3)
+    for step in range(5):
+        for a, b in zip(from_file.batch(step, 2), in_memory.batch(step, 2)):
+            assert torch.equal(a, b)
+
+
+def test_token_file_with_a_large_vocabulary_uses_uint32(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(70_000)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.save(str(tmp_path / "tok.json"))
+    _write_jsonl(tmp_path / "d.jsonl", ["w69999"])
+    sidecar = write_token_file(tmp_path / "d.jsonl", tmp_path / "c.bin", tmp_path / "tok.json")
+    assert sidecar["dtype"] == "uint32"
+    assert read_token_file(tmp_path / "c.bin")[0].tolist() == [69999]
+
+
+def test_npy_token_file_is_one_document(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(6, dtype=np.uint16))
+    source = make_source(tmp_path / "t.npy", seq_len=3)
+    assert source.sequence(1)[1].tolist() == [3, 4, 5]
+    assert source.vocab_size_needed == 6
+
+
+# ----------------------------------------------------------------------------------------- determinism
+
+
+def test_batches_are_a_function_of_seed_and_step_so_resume_replays_them(tmp_path):
+    data = _write_jsonl(tmp_path / "d.jsonl", [f"document number {i}" for i in range(20)])
+    run = make_source(data, seq_len=16, seed=7)
+    first = [run.batch(step, 3) for step in range(12)]  # several epochs of 23 chunks
+    resumed = make_source(data, seq_len=16, seed=7)
+    for step in (11, 4, 9):
+        assert all(torch.equal(a, b) for a, b in zip(resumed.batch(step, 3), first[step]))
+    other = make_source(data, seq_len=16, seed=8)
+    assert not torch.equal(other.batch(0, 3)[0], first[0][0])
+
+
+def test_each_epoch_visits_every_chunk_once(tmp_path):
+    data = TokenDataset(np.arange(40), np.array([0]), seq_len=4, seed=1)
+    seen = torch.cat([data.batch(step, 2)[0][:, 0] for step in range(5)])
+    assert sorted(seen.tolist()) == list(range(0, 40, 4))
+
+
+def test_retrieval_task_is_resumable_and_held_out_differs():
+    task = RetrievalTask(seq_len=128, seed=5)
+    again = RetrievalTask(seq_len=128, seed=5)
+    for a, b in zip(task.batch(3, 4), again.batch(3, 4)):
+        assert torch.equal(a, b)
+    assert not torch.equal(task.batch(3, 4)[0], task.batch(4, 4)[0])
+    held_out = torch.cat([ids for ids, _ in task.eval_batches(2, 4)])
+    train = torch.cat([task.batch(s, 4)[0] for s in range(2)])
+    assert not torch.equal(held_out, train)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_missing_data_and_tokenizer_files_raise_value_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        make_source(tmp_path / "nope.jsonl", seq_len=8)
+    with pytest.raises(ValueError, match="does not exist"):
+        make_source(tmp_path / "nope.bin", seq_len=8)
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_source(tmp_path / "d.txt", seq_len=8, tokenizer_path=tmp_path / "nope.json")
+
+
+def test_empty_inputs_raise_value_error_naming_the_file(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty.txt: file is empty"):
+        make_source(tmp_path / "empty.txt", seq_len=8)
+    _write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    with pytest.raises(ValueError, match="no text"):
+        make_source(tmp_path / "blank.jsonl", seq_len=8)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(ValueError, match="no .txt or .jsonl"):
+        make_source(tmp_path / "dir", seq_len=8)
+
+
+def test_bad_utf8_names_file_and_line(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"fine\nalso fine\nbroken \xff here\n")
+    with pytest.raises(ValueError, match=r"bad.txt:3: not valid UTF-8"):
+        make_source(tmp_path / "bad.txt", seq_len=8)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xc3("}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid UTF-8"):
+        make_source(tmp_path / "bad.jsonl", seq_len=8)
+
+
+def test_bad_jsonl_lines_name_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: invalid JSON"):
+        make_source(path, seq_len=8)
+    path.write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: expected an object with a 'text' field"):
+        make_source(path, seq_len=8)
+    path.write_text('{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: field 'text' is int"):
+        make_source(path, seq_len=8)
+
+
+def test_bin_without_sidecar_or_with_wrong_size_is_rejected(tmp_path):
+    (tmp_path / "d.txt").write_text("abc")
+    write_token_file(tmp_path / "d.txt", tmp_path / "c.bin")
+    with open(tmp_path / "c.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match="size does not match"):
+        read_token_file(tmp_path / "c.bin")
+    (tmp_path / "c.json").unlink()
+    with pytest.raises(ValueError, match="sidecar"):
+        read_token_file(tmp_path / "c.bin")
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_rejected(tmp_path):
+    path, _ = _word_level_tokenizer(tmp_path)
+    (tmp_path / "d.txt").write_text("héllo")
+    bytes_source = make_source(tmp_path / "d.txt", seq_len=8)
+    check_vocab(bytes_source, 256)
+    with pytest.raises(ValueError, match=r"token ids up to 195 but `--model small` has vocab_size 128"):
+        check_vocab(bytes_source, 128, "small")
+    check_vocab(RetrievalTask(seq_len=256), ModelConfig.preset("tiny").vocab_size)
+
+
+# ---------------------------------------------------------------------------------------- retrieval task
+
+
+def test_retrieval_labels_sit_only_on_answers_and_answers_match_their_facts():
+    task = RetrievalTask(seq_len=200, n_pairs=6, n_keys=10, n_values=5, n_filler=3)
+    ids, labels = retrieval_batch(4, 200, torch.Generator().manual_seed(0), 6, 10, 5, 3)
+    again = retrieval_batch(4, 200, torch.Generator().manual_seed(0), 6, 10, 5, 3)
+    assert torch.equal(ids, again[0]) and torch.equal(labels, again[1])
+    n_facts, query0 = 10 * 5, 10 * 5
+    answer0, filler0 = query0 + 10, query0 + 15
+    context = 200 - 12
+    assert ids.shape == labels.shape == (4, 200)
+    assert int(ids.max()) < task.vocab_size_needed == 50 + 10 + 5 + 3
+    for row_ids, row_labels in zip(ids.tolist(), labels.tolist()):
+        labelled = [t for t, label in enumerate(row_labels) if label != IGNORE]
+        assert labelled == list(range(context + 1, 200, 2))
+        facts = {t // 5: t % 5 for t in row_ids[:context] if t < n_facts}
+        assert len(facts) == 6 and all(filler0 <= t or t < n_facts for t in row_ids[:context])
+        for t in labelled:
+            key, answer = row_ids[t - 1] - query0, row_labels[t] - answer0
+            assert facts[key] == answer
+            assert row_ids[t] == row_labels[t]
+
+
+def test_retrieval_curriculum_keeps_early_tasks_in_a_short_span_and_evaluates_full_length():
+    task = RetrievalTask(seq_len=1024, start_span=256, ramp_start=10, ramp_end=20)
+    assert [task.span(s) for s in (0, 10, 15, 20, 99)] == [256, 256, 640, 1024, 1024]
+    ids, labels = task.batch(0, 2)
+    assert ids.shape == (2, 1024)
+    assert (labels[:, 256:] == IGNORE).all() and (labels[:, 256 - 32 + 1 : 256 : 2] != IGNORE).all()
+    assert (ids[:, 256:] == task.vocab_size_needed - 1).all()  # filler after the queries
+    ids, labels = task.eval_batches(1, 2)[0]
+    assert (labels[:, 1024 - 32 + 1 :: 2] != IGNORE).all()
+
+
+def test_retrieval_batch_rejects_too_many_pairs():
+    with pytest.raises(ValueError, match="n_pairs"):
+        RetrievalTask(seq_len=256, n_pairs=17, n_keys=16)
+    with pytest.raises(ValueError, match="seq-len"):
+        RetrievalTask(seq_len=32, n_pairs=16)
+
+
+class _Oracle(torch.nn.Module):
+    """Answers every query from the facts it has seen: the accuracy metric must score it 1."""
+
+    def __init__(self, task: RetrievalTask):
+        super().__init__()
+        self.task = task
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, ids):
+        t = self.task
+        n_facts, query0 = t.n_keys * t.n_values, t.n_keys * t.n_values
+        logits = torch.zeros(*ids.shape, t.vocab_size_needed)
+        for b, row in enumerate(ids.tolist()):
+            facts = {}
+            for pos, token in enumerate(row):
+                if token < n_facts:
+                    facts[token // t.n_values] = token % t.n_values
+                elif token < query0 + t.n_keys:
+                    logits[b, pos, query0 + t.n_keys + facts[token - query0]] = 1.0
+        return logits
+
+
+def test_retrieval_accuracy_scores_an_oracle_one_and_a_constant_at_chance():
+    task = RetrievalTask(seq_len=128, n_pairs=8)
+    batches = task.eval_batches(2, 4)
+    assert retrieval_accuracy(_Oracle(task), batches) == 1.0
+    constant = torch.nn.Linear(1, 1)
+    constant.forward = lambda ids: torch.zeros(*ids.shape, 256)  # argmax is always id 0, a fact token
+    assert retrieval_accuracy(constant, batches) == 0.0
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_retrieval_well_below_chance():
+    torch.manual_seed(0)
+    task = RetrievalTask(seq_len=256, seed=0, n_pairs=8)
+    model = Transformer(ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
+    losses = []
+    for step in range(400):
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (step + 1) / 20)
+        ids, labels = task.batch(step, 16)
+        loss = model(ids, labels=labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert sum(losses[-25:]) / 25 < 0.6 * task.chance_loss
+    assert retrieval_accuracy(model, task.eval_batches(2, 8)) > 0.5

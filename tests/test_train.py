@@ -1,0 +1,169 @@
+"""`memo train` as a user runs it: config files and flags, run directories, checkpoints, exact resume, reports."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from memo import ModelConfig, Transformer, to_hf
+from memo.cli import main
+from memo.train import checkpoint
+from memo.train.config import TrainConfig
+from memo.train.loop import Trainer
+from memo.train.metrics import read_metrics
+from memo.train.optim import MasterAdamW, learning_rate
+
+SMALL = ["--seq-len", "64", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "2"]
+
+
+def _records(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def _losses(records) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs without --out go to ./runs: keep them out of the work tree
+
+
+def test_config_file_sets_fields_and_flags_override_them(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("steps: 3\nlr: 0.01\nseq-len: 64\nbatch_size: 2\nalpha: 0.25\n")
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--steps", "2", "--out", str(out), "--json"]) == 0
+    assert sorted(_losses(_records(capsys))) == [1, 2]
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["steps"], saved["lr"], saved["seq_len"], saved["alpha"]) == (2, 0.01, 64, 0.25)
+    (tmp_path / "run.toml").write_text('strategy = "full"\nsteps = 1\nseq_len = 64\nbatch_size = 1\n')
+    assert main(["train", "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "t"), "--json"]) == 0
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["strategy"] == "full"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("stepz: 3\n", "unknown field 'stepz'"),
+        ("steps: three\n", "`steps` must be int"),
+        ("steps: 0\n", "`--steps` must be positive"),
+        ("- 1\n- 2\n", "expected a mapping"),
+        ("steps: [\n", "is not valid"),
+        ("batch_size: 3\ngrad_accum: 2\n", "not a multiple of `--grad-accum`"),
+    ],
+)
+def test_bad_config_files_exit_2_with_one_clear_line(tmp_path, capsys, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    assert main(["train", "--config", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_config_file_and_existing_run_are_clear_errors(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "cannot read config" in capsys.readouterr().err
+    out = str(tmp_path / "run")
+    assert main(["train", *SMALL, "--steps", "1", "--out", out, "--json"]) == 0
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--steps", "1", "--out", out]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def _interrupted(cfg: TrainConfig, stop_at: int) -> None:
+    """Runs `cfg` and stops the process's work at step `stop_at` (as a crash would)."""
+    for record in Trainer(cfg).records():
+        if record["step"] == stop_at:
+            break
+
+
+@pytest.mark.parametrize("strategy", ["memo", "none"])
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, capsys, strategy):
+    common = [*SMALL, "--steps", "6", "--save-every", "3", "--eval-every", "2", "--strategy", strategy, "--json"]
+    assert main(["train", *common, "--out", str(tmp_path / "a")]) == 0
+    straight = _losses(_records(capsys))
+    cfg = TrainConfig.from_dict(
+        {"seq_len": 64, "batch_size": 2, "eval_batches": 1, "warmup_steps": 2, "steps": 6, "save_every": 3,
+         "eval_every": 2, "strategy": strategy, "out": str(tmp_path / "b")}
+    )  # fmt: skip
+    _interrupted(cfg, stop_at=5)  # the checkpoint of step 3 is the latest one written
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "b")] == ["step-0000003"]
+    assert main(["train", "--resume", str(tmp_path / "b"), "--json"]) == 0
+    resumed = _losses(_records(capsys))
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == straight[s] for s in resumed), (resumed, straight)
+    logged = [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r]
+    assert logged == [1, 2, 3, 4, 5, 6]  # records of the lost steps 4-5 were replaced, not duplicated
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    cfg = TrainConfig.from_dict({"seq_len": 64, "batch_size": 1, "steps": 4, "save_every": 2, "out": str(tmp_path)})
+    real = checkpoint.save_file
+    calls = []
+
+    def dies_on_the_second_file_of_step_4(tensors, path):
+        calls.append(path)
+        if "step-0000004" in path and path.endswith("optimizer.safetensors"):
+            raise KeyboardInterrupt("killed mid-save")
+        real(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", dies_on_the_second_file_of_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in Trainer(cfg).records():
+            pass
+    latest = checkpoint.load_latest(tmp_path)
+    assert latest.step == 2 and set(latest.model) == set(Transformer(ModelConfig.preset("tiny")).state_dict())
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    resumed = Trainer(cfg, resume=True)
+    assert resumed.step == 2
+    assert [r["step"] for r in resumed.records() if "loss" in r] == [3, 4]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-0000002", "step-0000004"]
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_min_lr():
+    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    assert learning_rate(cfg, 5) == pytest.approx(5e-4)
+    assert learning_rate(cfg, 10) == pytest.approx(1e-3)
+    assert learning_rate(cfg, 60) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert learning_rate(cfg, 110) == pytest.approx(1e-4)
+    linear = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=0.0, schedule="linear")
+    assert learning_rate(linear, 60) == pytest.approx(5e-4)
+
+
+def test_bf16_training_keeps_fp32_master_weights_that_the_model_copies():
+    cfg = TrainConfig(dtype="bfloat16", lr=1e-2, warmup_steps=0)
+    model = Transformer(ModelConfig.preset("tiny")).to(torch.bfloat16)
+    opt = MasterAdamW(model, cfg)
+    ids = torch.randint(0, 256, (1, 16))
+    model(ids, labels=ids).backward()
+    opt.step(1e-2, 1.0)
+    assert all(m.dtype == torch.float32 for m in opt.master)
+    for m, p in zip(opt.master, model.parameters()):
+        assert torch.equal(p, m.to(torch.bfloat16)) and p.grad is None
+    state = opt.state_tensors()
+    assert any(k.endswith(".master") for k in state) and any(k.endswith(".exp_avg") for k in state)
+
+
+def test_a_hugging_face_folder_is_a_model(tmp_path, capsys):
+    to_hf(Transformer(ModelConfig.preset("tiny")), tmp_path / "hf")
+    argv = ["train", "--model", str(tmp_path / "hf"), *SMALL, "--steps", "1", "--out", str(tmp_path / "r"), "--json"]
+    assert main(argv) == 0
+    assert _losses(_records(capsys))[1] > 0
+
+
+def test_metrics_and_report(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "2", "--eval-every", "1", "--out", str(out), "--json"]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    step = next(r for r in records if "loss" in r)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "host_pool_bytes",
+                "bytes_offloaded", "bytes_recomputed"):  # fmt: skip
+        assert key in step
+    assert step["bytes_offloaded"] > 0 and step["mfu"] is None  # no known peak FLOP/s on a CPU
+    assert any("eval_loss" in r for r in records)
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    png = out / "report.png"
+    assert capsys.readouterr().out.strip() == str(png) and png.read_bytes()[:4] == b"\x89PNG"
