@@ -54,10 +54,12 @@ def _memory(ax, x, steps) -> None:
         "offloaded / step": "bytes_offloaded",
         "recomputed / step": "bytes_recomputed",
     }
-    for label, key in series.items():
-        values = [r.get(key) for r in steps]
-        if any(v for v in values):
-            ax.plot(x, [(v or 0) / GIB for v in values], lw=1, label=label)
-    ax.set(xlabel="step", ylabel="GiB", title="memory")
+    present = {label: [r.get(key) or 0 for r in steps] for label, key in series.items()}
+    present = {label: values for label, values in present.items() if any(values)}
+    top = max((max(v) for v in present.values()), default=0)
+    unit, scale = ("GiB", GIB) if top >= GIB else ("MiB", 1 << 20)
+    for (label, values), style in zip(present.items(), ("-", "--", "-.", ":", "-")):
+        ax.plot(x, [v / scale for v in values], style, lw=1.5, label=label)
+    ax.set(xlabel="step", ylabel=unit, title="memory")
     if ax.lines:
         ax.legend(fontsize=8)
