@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from .plan.dsa import solve
 from .plan.plot import plot_plan
 from .plan.problem import read_csv, write_csv
 from .policy import STRATEGIES, ActivationPolicy
+from .train import checkpoint
 from .train.config import TrainConfig, read_config_file
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
@@ -30,10 +33,13 @@ from .units import format_bytes, format_count, parse_size
 def _train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
+        allow_abbrev=False,  # whole flags only: `--nproc` is taken out of the arguments torchrun passes on
         help="train a model (default: `tiny` on the generated long-range retrieval task)",
         description=(
             "Train with MEMO's activation memory management. Every field can come from --config FILE "
-            "(YAML, TOML or JSON) and be overridden by its flag; --resume RUN_DIR continues a run exactly."
+            "(YAML, TOML or JSON) and be overridden by its flag; --resume RUN_DIR continues a run exactly, on "
+            "any number of ranks. Distributed: `torchrun --nproc-per-node N -m memo train ...`, or `--nproc N` "
+            "(which relaunches under torchrun); ranks form a dp x sp mesh with `--sp` ranks per sequence."
         ),
     )
     p.add_argument("--config", help="YAML/TOML/JSON file of the fields below")
@@ -71,11 +77,45 @@ def _run_train(args) -> int:
         if values.get("alpha") is not None and values.get("strategy", TrainConfig.strategy) != "memo":
             ActivationPolicy(values.get("strategy"), alpha=values["alpha"])  # raises the clear error
         cfg, resume = TrainConfig.from_dict(values, args.config or "flags"), False
-    trainer = Trainer(cfg, resume=resume)
-    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=args.json)
+    if cfg.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _relaunch(cfg, args.argv)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, resume=resume)
+        return _train(trainer, args.json)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        elif torch.distributed.is_initialized():  # a rank that failed to start: the others fail the same way
+            torch.distributed.destroy_process_group()
+
+
+def _relaunch(cfg: TrainConfig, argv: list[str]) -> int:
+    """Runs the same `memo train` under torchrun with `cfg.nproc` ranks on this machine; returns its exit code."""
+    cfg.check_world(cfg.nproc)  # before starting processes that would each fail
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}"]
+    return subprocess.call([*command, "-m", "memo", *_without_nproc(argv)])
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """Returns `argv` less `--nproc N`: torchrun would take `--nproc` for its own `--nproc-per-node`."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and not arg.startswith("--nproc"):
+            out.append(arg)
+        skip = arg == "--nproc"
+    return out
+
+
+def _train(trainer: Trainer, as_json: bool) -> int:
+    """Trains; rank 0 prints (the records of every rank are the same)."""
+    cfg, quiet = trainer.cfg, trainer.rank != 0
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=as_json or quiet)
     history, evals = [], []
     for record in trainer.records():
-        if args.json:
+        if quiet:
+            continue
+        if as_json:
             print(json.dumps(record), flush=True)
         if "eval_loss" in record:
             evals.append(record)
@@ -89,7 +129,7 @@ def _run_train(args) -> int:
         )
         bar.update()
     bar.close()
-    if not args.json and history:
+    if not as_json and history:
         _print_summary(cfg, trainer, history, evals)
     return 0
 
@@ -104,7 +144,8 @@ def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None
     timed = history[1:] or history  # the first step includes one-off sizing, planning and warm-up
     tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
     last = history[-1]
-    print(f"model {cfg.model}  strategy {cfg.strategy}  alpha {last['alphas'] or '-'}  run {trainer.run_dir}")
+    ranks = f"  ranks {trainer.mesh.size()} (dp {trainer.mesh['dp'].size()} x sp {cfg.sp})" if trainer.mesh else ""
+    print(f"model {cfg.model}  strategy {cfg.strategy}  alpha {last['alphas'] or '-'}{ranks}  run {trainer.run_dir}")
     print(f"loss {history[0]['loss']:.4f} -> {last['loss']:.4f} over steps {history[0]['step']}-{last['step']}")
     if evals:
         e = evals[-1]
@@ -121,6 +162,24 @@ def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None
             f"tensors; not planned: {', '.join(sorted({u['op'] for u in summary['unplanned']})) or 'nothing'}"
         )
     print(f"metrics {trainer.run_dir / 'metrics.jsonl'}  picture: memo report {trainer.run_dir}")
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's latest weights as one safetensors file of whole tensors (for inference)",
+        description="Gather the latest checkpoint of RUN_DIR, one-process or sharded by a distributed run, into "
+        "one model.safetensors of whole tensors (fp32 masters when the run trained in bf16); load it with "
+        "Transformer.load_state_dict(safetensors.torch.load_file(PATH)).",
+    )
+    p.add_argument("run_dir", help="a run directory written by `memo train`")
+    p.add_argument("--out", help="safetensors path (default: RUN_DIR/export/model.safetensors)")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    print(checkpoint.export(Path(args.run_dir), args.out))
+    return 0
 
 
 def _report_parser(sub) -> None:
@@ -350,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="verb", required=True)
     _train_parser(sub)
+    _export_parser(sub)
     _report_parser(sub)
     _estimate_parser(sub)
     _calibrate_parser(sub)
@@ -360,11 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs `memo <verb>`; returns the exit code. Bad input exits 2 with one line on stderr."""
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.run(args)
     except ValueError as err:
-        print(f"memo {args.verb}: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: rank 0 says why
+            print(f"memo {args.verb}: error: {err}", file=sys.stderr)
         return 2
 
 

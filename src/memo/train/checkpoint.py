@@ -1,10 +1,21 @@
 """Checkpoints: weights and optimizer state in safetensors, the rest in JSON, written atomically.
 
-A checkpoint is a folder `RUN_DIR/checkpoints/step-NNNNNNN/` holding `model.safetensors`,
-`optimizer.safetensors` (AdamW moments and fp32 master weights), and `state.json` (step, config, optimizer
-hyper-parameters, solved α, RNG states). It is written into a temporary folder, flushed to disk, and renamed
-into place, so a crash mid-save leaves the previous checkpoint untouched and no half checkpoint visible.
-Nothing is loaded through pickle.
+A checkpoint is a folder `RUN_DIR/checkpoints/step-NNNNNNN/` holding `state.json` (step, config, solved α,
+RNG states) and the tensors, in one of two layouts:
+
+- one process: `model.safetensors` and `optimizer.safetensors` (AdamW moments, fp32 master weights);
+- distributed: `model/` and `optimizer/`, written by torch.distributed.checkpoint (DCP) with its Hugging
+  Face storage writer, one `shard-RRRRR-model-00001-of-00001.safetensors` per rank holding that rank's
+  slices of the sharded tensors, each slice's offset in the file's safetensors metadata.
+
+Tensors carry the same names in both (optimizer state as `<parameter>.exp_avg`, `.exp_avg_sq`, `.step`,
+`.master`), so either layout resumes on any number of ranks: DCP reads the slices each rank needs for its
+own shards, or whole tensors for one process. It is written into a temporary folder, flushed to disk, and
+renamed into place (by rank 0, after every rank has written), so a crash mid-save leaves the previous
+checkpoint untouched and no half checkpoint visible. Nothing is loaded through pickle: DCP's default
+format keeps its `.metadata` as a pickle, the Hugging Face reader rebuilds it from the safetensors headers.
+
+`export` writes the newest checkpoint's weights as one `model.safetensors` of whole tensors (for inference).
 """
 
 from __future__ import annotations
@@ -12,22 +23,71 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 PREFIX = "step-"
+PARTS = ("model", "optimizer")
 
 
 @dataclass
 class Checkpoint:
+    """A checkpoint on disk; its tensors are read when asked for (whole, or into a rank's shards)."""
+
     step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
     state: dict
     path: Path
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a distributed run wrote it (DCP layout) rather than one process."""
+        return (self.path / "model").is_dir()
+
+    @cached_property
+    def model(self) -> dict[str, torch.Tensor]:
+        return self._whole("model")
+
+    @cached_property
+    def optimizer(self) -> dict[str, torch.Tensor]:
+        return self._whole("optimizer")
+
+    def shapes(self, part: str) -> dict[str, torch.Size]:
+        """Returns the shape of every saved tensor by name: of `part` ("model" or "optimizer"), or of both
+        for a one-process checkpoint (whose two files share a folder)."""
+        try:
+            metadata = self._reader(part).read_metadata().state_dict_metadata
+        except (OSError, ValueError, RuntimeError) as err:
+            raise ValueError(f"checkpoint {self.path} cannot be read: {err}") from None
+        return {name: meta.size for name, meta in metadata.items()}
+
+    def load_into(self, part: str, targets: dict[str, torch.Tensor]) -> None:
+        """Fills `targets` (plain tensors, or this rank's DTensor shards) with the saved values of their names,
+        cast to their dtypes; collective under a process group: every rank reads only the slices it holds."""
+        with warnings.catch_warnings():  # one process: DCP notes that it runs without a process group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=self._reader(part))
+
+    def _reader(self, part: str) -> HuggingFaceStorageReader:
+        return HuggingFaceStorageReader(str(self.path / part if self.sharded else self.path))
+
+    def _whole(self, part: str) -> dict[str, torch.Tensor]:
+        try:
+            if not self.sharded:
+                return load_file(str(self.path / f"{part}.safetensors"))
+            metadata = self._reader(part).read_metadata().state_dict_metadata
+            tensors = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in metadata.items()}
+            self.load_into(part, tensors)
+            return tensors
+        except (OSError, ValueError, RuntimeError) as err:
+            raise ValueError(f"checkpoint {self.path} cannot be read: {err}") from None
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -55,6 +115,34 @@ def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, ke
     return final
 
 
+def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, keep: int) -> Path:
+    """Like `save`, from every rank of the process group at once (collective): `model` and `optimizer` hold
+    each rank's DTensor shards (and replicated plain tensors), written by DCP; rank 0 writes `state`."""
+    root = checkpoint_dir(run_dir)
+    final = root / f"{PREFIX}{step:07d}"
+    tmp = root / f".tmp-{final.name}"  # the same on every rank
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    for part, tensors in zip(PARTS, (model, optimizer)):
+        writer = HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
+        dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
+    if rank0:  # DCP's save ends once every rank's files are written
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(root)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
+    return final
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Returns the complete checkpoints of a run, oldest first (temporary folders are never listed)."""
     root = checkpoint_dir(run_dir)
@@ -72,15 +160,26 @@ def load_latest(run_dir: Path) -> Checkpoint:
     path = found[-1]
     try:
         state = json.loads((path / "state.json").read_text())
-        return Checkpoint(
-            state["step"],
-            load_file(str(path / "model.safetensors")),
-            load_file(str(path / "optimizer.safetensors")),
-            state,
-            path,
-        )
+        return Checkpoint(state["step"], state, path)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"checkpoint {path} cannot be read: {err}") from None
+
+
+def export(run_dir: Path, out: Path | None = None) -> Path:
+    """Writes the weights of the newest checkpoint of `run_dir` as whole tensors in one safetensors file
+    (default `RUN_DIR/export/model.safetensors`, atomically); fp32 masters replace bf16 weights."""
+    saved = load_latest(run_dir)
+    weights = saved.model
+    masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}
+    weights = {name: masters.get(name, t) for name, t in weights.items()}
+    out = Path(out) if out else Path(run_dir) / "export" / "model.safetensors"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    metadata = {"step": str(saved.step), "model": str(saved.state.get("config", {}).get("model", ""))}
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
+    _fsync(tmp)
+    os.replace(tmp, out)
+    return out
 
 
 def _fsync(path: Path) -> None:
@@ -93,5 +192,5 @@ def _fsync(path: Path) -> None:
 
 def _fsync_tree(folder: Path) -> None:
     for p in folder.iterdir():
-        _fsync(p)
+        _fsync_tree(p) if p.is_dir() else _fsync(p)
     _fsync(folder)

@@ -54,8 +54,11 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "max global gradient norm")
     seed: int = _f(0, "seed for weights and data")
-    device: str = _f("cpu", "torch device, e.g. cpu or cuda")
+    device: str = _f("cpu", "torch device, e.g. cpu or cuda (distributed: cuda:LOCAL_RANK on CUDA machines)")
     dtype: str = _f("float32", "bfloat16: bf16 compute with fp32 master weights and optimizer state", choices=DTYPES)
+    # distributed (torchrun: WORLD_SIZE ranks = dp x sp)
+    sp: int = _f(1, "sequence-parallel ranks per sequence (Ulysses); data-parallel ranks dp = world size / sp")
+    nproc: int = _f(1, "processes on this machine: `memo train` relaunches itself under torchrun (one per GPU)")
     # run directory
     out: str | None = _f(None, "run directory (default: runs/<date-time>)")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
@@ -66,6 +69,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "keep_checkpoints", "eval_every", "eval_batches")
+        positive += ("sp", "nproc")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
@@ -88,14 +92,31 @@ class TrainConfig:
                 raise ValueError(
                     f"`--{_flag(f.name)}` must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
+        if self.seq_len % self.sp:
+            raise ValueError(f"`--seq-len` {self.seq_len} is not a multiple of `--sp` {self.sp}")
+        if self.arena and self.sp > 1:
+            raise ValueError("`--arena` does not support sequence parallelism: use `--sp 1` or leave out `--arena`")
         if self.host_budget is not None:
             parse_size(self.host_budget)
         self.policy()
 
-    def policy(self, alphas: list[float] | None = None) -> ActivationPolicy:
-        """Returns the activation policy; `alphas` (per layer, e.g. from a checkpoint) pins a solved α."""
+    def check_world(self, world: int) -> None:
+        """Raises ValueError unless `world` ranks split into dp × sp and the batch into dp × grad-accum parts."""
+        if world % self.sp:
+            hint = ": launch more ranks (`--nproc`, torchrun) or lower `--sp`" if world < self.sp else ""
+            raise ValueError(f"`--sp` {self.sp} does not divide the number of ranks ({world}){hint}")
+        dp = world // self.sp
+        if self.batch_size % (dp * self.grad_accum):
+            raise ValueError(
+                f"`--batch-size` {self.batch_size} is not a multiple of the data-parallel ranks x `--grad-accum` "
+                f"({dp} x {self.grad_accum})"
+            )
+
+    def policy(self, alphas: list[float] | None = None, host_budget_bytes: int | None = None) -> ActivationPolicy:
+        """Returns the activation policy; `alphas` (per layer, e.g. from a checkpoint) pins a solved α, and
+        `host_budget_bytes` (one rank's share of the node) replaces `--host-budget`."""
         alpha = alphas if alphas is not None else self.alpha
-        budget = parse_size(self.host_budget) if self.host_budget else None
+        budget = host_budget_bytes or (parse_size(self.host_budget) if self.host_budget else None)
         return ActivationPolicy(
             self.strategy, alpha=alpha if self.strategy == "memo" else None, host_budget_bytes=budget
         )

@@ -17,6 +17,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from ..loss import shift_labels
+
 log = logging.getLogger(__name__)
 
 IGNORE = -100
@@ -143,16 +145,19 @@ def retrieval_batch(
 def retrieval_accuracy(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Returns the fraction of labelled tokens that the model's greedy (argmax) prediction gets exactly right."""
     device = next(model.parameters()).device
-    correct = total = 0
-    for ids, labels in batches:
-        predicted = model(ids.to(device)).argmax(dim=-1)[:, :-1].cpu()  # (b, s-1): position t predicts t+1
-        targets = labels[:, 1:]
-        mask = targets != IGNORE
-        correct += int((predicted[mask] == targets[mask]).sum())
-        total += int(mask.sum())
-    if total == 0:
+    counts = sum(answer_counts(model, ids.to(device), shift_labels(labels).to(device)) for ids, labels in batches)
+    if counts[1] == 0:
         raise ValueError("retrieval accuracy needs at least one labelled token")
-    return correct / total
+    return int(counts[0]) / int(counts[1])
+
+
+@torch.no_grad()
+def answer_counts(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Returns [correct, labelled] over `targets` (shifted labels: position t predicts targets[t]) of the
+    model's greedy predictions; a sequence-parallel rank passes its own tokens and gets its own counts."""
+    predicted = model(ids).argmax(dim=-1)  # (b, s)
+    mask = targets != IGNORE
+    return torch.stack(((predicted[mask] == targets[mask]).sum(), mask.sum()))
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizers

@@ -2,6 +2,11 @@
 metrics record per optimizer step (and one per evaluation). Resuming restores everything the next step
 depends on (weights, AdamW state, fp32 masters, solved α, RNG; data and learning rate are functions of the
 step), so a resumed run's losses equal an uninterrupted run's.
+
+Under torchrun (WORLD_SIZE > 1) every rank runs the same loop on a dp × sp mesh (memo.parallel): it builds
+the same model (same seed), shards it, and takes its slice of each global batch; the loss is already the
+mean over all ranks' tokens, so its value, the gradient norm and every optimizer step are the ones of one
+process training the same batches. Rank 0 alone writes the run directory's files and the metrics.
 """
 
 from __future__ import annotations
@@ -10,28 +15,41 @@ import json
 import os
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from .. import parallel
 from ..config import PRESETS, ModelConfig
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import GPUS
+from ..loss import shift_labels
 from ..model import Transformer
+from ..policy import ActivationPolicy
+from ..units import parse_size
 from . import checkpoint
 from .config import TrainConfig, read_config_file
-from .data import check_vocab, make_source, retrieval_accuracy
+from .data import answer_counts, check_vocab, make_source
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_model(cfg: TrainConfig, alphas: list[float] | None = None) -> Transformer:
-    """Returns the model of `cfg.model` (preset, config file or Hugging Face folder) on its device and dtype."""
+def world_size() -> int:
+    """Returns the number of ranks torchrun started (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_model(cfg: TrainConfig, policy: ActivationPolicy, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """Returns the model of `cfg.model` (preset, config file or Hugging Face folder) on `device` and `dtype`,
+    initialised from `cfg.seed` (the same on every rank)."""
     torch.manual_seed(cfg.seed)
-    policy, path = cfg.policy(alphas), Path(cfg.model)
+    path = Path(cfg.model)
     if cfg.model in PRESETS:
         model = Transformer(ModelConfig.preset(cfg.model), policy)
     elif path.is_dir():
@@ -48,32 +66,84 @@ def build_model(cfg: TrainConfig, alphas: list[float] | None = None) -> Transfor
             raise ValueError(f"model config {path}: {err}") from None
     else:
         raise ValueError(f"`--model` {cfg.model!r} is neither a preset ({', '.join(PRESETS)}) nor a file or folder")
-    return model.to(device=torch.device(cfg.device), dtype=DTYPES[cfg.dtype])
+    return model.to(device=device, dtype=dtype)
 
 
 class Trainer:
-    """One run: `records()` trains from the current step to `cfg.steps`, checkpointing as configured."""
+    """One run: `records()` trains from the current step to `cfg.steps`, checkpointing as configured. Under
+    torchrun every rank makes its own Trainer; `rank == 0` is the one that writes."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False):
+        world = world_size()
+        cfg.check_world(world)
+        self.mesh: DeviceMesh | None = parallel.init_mesh(cfg.sp) if world > 1 else None
+        self.rank = dist.get_rank() if self.mesh else 0
+        if self.mesh:
+            cfg = _record_launch(cfg)
         self.cfg = cfg
-        self.run_dir = Path(cfg.out) if cfg.out else _new_run_dir()
+        self.run_dir = Path(cfg.out) if cfg.out else self._agreed(_new_run_dir())
         saved = checkpoint.load_latest(self.run_dir) if resume else None
         if not resume and checkpoint.list_checkpoints(self.run_dir):
             raise ValueError(f"{self.run_dir} already holds a run: `--resume {self.run_dir}` or another `--out`")
-        self.device = torch.device(cfg.device)
-        self.model = build_model(cfg, saved.state.get("alphas") if saved else None)
+        self.device = self._device()
+        self.model = self._build_model(saved.state.get("alphas") if saved else None)
         self.source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_key)
         check_vocab(self.source, self.model.config.vocab_size, cfg.model)
-        self.optimizer = MasterAdamW(self.model, cfg)
+        clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
+        self.optimizer = MasterAdamW(self.model, cfg, clip)
         self.step = 0
         if saved:
             self._restore(saved)
-        self.arena = self.model.plan_memory() if cfg.arena else None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(self.run_dir / "config.json", cfg.to_dict())
-        self.log = MetricsLog(self.run_dir, cfg.tensorboard, resume_after=self.step)
+        self.log = None
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(self.run_dir / "config.json", cfg.to_dict())
+            self.log = MetricsLog(self.run_dir, cfg.tensorboard, resume_after=self.step)
         self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
         self.peak_flops = _peak_flops(self.device)
+
+    def _device(self) -> torch.device:
+        """Returns `--device`, or under torchrun this rank's GPU (cuda:LOCAL_RANK) or the CPU, as the mesh is."""
+        if not self.mesh:
+            return torch.device(self.cfg.device)
+        kind = self.mesh.device_type
+        if torch.device(self.cfg.device).type != kind:
+            raise ValueError(
+                f"`--device {self.cfg.device}`: distributed runs use {kind} on this machine (one GPU per rank when "
+                "CUDA is available); give `--device cuda`, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPUs"
+            )
+        return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device(kind)
+
+    def _build_model(self, alphas: list[float] | None) -> Transformer:
+        """Returns the model; under torchrun sharded over the mesh, float32 with FSDP's bf16 mixed precision
+        (its fp32 parameters are the masters), after checking that the node's host memory holds the offload."""
+        cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
+        if not self.mesh:
+            model = build_model(cfg, cfg.policy(alphas), self.device, dtype)
+            self.arena = model.plan_memory() if cfg.arena else None
+            return model
+        budget = parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
+        model = build_model(cfg, cfg.policy(alphas, budget), self.device, torch.float32)
+        self.arena = model.plan_memory() if cfg.arena else None
+        dp = self.mesh["dp"].size()
+        parallel.check_host_budget(model, cfg.batch_size // cfg.grad_accum // dp, cfg.seq_len // cfg.sp, dtype, budget)
+        return parallel.parallelize(model, self.mesh, mixed_precision=cfg.dtype == "bfloat16")
+
+    def _agreed(self, path: Path) -> Path:
+        """Returns rank 0's `path` on every rank (a run directory named after the time of day)."""
+        if not self.mesh:
+            return path
+        text = torch.zeros(1024, dtype=torch.uint8, device=self.mesh.device_type)
+        raw = str(path).encode()[:1024]
+        text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        dist.broadcast(text, src=0)
+        return Path(bytes(text.cpu().tolist()).rstrip(b"\0").decode())
+
+    def close(self) -> None:
+        """Ends the process group a distributed Trainer started (after every rank arrives)."""
+        if self.mesh and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def records(self) -> Iterator[dict]:
         """Trains; yields each step's record, then (at evaluation steps) an evaluation record."""
@@ -81,45 +151,65 @@ class Trainer:
             while self.step < self.cfg.steps:
                 self.step += 1
                 record = self._train_step()
-                self.log.write(record)
+                self._write(record)
                 yield record
                 if self._evaluates() and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
                     record = {"step": self.step, **self.evaluate()}
-                    self.log.write(record)
+                    self._write(record)
                     yield record
                 if self.step == self.cfg.steps or (self.cfg.save_every and self.step % self.cfg.save_every == 0):
                     self.save()
         finally:
-            self.log.close()
+            if self.log is not None:
+                self.log.close()
+
+    def _write(self, record: dict) -> None:
+        if self.log is not None:
+            self.log.write(record)
 
     def _evaluates(self) -> bool:
         return hasattr(self.source, "eval_batches")  # the generated task has a held-out stream; files do not
 
     def evaluate(self) -> dict:
-        """Returns the held-out loss and answer accuracy of the generated task (never trained on)."""
+        """Returns the held-out loss and answer accuracy of the generated task (never trained on); under
+        torchrun each rank scores its shard of every batch and the counts are summed over the ranks."""
         batches = self.source.eval_batches(self.cfg.eval_batches, self.cfg.batch_size // self.cfg.grad_accum)
+        losses, counts = [], torch.zeros(2, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            losses = [self.model(ids.to(self.device), labels=labels.to(self.device)).item() for ids, labels in batches]
-            accuracy = retrieval_accuracy(self.model, batches)
-        return {"eval_loss": sum(losses) / len(losses), "eval_accuracy": accuracy}
+            for ids, labels in batches:
+                ids, targets = self._local(ids, labels)
+                losses.append(self.model(ids, targets=targets).item())  # the mean over every rank's tokens
+                counts += answer_counts(self.model, ids, targets)
+        if self.mesh:
+            dist.all_reduce(counts)
+        if counts[1] == 0:
+            raise ValueError("retrieval accuracy needs at least one labelled token")
+        return {"eval_loss": sum(losses) / len(losses), "eval_accuracy": int(counts[0]) / int(counts[1])}
+
+    def _local(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (input ids, shifted targets) of this rank's part of a global batch, on its device."""
+        ids, targets = parallel.shard_batch(ids, labels, self.mesh) if self.mesh else (ids, shift_labels(labels))
+        return ids.to(self.device), targets.to(self.device)
 
     def _train_step(self) -> dict:
         cfg, model = self.cfg, self.model
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        ids, labels = self.source.batch(self.step, cfg.batch_size)
+        ids, labels = self.source.batch(self.step, cfg.batch_size)  # the global batch, the same on every rank
         total = torch.zeros((), device=self.device)
         for micro_ids, micro_labels in zip(ids.chunk(cfg.grad_accum), labels.chunk(cfg.grad_accum)):
-            loss = model(micro_ids.to(self.device), labels=micro_labels.to(self.device)) / cfg.grad_accum
+            local_ids, targets = self._local(micro_ids, micro_labels)
+            loss = model(local_ids, targets=targets) / cfg.grad_accum
             loss.backward()
             total += loss.detach().float()
         lr = learning_rate(cfg, self.step)
         grad_norm = self.optimizer.step(lr, cfg.grad_clip)
         loss_value = total.item()  # synchronises the device: the step is done
         seconds = time.perf_counter() - start
-        tokens = cfg.batch_size * cfg.seq_len
+        tokens = cfg.batch_size * cfg.seq_len  # over all ranks
         flops = self.flops_per_token * tokens / seconds
+        ranks = self.mesh.size() if self.mesh else 1
         stats = model.swap_stats()
         record = {
             "step": self.step,
@@ -129,7 +219,7 @@ class Trainer:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
             "tflops": flops / 1e12,
-            "mfu": flops / self.peak_flops if self.peak_flops else None,
+            "mfu": flops / (ranks * self.peak_flops) if self.peak_flops else None,
             "host_pool_bytes": stats.host_pool_bytes,
             "bytes_offloaded": stats.bytes_offloaded,
             "bytes_recomputed": stats.bytes_recomputed,
@@ -141,30 +231,55 @@ class Trainer:
         return record
 
     def save(self) -> Path:
-        """Writes a checkpoint of the current step (atomically)."""
+        """Writes a checkpoint of the current step (atomically); under torchrun every rank writes its shards
+        (collective)."""
         state = {
             "config": self.cfg.to_dict(),
             "alphas": self.model.swap_stats().alphas or None,
             "rng": _rng_state(),
             "data": {"next_step": self.step + 1},
         }
-        return checkpoint.save(
-            self.run_dir,
-            self.step,
-            self.model.state_dict(),
-            self.optimizer.state_tensors(),
-            state,
-            self.cfg.keep_checkpoints,
-        )
+        save = checkpoint.save_sharded if self.mesh else checkpoint.save
+        tensors = self.model.state_dict(), self.optimizer.state_tensors()
+        return save(self.run_dir, self.step, *tensors, state, self.cfg.keep_checkpoints)
 
     def _restore(self, saved: checkpoint.Checkpoint) -> None:
+        """Loads a checkpoint of either layout, written on any number of ranks."""
         try:
-            self.model.load_state_dict(saved.model)
-            self.optimizer.load_state_tensors(saved.optimizer)
-        except (RuntimeError, KeyError) as err:
+            if self.mesh or saved.sharded:
+                self._load_into(saved)
+            else:
+                self.model.load_state_dict(saved.model)
+                self.optimizer.load_state_tensors(saved.optimizer)
+        except (RuntimeError, KeyError, AssertionError) as err:
             raise ValueError(f"checkpoint {saved.path} does not fit this model: {err}") from None
         _set_rng_state(saved.state["rng"])
         self.step = saved.step
+
+    def _load_into(self, saved: checkpoint.Checkpoint) -> None:
+        """Reads the checkpoint into this rank's parameters and optimizer state (only the slices it holds).
+        The fp32 masters of a bf16 one-process run become the weights of a float32 model, and the float32
+        weights of a distributed run the masters of a bf16 one."""
+        model_shapes, optim_shapes = saved.shapes("model"), saved.shapes("optimizer")
+        params = self.model.state_dict()
+        if not self.optimizer.separate:
+            params = {f"{k}.master" if f"{k}.master" in model_shapes else k: v for k, v in params.items()}
+        missing = sorted(set(params) - set(model_shapes))
+        if missing:
+            raise KeyError(f"missing weights {', '.join(missing[:3])}")
+        saved.load_into("model", params)
+        state = self.optimizer.empty_state_tensors(optim_shapes)
+        saved.load_into("optimizer", state)
+        if self.optimizer.separate and not any(k.endswith(".master") for k in state):
+            masters = {name: torch.zeros_like(m) for name, m in zip(self.optimizer.names, self.optimizer.master)}
+            saved.load_into("model", masters)
+            state.update({f"{name}.master": m for name, m in masters.items()})
+        self.optimizer.load_state_tensors(state)
+
+
+def _record_launch(cfg: TrainConfig) -> TrainConfig:
+    """Returns `cfg` with `nproc` set to the ranks torchrun started on this node, as the run really ran."""
+    return TrainConfig.from_dict({**cfg.to_dict(), "nproc": parallel.local_ranks()})
 
 
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:

@@ -7,6 +7,7 @@ precision; bf16 training instead keeps bf16 compute weights and an fp32 master c
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -26,9 +27,16 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 
 class MasterAdamW:
-    """AdamW whose parameters are fp32 masters of the model's (possibly lower-precision) parameters."""
+    """AdamW whose parameters are fp32 masters of the model's (possibly lower-precision) parameters.
+    `clip_grad_norm(max_norm)` clips the gradients and returns their global norm (default: over the masters;
+    memo.parallel.clip_grad_norm for a sharded model, whose parameters are its own masters)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        clip_grad_norm: Callable[[float], torch.Tensor] | None = None,
+    ):
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.separate = any(p.dtype != torch.float32 for p in self.params)
@@ -40,13 +48,14 @@ class MasterAdamW:
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
         )
+        self.clip_grad_norm = clip_grad_norm or (lambda max_norm: torch.nn.utils.clip_grad_norm_(self.master, max_norm))
 
     def step(self, lr: float, grad_clip: float) -> float:
         """Clips the global gradient norm, updates the masters, copies them to the model; returns the norm."""
         if self.separate:
             for m, p in zip(self.master, self.params):
                 m.grad = None if p.grad is None else p.grad.float()
-        norm = torch.nn.utils.clip_grad_norm_(self.master, grad_clip).item()
+        norm = float(self.clip_grad_norm(grad_clip))
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
@@ -68,6 +77,17 @@ class MasterAdamW:
                 out[f"{self.names[index[id(m)]]}.{key}"] = value
         if self.separate:
             out.update({f"{name}.master": m for name, m in zip(self.names, self.master)})
+        return out
+
+    def empty_state_tensors(self, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """Returns tensors to load `state_tensors()` output into, for the names in `shapes` (a checkpoint's):
+        moments and masters shaped (and sharded) like the masters, scalars (step counts) as float32."""
+        out = {}
+        for name, m in zip(self.names, self.master):
+            for key in ("step", "exp_avg", "exp_avg_sq") + (("master",) if self.separate else ()):
+                if f"{name}.{key}" in shapes:
+                    empty = torch.zeros(()) if len(shapes[f"{name}.{key}"]) == 0 else torch.zeros_like(m)
+                    out[f"{name}.{key}"] = empty
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
