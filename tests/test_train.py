@@ -42,6 +42,12 @@ def test_config_file_sets_fields_and_flags_override_them(tmp_path, capsys):
     assert json.loads((tmp_path / "t" / "config.json").read_text())["strategy"] == "full"
 
 
+def test_config_files_take_sizes_and_numbers_written_as_yaml_text():
+    values = {"seq_len": "1K", "lr": "3e-4", "steps": "20", "alpha": "auto"}  # YAML reads 3e-4 as a string
+    cfg = TrainConfig.from_dict(values)
+    assert (cfg.seq_len, cfg.lr, cfg.steps, cfg.alpha) == (1024, 3e-4, 20, None)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

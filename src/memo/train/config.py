@@ -142,12 +142,20 @@ def _flag(name: str) -> str:
 
 
 def _coerce(name: str, value, default, origin: str):
-    """Returns `value` as the type of the field (ints for floats are fine, 'auto' is α=None)."""
+    """Returns `value` as the type of the field: ints for floats are fine, 'auto' is α=None, `seq_len` takes
+    sizes such as 128K, and a number written as text (YAML reads 3e-4 as text) is read as a number."""
     if name == "alpha" and value in (None, "auto"):
         return None
     if value is None:
         return None
     expected = type(default) if default is not None else (float if name == "alpha" else str)
+    if name == "seq_len" and isinstance(value, str):
+        return parse_size(value)
+    if expected in (int, float) and isinstance(value, str):
+        try:
+            value = expected(value)
+        except ValueError:
+            raise ValueError(f"{origin}: `{name}` must be {expected.__name__}, got {value!r}") from None
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if expected is str and isinstance(value, (int, float)) and name == "host_budget":
