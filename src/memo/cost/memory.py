@@ -11,6 +11,7 @@ from functools import lru_cache
 
 import torch
 
+from ..attention import meta_kernels
 from ..config import ModelConfig
 from ..layer import DecoderLayer, bytes_by_role
 from ..model import Transformer
@@ -47,8 +48,9 @@ def traced_transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk
     with torch.device("meta"):
         model = Transformer(small, policy, loss_chunk_tokens=loss_chunk_tokens).to(torch.bfloat16)
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    model(ids, labels=ids).backward()  # sizes the store and creates .grad
-    step, _ = trace(lambda: model(ids, labels=ids).backward())
+    with meta_kernels("cuda"):  # a GPU step allocates what the CUDA attention kernels allocate
+        model(ids, labels=ids).backward()  # sizes the store and creates .grad
+        step, _ = trace(lambda: model(ids, labels=ids).backward())
     extra_inputs = (c.n_layers - layers) * tokens * c.hidden_size * 2 if strategy == "full" else 0
     return step.peak + extra_inputs
 

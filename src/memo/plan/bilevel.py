@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import meta_kernels
 from ..config import ModelConfig
 from ..model import Transformer
 from ..policy import ActivationPolicy
@@ -115,8 +116,9 @@ def _lifetimes(t: Trace) -> list[tuple]:
 
 def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, time_limit: float = 20.0) -> Plan:
     """Returns the bi-level plan of one training step of `config` at `tokens` tokens per GPU."""
-    model, ids = meta_model(config, policy, tokens, batch)
-    step = trace_iteration(model, ids)
+    with meta_kernels("cuda"):  # plan what a GPU step allocates, CUDA attention kernels included
+        model, ids = meta_model(config, policy, tokens, batch)
+        step = trace_iteration(model, ids)
     phases, outer, spans = level_problems(step)
     level1 = _solve_phases(phases, time_limit / 8)
     # a block spans the events strictly after its start mark: the next layer's backward starts on the mark
