@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
+from memo.attention import meta_kernels
 from memo.cli import main
 from memo.cost.estimate import _compute_seconds, estimate, max_seq
 from memo.cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
@@ -29,9 +30,12 @@ def test_four_layer_trace_extrapolates_exactly_to_a_deeper_model(strategy):
     with torch.device("meta"):
         model = Transformer(cfg, policy).to(torch.bfloat16)
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
-    model(ids, labels=ids).backward()
-    direct, _ = trace(lambda: model(ids, labels=ids).backward())
-    assert traced_transient_peak(cfg, 4096, strategy) == direct.peak
+    with meta_kernels("cuda"):  # the cost model traces a GPU step
+        model(ids, labels=ids).backward()
+        direct, _ = trace(lambda: model(ids, labels=ids).backward())
+    # exact up to the CUDA flash kernel's RNG state (seed and offset, 24 bytes) that each layer keeps until its
+    # backward: the 4-layer trace holds four of them, the 8-layer step eight
+    assert 0 <= direct.peak - traced_transient_peak(cfg, 4096, strategy) <= 24 * (cfg.n_layers - 4)
 
 
 @pytest.mark.parametrize("strategy", ["memo", "full"])
@@ -41,7 +45,8 @@ def test_memory_model_matches_a_traced_first_step_on_meta(strategy):
     with torch.device("meta"):
         model = Transformer(cfg, policy).to(torch.bfloat16)
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    first, _ = trace(lambda: model(ids, labels=ids).backward())  # sizes buffers, host pool (meta), grads
+    with meta_kernels("cuda"):
+        first, _ = trace(lambda: model(ids, labels=ids).backward())  # sizes buffers, host pool (meta), grads
     grads = sum(p.numel() * 2 for p in model.parameters())
     predicted = (
         persistent_activation_bytes(cfg, tokens, strategy)
