@@ -128,6 +128,20 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_whole(tmp_path, monk
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-0000002", "step-0000004"]
 
 
+def test_gradient_accumulation_takes_one_token_mean_over_the_step(tmp_path):
+    docs = [{"text": "xy"}] * 64 + [{"text": "one long document " * 20}]  # sequences of many or few targets
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    losses = {}
+    for accum in (1, 2, 4):
+        cfg = TrainConfig.from_dict(
+            {"data": str(tmp_path / "d.jsonl"), "seq_len": 64, "batch_size": 4, "grad_accum": accum, "steps": 2,
+             "warmup_steps": 0, "out": str(tmp_path / f"r{accum}")}
+        )  # fmt: skip
+        losses[accum] = [r["loss"] for r in Trainer(cfg).records() if "loss" in r]
+    for accum in (2, 4):  # micro-batches hold different numbers of targets; the step must not care
+        assert losses[accum] == pytest.approx(losses[1], rel=1e-5)
+
+
 def test_learning_rate_warms_up_linearly_then_decays_to_min_lr():
     cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
     assert learning_rate(cfg, 5) == pytest.approx(5e-4)

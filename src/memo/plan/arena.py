@@ -202,6 +202,18 @@ class Arena:
         }
 
 
+def _check_layout(func, out, slots: list[Slot]) -> None:
+    """Raises if a planned op returned another shape or dtype than its plan: an out= op resizes or casts
+    silently, and a resized arena view would write over its neighbours."""
+    for t, slot in zip(tree_flatten(out)[0], slots):
+        o = slot.output
+        if isinstance(t, torch.Tensor) and (tuple(t.shape) != o.shape or t.dtype != o.dtype):
+            raise RuntimeError(
+                f"arena: {func} returned {tuple(t.shape)} {t.dtype}, planned {o.shape} {o.dtype}: the run "
+                "differs from its meta trace"
+            )
+
+
 class _PlannedMode(TorchDispatchMode):
     """Replays one phase's recorded op sequence, giving planned ops their arena views as `out=`."""
 
@@ -234,8 +246,11 @@ class _PlannedMode(TorchDispatchMode):
             overload, names = out_overload(func)
             try:
                 out = overload(*args, **kwargs, **dict(zip(names, views)))
+            except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
+                raise  # a device failure, not a plan that disagrees with the kernel
             except RuntimeError as err:  # the device kernel disagrees with the meta kernel (e.g. an out dtype)
-                out = self._demote(call, func, err, args, kwargs)
+                return self._demote(call, func, err, args, kwargs)
+        _check_layout(func, out, slots)
         if self.debug:
             self._check_outputs(out)
         return out

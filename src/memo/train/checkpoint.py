@@ -99,20 +99,40 @@ def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, ke
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:07d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}"
+    _remove_leftovers(root)
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "model.safetensors"))
     save_file({k: v.detach().contiguous().cpu() for k, v in optimizer.items()}, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
     _fsync_tree(tmp)
-    if final.exists():  # re-saving a step (e.g. after a resume): the new one replaces it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(root)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _publish(tmp, final)
+    _prune(run_dir, keep)
     return final
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Deletes the temporary folders of saves that crashed (one writer per run, so none is in use)."""
+    for p in root.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Renames the written folder into place; a checkpoint of the same step is moved aside first and deleted
+    after, so some complete checkpoint of that step exists at every moment."""
+    aside = final.with_name(f".tmp-old-{final.name}")
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` checkpoints, state.json first so a half-deleted one is never listed."""
+    for old in list_checkpoints(run_dir)[:-keep]:
+        (old / "state.json").unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, keep: int) -> Path:
@@ -124,7 +144,7 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
     rank0 = dist.get_rank() == 0
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_leftovers(root)
         tmp.mkdir()
     dist.barrier()
     for part, tensors in zip(PARTS, (model, optimizer)):
@@ -133,12 +153,8 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
     if rank0:  # DCP's save ends once every rank's files are written
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
         _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final)
+        _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
     return final
 

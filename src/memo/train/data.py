@@ -404,8 +404,11 @@ class TokenDataset:
         return ids, labels
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the batch for `step`: samples step*batch_size onwards of the seeded epoch-by-epoch order."""
-        first = step * batch_size
+        """Returns the batch of optimizer step `step` (counted from 1, as the training loop does): samples
+        (step-1)*batch_size onwards of the seeded epoch-by-epoch order, so every epoch visits each chunk once."""
+        if step < 1:
+            raise ValueError(f"steps count from 1, got {step}")
+        first = (step - 1) * batch_size
         rows = [self.sequence(self._index(first + i)) for i in range(batch_size)]
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 

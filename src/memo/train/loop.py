@@ -27,7 +27,7 @@ from .. import parallel
 from ..config import PRESETS, ModelConfig
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import GPUS
-from ..loss import shift_labels
+from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..policy import ActivationPolicy
 from ..units import parse_size
@@ -86,7 +86,9 @@ class Trainer:
         if not resume and checkpoint.list_checkpoints(self.run_dir):
             raise ValueError(f"{self.run_dir} already holds a run: `--resume {self.run_dir}` or another `--out`")
         self.device = self._device()
-        self.model = self._build_model(saved.state.get("alphas") if saved else None)
+        # a solved α is pinned to the checkpoint's (it decides which rows are recomputed); a given one wins
+        pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
+        self.model = self._build_model(pinned)
         self.source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_key)
         check_vocab(self.source, self.model.config.vocab_size, cfg.model)
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
@@ -197,10 +199,18 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         ids, labels = self.source.batch(self.step, cfg.batch_size)  # the global batch, the same on every rank
+        micro = list(zip(ids.chunk(cfg.grad_accum), labels.chunk(cfg.grad_accum)))
+        # each micro-batch's loss is its own token mean: weighting it by its share of the step's targets makes
+        # the step's gradient that of one mean over all its tokens, whatever the split
+        counts = [int((shift_labels(lab) != IGNORE_INDEX).sum()) for _, lab in micro]
+        if sum(counts) == 0:
+            raise ValueError(f"step {self.step}: no target tokens in the batch (every label is ignored)")
         total = torch.zeros((), device=self.device)
-        for micro_ids, micro_labels in zip(ids.chunk(cfg.grad_accum), labels.chunk(cfg.grad_accum)):
+        for (micro_ids, micro_labels), count in zip(micro, counts):
+            if count == 0:
+                continue
             local_ids, targets = self._local(micro_ids, micro_labels)
-            loss = model(local_ids, targets=targets) / cfg.grad_accum
+            loss = model(local_ids, targets=targets) * (count / sum(counts))
             loss.backward()
             total += loss.detach().float()
         lr = learning_rate(cfg, self.step)
@@ -236,7 +246,7 @@ class Trainer:
         state = {
             "config": self.cfg.to_dict(),
             "alphas": self.model.swap_stats().alphas or None,
-            "rng": _rng_state(),
+            "rng": _rng_state(self.device),
             "data": {"next_step": self.step + 1},
         }
         save = checkpoint.save_sharded if self.mesh else checkpoint.save
@@ -246,14 +256,10 @@ class Trainer:
     def _restore(self, saved: checkpoint.Checkpoint) -> None:
         """Loads a checkpoint of either layout, written on any number of ranks."""
         try:
-            if self.mesh or saved.sharded:
-                self._load_into(saved)
-            else:
-                self.model.load_state_dict(saved.model)
-                self.optimizer.load_state_tensors(saved.optimizer)
+            self._load_into(saved)
         except (RuntimeError, KeyError, AssertionError) as err:
             raise ValueError(f"checkpoint {saved.path} does not fit this model: {err}") from None
-        _set_rng_state(saved.state["rng"])
+        _set_rng_state(saved.state["rng"], self.device)
         self.step = saved.step
 
     def _load_into(self, saved: checkpoint.Checkpoint) -> None:
@@ -306,17 +312,19 @@ def _peak_flops(device: torch.device) -> float | None:
     return next((spec.peak_flops for key, spec in GPUS.items() if key.split("-")[0] in name), None)
 
 
-def _rng_state() -> dict:
+def _rng_state(device: torch.device) -> dict:
+    """Returns the RNG states this run uses (the CPU's and its own GPU's: touching others would start CUDA
+    contexts on every GPU)."""
     state = {"torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
 
 
 def _write_json(path: Path, value) -> None:
