@@ -218,7 +218,7 @@ def to_hf(model: Transformer, path: str | os.PathLike) -> None:
         if not path.exists():
             tmp.rename(path)
             return
-        for name in (WEIGHTS_NAME, CONFIG_NAME):  # weights first: a new config.json never meets old weights
+        for name in (WEIGHTS_NAME, CONFIG_NAME):  # each file whole; for an instant new weights meet the old config
             os.replace(tmp / name, path / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

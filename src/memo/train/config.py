@@ -34,7 +34,10 @@ class TrainConfig:
     model: str = _f("tiny", f"preset ({', '.join(PRESETS)}), a model config file, or a Hugging Face checkpoint dir")
     strategy: str = _f("memo", "none (keep all), full (recompute layers), memo (token-wise swap)", choices=STRATEGIES)
     alpha: float | None = _f(0.5, "memo: fraction of tokens offloaded in [0, 1]; 'auto' solves it (§3)")
-    host_budget: str | None = _f(None, "memo: pinned host memory for the offload, e.g. 64G (default: 80%% of free)")
+    host_budget: str | None = _f(
+        None,
+        "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
+    )
     arena: bool = _f(False, "carve each layer's transient tensors from one statically planned arena (§5)")
     # data
     data: str | None = _f(None, "text/JSONL file, folder of them, or pre-tokenised .bin; none: generated retrieval")
