@@ -142,6 +142,15 @@ def test_gradient_accumulation_takes_one_token_mean_over_the_step(tmp_path):
         assert losses[accum] == pytest.approx(losses[1], rel=1e-5)
 
 
+def test_resume_may_switch_between_float32_and_bf16_with_master_weights(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", *SMALL, "--steps", "1", "--out", out, "--json"]) == 0
+    assert main(["train", "--resume", out, "--steps", "2", "--dtype", "bfloat16", "--json"]) == 0
+    assert main(["train", "--resume", out, "--steps", "3", "--dtype", "float32", "--json"]) == 0
+    assert sorted(_losses(_records(capsys))) == [1, 2, 3]
+    assert checkpoint.load_latest(out).state["config"]["dtype"] == "float32"
+
+
 def test_learning_rate_warms_up_linearly_then_decays_to_min_lr():
     cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
     assert learning_rate(cfg, 5) == pytest.approx(5e-4)
