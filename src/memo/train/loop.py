@@ -203,14 +203,15 @@ class Trainer:
         # each micro-batch's loss is its own token mean: weighting it by its share of the step's targets makes
         # the step's gradient that of one mean over all its tokens, whatever the split
         counts = [int((shift_labels(lab) != IGNORE_INDEX).sum()) for _, lab in micro]
-        if sum(counts) == 0:
+        targets_in_step = sum(counts)
+        if targets_in_step == 0:
             raise ValueError(f"step {self.step}: no target tokens in the batch (every label is ignored)")
         total = torch.zeros((), device=self.device)
         for (micro_ids, micro_labels), count in zip(micro, counts):
             if count == 0:
                 continue
             local_ids, targets = self._local(micro_ids, micro_labels)
-            loss = model(local_ids, targets=targets) * (count / sum(counts))
+            loss = model(local_ids, targets=targets) * (count / targets_in_step)
             loss.backward()
             total += loss.detach().float()
         lr = learning_rate(cfg, self.step)

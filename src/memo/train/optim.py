@@ -92,12 +92,16 @@ class MasterAdamW:
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restores `state_tensors()` output exactly (dtypes and values)."""
+        by_param: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():  # "<param name>.<state key>", grouped once
+            name, field = key.rsplit(".", 1)
+            by_param.setdefault(name, {})[field] = t
         with torch.no_grad():
             for name, m, p in zip(self.names, self.master, self.params):
                 if self.separate:
                     m.copy_(tensors[f"{name}.master"])
                     p.copy_(m)
-                state = {key.rsplit(".", 1)[1]: t for key, t in tensors.items() if key.rsplit(".", 1)[0] == name}
+                state = dict(by_param.get(name, {}))
                 state.pop("master", None)
                 if state:
                     self.adamw.state[m] = {k: v.to(m.device) if k != "step" else v for k, v in state.items()}
