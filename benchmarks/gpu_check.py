@@ -1,140 +1,619 @@
-"""One-GPU check of the CUDA paths (streams, events, pinned pool, flash kernels), under 8 minutes.
+"""One-GPU check of MEMO's CUDA paths in time-boxed sections, so that a failing part costs only its own numbers.
 
-1. Gradient parity on CUDA: tests/test_layer_gradients.py with MEMO_TEST_DEVICE=cuda (every strategy, α,
-   per-layer α, all layers offloaded; fp32 through the efficient kernel, bf16 through flash).
-2. Copy bandwidth device->pinned host, and the α the solver picks for a gpt-7b layer at 32K tokens.
-3. `memo calibrate` on this GPU, and the measured step time of a 4-layer gpt-7b-shaped model (memo, 32K
-   tokens, bf16) against the cost model's prediction with that calibration (ratio measured / predicted).
-4. The run-time arena: tests/test_arena.py on CUDA, and peak reserved / allocated memory and step time of the
-   same 4-layer model with and without `plan_memory()`.
-5. benchmarks/strategies.py on CUDA: a gpt-7b-shaped model (6 layers, bf16) at 32K tokens.
+Sections, in order of value, with their time boxes in seconds:
 
-    python benchmarks/gpu_check.py            # prints a report; writes $OUT/gpu_check.json if $OUT is set
+  environment      30  python, torch, CUDA, device and its memory, host CPUs and memory, numpy / numba /
+                       highspy, git commit, nvidia-smi's PCIe link
+  bandwidth        60  pinned device->host and host->device GB/s (memo.device.HostBuffer), alone and while bf16
+                       matmuls run on the default stream (copies on a side stream), and the matmuls' slowdown
+  alpha            90  α the solver picks for a gpt-7b layer (4 layers, bf16) at 32K and 128K tokens, with the
+                       solver's log line (bandwidth, layer seconds, host budget); OOM is recorded
+  strategies      200  benchmarks/strategies.py on a 4-layer gpt-7b, bf16, 32K and 128K tokens: none, full,
+                       memo (α solved), memo + arena, offload-all, autograd, torch.utils.checkpoint, save_on_cpu;
+                       step time, peak allocated / reserved, tokens/s, MFU (convention stated in the JSON), OOM
+                       rows; `offload_hiding` per length: memo's step time over `none`'s where `none` fits
+  sanitizer        60  two memo steps (tiny-gpt, α=0.5, every layer offloaded) in a subprocess with
+                       TORCH_CUDA_SANITIZER=1: passed, and the sanitizer's report when it is not
+  gradient_tests  150  pytest tests/test_layer_gradients.py tests/test_arena.py, MEMO_TEST_DEVICE=cuda
+  arena            90  peak reserved / allocated of the same memo step (4-layer gpt-7b, 32K) with the caching
+                       allocator, then with model.plan_memory(); cache emptied and peaks reset before each
+  prediction       90  `memo calibrate` (calibrate(device)), then measured step seconds and activation bytes of
+                       that memo step against estimate() with efficiency_from_calibration (ratios)
+
+Each section runs in its own subprocess of this script (`--section NAME`), killed with its children when its
+box (or what is left of `--budget`, default 450 s) runs out; a section that would start with under 10 s of
+budget left is skipped. Sections write their numbers as they get them, so a timeout or a crash keeps what
+was measured. After each section the results file is rewritten: `--out`, else $OUT/gpu_check.json when OUT
+is set, else ./gpu_check.json; next to it, gpu_check_logs/ (named after the results file) keeps each
+section's output (NAME.log) and numbers (NAME.json). The exit status is 1 only if a correctness section
+(gradient_tests, sanitizer) failed, errored or timed out.
+
+`--quick` runs every section at toy sizes (tiny-gpt, 4 layers, 128 and 256 tokens, a few gradient tests);
+with `--device cpu` it runs end to end without a GPU: the parts that need CUDA (copies under concurrent
+compute, the sanitizer, memory peaks) say "skipped: needs CUDA" in the JSON.
+
+    PYTHONPATH=src python benchmarks/gpu_check.py                      # on the GPU machine, from the repo root
+    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --quick --out /tmp/check.json
+    PYTHONPATH=src python benchmarks/gpu_check.py --only sanitizer,gradient_tests   # rerun some sections
+
+memo is imported inside the sections, not here, so that a broken `import memo` fails those sections and not
+the run (the environment section still reports).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import importlib.metadata
+import importlib.util
 import json
+import logging
+import math
 import os
+import platform
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import strategies  # noqa: E402
-
-from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
-from memo.cost.calibrate import calibrate  # noqa: E402
-from memo.cost.estimate import estimate  # noqa: E402
-from memo.cost.hardware import GPUS, efficiency_from_calibration  # noqa: E402
-from memo.device import timed  # noqa: E402
-from memo.swap import measure_copy_bandwidth  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = Path(__file__).resolve().parent
+NEEDS_CUDA = "skipped: needs CUDA"
+CORRECTNESS = ("sanitizer", "gradient_tests")
+MIN_START_S = 10  # a section with less budget than this left is skipped, not started
 
 
-def gradient_parity(test_file: str) -> tuple[bool, str]:
-    """Runs a test file on CUDA; returns (passed, pytest's summary line)."""
-    env = {**os.environ, "MEMO_TEST_DEVICE": "cuda"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / test_file)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    print(done.stdout[-3000:], flush=True)
-    return done.returncode == 0, done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes of a full GPU run or a `--quick` one."""
+
+    model: str
+    layers: int
+    seqs: tuple[int, ...]  # short, long
+    repeats: tuple[int, ...]  # timed strategy steps per length
+    copy_bytes: int
+    matmul_n: int
+    sanitizer_seq: int
+    pytest_args: tuple[str, ...]
 
 
-def prediction_check(model: Transformer, ids: torch.Tensor) -> dict:
-    """Returns calibration, measured and predicted step seconds of `model` on `ids` (one GPU)."""
-    calibration = calibrate(torch.device("cuda"))
-    print(f"calibration: {calibration}", flush=True)
-    seconds = timed(lambda: model(ids, labels=ids).backward(), torch.device("cuda"), repeats=3)
-    spec = GPUS["H200"]
-    predicted = estimate(
-        model.config, ids.shape[1], 1, spec, "memo", eff=efficiency_from_calibration(calibration, spec)
-    )
-    ratio = seconds / predicted.step_seconds
-    print(
-        f"4-layer gpt-7b, 32K tokens: measured {seconds:.3f}s, predicted {predicted.step_seconds:.3f}s, "
-        f"ratio {ratio:.2f}",
-        flush=True,
-    )
-    return {
-        "calibration": calibration,
-        "measured_step_s": seconds,
-        "predicted_step_s": predicted.step_seconds,
-        "measured_over_predicted": ratio,
-    }
+FULL = Sizes("gpt-7b", 4, (32768, 131072), (3, 1), 1 << 30, 8192, 512, ())
+QUICK = Sizes("tiny-gpt", 4, (128, 256), (1, 1), 16 << 20, 256, 64, ("-k", "memo-a0.37 and tiny-gpt"))
 
 
-def arena_check(model: Transformer, ids: torch.Tensor) -> dict:
-    """Returns peak reserved/allocated bytes and step seconds of `model` unplanned, then with the arena."""
-    result = {}
-    for name in ("unplanned", "arena"):
-        if name == "arena":
-            arena = model.plan_memory(time_limit=5.0)
-            model(ids, labels=ids).backward()  # plans every phase
+class Context:
+    """What a section gets: device, sizes, and `put`, which saves a result at once (a later kill keeps it)."""
+
+    def __init__(self, device: torch.device, sizes: Sizes, quick: bool, path: Path):
+        self.device, self.sizes, self.quick, self.path = device, sizes, quick, path
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.data: dict = {}
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        write_json(self.path, self.data)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Replaces `path` atomically, so a reader (or a kill) never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _strategies():
+    if str(BENCHMARKS) not in sys.path:  # absent when run through runpy or imported by a test
+        sys.path.insert(0, str(BENCHMARKS))
+    import strategies
+
+    return strategies
+
+
+def _label(seq: int) -> str:
+    from memo.units import format_count
+
+    return format_count(seq)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        seconds = timed(lambda: model(ids, labels=ids).backward(), torch.device("cuda"), repeats=3)
-        result[name] = {
-            "step_s": seconds,
-            "peak_reserved": torch.cuda.max_memory_reserved(),
-            "peak_allocated": torch.cuda.max_memory_allocated(),
+
+
+def _memo_model(ctx: Context, policy, seq: int, preset: str | None = None):
+    """Returns (a memo Transformer of the section's shape on the device, token ids of length `seq`)."""
+    from memo import ModelConfig, Transformer
+
+    cfg = ModelConfig.preset(preset or ctx.sizes.model, n_layers=ctx.sizes.layers)
+    torch.manual_seed(0)
+    with ctx.device:
+        net = Transformer(cfg, policy)
+    net.to(dtype=ctx.dtype)
+    return net, torch.randint(0, cfg.vocab_size, (1, seq), device=ctx.device)
+
+
+# ---- sections ---------------------------------------------------------------------------------------------
+def _package(name: str) -> str | None:
+    """Returns the installed version of an importable package, None when it cannot be imported."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "importable"
+
+
+def _command(*cmd: str) -> str | None:
+    """Returns a command's stripped stdout, None when it is missing or fails."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=20)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def environment(ctx: Context) -> None:
+    ctx.put("python", platform.python_version())
+    ctx.put("torch", torch.__version__)
+    ctx.put("cuda", torch.version.cuda)
+    ctx.put("device", ctx.device.type)
+    if ctx.device.type == "cuda":
+        props = torch.cuda.get_device_properties(ctx.device)
+        ctx.put("device_name", props.name)
+        ctx.put("device_memory_bytes", props.total_memory)
+        ctx.put("capability", f"{props.major}.{props.minor}")
+    ctx.put("cpu_count", os.cpu_count())
+    ctx.put("host_memory_bytes", _host_memory_bytes())
+    ctx.put("packages", {name: _package(name) for name in ("numpy", "numba", "highspy", "pytest", "transformers")})
+    commit = _command("git", "rev-parse", "HEAD")
+    ctx.put("git_commit", commit)
+    if commit:
+        ctx.put("git_dirty", bool(_command("git", "status", "--porcelain", "--untracked-files=no")))
+    fields = "name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current"
+    ctx.put("nvidia_smi", _command("nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / 1e9
+
+
+def bandwidth(ctx: Context) -> None:
+    from memo.device import HostBuffer, timed
+    from memo.swap import measure_copy_bandwidth
+
+    nbytes = ctx.sizes.copy_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    ctx.put("bytes", nbytes)
+    ctx.put("pinned", ctx.device.type == "cuda")
+    ctx.put("d2h_GBps", measure_copy_bandwidth(src) / 1e9)
+    host = HostBuffer(nbytes, ctx.device)  # memo's pinned buffer: held (and pinned) until released below
+    h2d = functools.partial(src.copy_, host.data, non_blocking=True)
+    ctx.put("h2d_GBps", _gbps(nbytes, timed(h2d, ctx.device, repeats=3)))
+    if ctx.device.type != "cuda":
+        ctx.put("with_compute", f"{NEEDS_CUDA} (no second stream on CPU)")
+    else:
+        d2h = functools.partial(host.data.copy_, src, non_blocking=True)
+        ctx.put("with_compute", _copies_under_compute(ctx, {"d2h": d2h, "h2d": h2d}, nbytes))
+    host.release()
+
+
+def _event_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+    return start.elapsed_time(end) / 1e3
+
+
+def _copies_under_compute(ctx: Context, copies: dict, nbytes: int) -> dict:
+    """Returns copy GB/s on a side stream while bf16 matmuls fill the default stream, and the matmuls' TFLOP/s.
+
+    That is the overlap memo relies on: a layer's offload (or prefetch) runs while the next layer computes.
+    """
+    from memo.device import timed
+
+    n = ctx.sizes.matmul_n
+    a, b, out = (torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16) for _ in range(3))
+    matmul = functools.partial(torch.matmul, a, b, out=out)
+    matmul_s = timed(matmul, ctx.device, repeats=10)
+    result = {"matmul_n": n, "matmul_alone_TFLOPs": 2 * n**3 / matmul_s / 1e12}
+    side = torch.cuda.Stream()
+    for direction, copy in copies.items():
+        copy_s, repeats = timed(copy, ctx.device, repeats=3), 8
+        matmuls = math.ceil(1.5 * repeats * copy_s / matmul_s)  # compute outlasts the copies
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            events[0].record()
+            for _ in range(repeats):
+                copy()
+            events[1].record()
+        events[2].record()
+        for _ in range(matmuls):
+            matmul()
+        events[3].record()
+        torch.cuda.synchronize()
+        result[direction] = {
+            "copy_alone_GBps": _gbps(nbytes, copy_s),
+            "copy_GBps": _gbps(repeats * nbytes, _event_seconds(events[0], events[1])),
+            "matmul_TFLOPs": 2 * n**3 * matmuls / _event_seconds(events[2], events[3]) / 1e12,
         }
-    result["arena"]["summary"] = arena.summary()
-    print(f"arena: {json.dumps(result, indent=1)}", flush=True)
-    for layer in model.layers:
-        layer.arena = None
+        ctx.put("with_compute", result)
     return result
 
 
-def main() -> int:
-    assert torch.cuda.is_available(), "gpu_check needs a CUDA device"
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    start = time.time()
-    passed, report["gradient_parity"] = gradient_parity("test_layer_gradients.py")
-    arena_passed, report["arena_parity"] = gradient_parity("test_arena.py")
-    passed = passed and arena_passed
-    x = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")  # 512 MiB
-    report["d2h_pinned_GBps"] = measure_copy_bandwidth(x) / 1e9
-    print(f"device->pinned host copy: {report['d2h_pinned_GBps']:.1f} GB/s", flush=True)
-    del x
-    model = Transformer(ModelConfig.preset("gpt-7b", n_layers=4), ActivationPolicy("memo")).cuda().bfloat16()
-    ids = torch.randint(0, 50257, (1, 32768), device="cuda")
-    model(ids, labels=ids).backward()
-    report["solved_alpha_gpt7b_32k"] = model.swap_stats().alphas[0]
-    print(f"solved alpha, gpt-7b layer at 32K tokens on one GPU: {report['solved_alpha_gpt7b_32k']:.3f}", flush=True)
-    report.update(prediction_check(model, ids))
-    report["arena"] = arena_check(model, ids)
-    del model
-    torch.cuda.empty_cache()
-    print(f"checks took {time.time() - start:.0f}s; strategy benchmark:", flush=True)
-    strategies.main(
-        [
-            "--device",
-            "cuda",
-            "--model",
-            "gpt-7b",
-            "--layers",
-            "6",
-            "--seq",
-            "32K",
-            "--dtype",
-            "bfloat16",
-            "--alpha",
-            "auto",
-        ]
+class _Messages(logging.Handler):
+    """Keeps the messages of a logger (the α solver logs what it measured)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _solved_alpha(ctx: Context, seq: int) -> dict:
+    from memo import ActivationPolicy
+
+    messages = _Messages()
+    logging.getLogger("memo.swap").addHandler(messages)
+    try:
+        model, ids = _memo_model(ctx, ActivationPolicy("memo"), seq)
+        start = time.perf_counter()
+        model(ids, labels=ids).backward()
+        _synchronize(ctx.device)
+        stats = model.swap_stats()
+        return {
+            "alpha": stats.alphas[0],
+            "alphas": stats.alphas,
+            "host_pool_bytes": stats.host_pool_bytes,
+            "device_skeletal_bytes": stats.device_skeletal_bytes,
+            "first_step_s": time.perf_counter() - start,
+            "solver_log": messages.lines,
+        }
+    finally:
+        logging.getLogger("memo.swap").removeHandler(messages)
+
+
+def alpha(ctx: Context) -> None:
+    strategies = _strategies()
+    ctx.put("model", f"{ctx.sizes.model}, {ctx.sizes.layers} layers, {str(ctx.dtype).removeprefix('torch.')}")
+    for seq in ctx.sizes.seqs:
+        ctx.put(_label(seq), strategies.guarded(functools.partial(_solved_alpha, ctx, seq), ctx.device))
+
+
+def _offload_hiding(rows: list[dict]) -> dict:
+    """Returns the memo rows' step time over `none`'s: near 1 means the host copies hide behind compute."""
+    if rows[0].get("step_s") is None:
+        return {"skipped": "memo none did not run (" + rows[0].get("error", "") + ")"}
+    return {row["name"]: row["step_over_none"] for row in rows[1:] if row["name"].startswith("memo ")}
+
+
+def strategies_section(ctx: Context) -> None:
+    strategies = _strategies()
+    from memo import ModelConfig
+
+    cfg = ModelConfig.preset(ctx.sizes.model, n_layers=ctx.sizes.layers)
+    spec = strategies.gpu_spec(ctx.device)
+    ctx.put("model", f"{cfg.name}, {cfg.n_layers} layers, {str(ctx.dtype).removeprefix('torch.')}, batch 1")
+    ctx.put("peak_flops", {"gpu": spec[0], "flops_per_s": spec[1].peak_flops} if spec else "n/a")
+    ctx.put("mfu_convention", strategies.MFU_CONVENTION)
+    if ctx.device.type != "cuda":
+        ctx.put("memory", f"{NEEDS_CUDA} (benchmarks/strategies.py measures CPU memory in subprocesses)")
+    torch.manual_seed(0)
+    setup = strategies.Setup(cfg, ctx.device, ctx.dtype, strategies.shared_weights(cfg, ctx.device, ctx.dtype))
+    for seq, repeats in zip(ctx.sizes.seqs, ctx.sizes.repeats):
+        key = _label(seq)
+        ids = torch.randint(0, cfg.vocab_size, (1, seq), device=ctx.device)
+        rows = strategies.measure(setup, ids, "auto", repeats, on_row=lambda rows: ctx.put(key, {"rows": rows}))
+        ctx.put(key, {"rows": rows, "offload_hiding": _offload_hiding(rows)})
+
+
+def sanitized_step(ctx: Context) -> None:
+    """Two memo steps with every layer offloaded; run by the sanitizer section under TORCH_CUDA_SANITIZER=1."""
+    from memo import ActivationPolicy
+
+    policy = ActivationPolicy("memo", alpha=0.5, offload_last_layers=True)
+    model, ids = _memo_model(ctx, policy, ctx.sizes.sanitizer_seq, preset="tiny-gpt")
+    for _ in range(2):  # the second step reuses the rounding buffers and host pool of the first
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids)
+        loss.backward()
+    _synchronize(ctx.device)
+    ctx.put("loss", loss.item())
+    ctx.put("finite_gradients", all(bool(p.grad.isfinite().all()) for p in model.parameters()))
+    ctx.put("bytes_offloaded", model.swap_stats().bytes_offloaded)
+    ctx.put("sanitizer_enabled", _sanitizer_enabled())
+
+
+def _sanitizer_enabled() -> bool:
+    if "TORCH_CUDA_SANITIZER" not in os.environ:
+        return False
+    import torch.cuda._sanitizer as csan  # private: PyTorch documents only the environment variable
+
+    return bool(csan.cuda_sanitizer.enabled)
+
+
+def _child_command(name: str, out: Path, device: torch.device, quick: bool) -> list[str]:
+    script, flags = str(Path(__file__).resolve()), ["--quick"] if quick else []
+    return [sys.executable, script, "--section", name, "--section-out", str(out), "--device", device.type, *flags]
+
+
+def sanitizer(ctx: Context) -> None:
+    cuda = ctx.device.type == "cuda"
+    env = {**os.environ, **({"TORCH_CUDA_SANITIZER": "1"} if cuda else {})}  # on CPU it would fail every op
+    out = ctx.path.with_name(ctx.path.stem + "_step.json")
+    done = subprocess.run(
+        _child_command("sanitized_step", out, ctx.device, ctx.quick), env=env, capture_output=True, text=True
     )
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
-    return 0 if passed else 1
+    out.with_suffix(".log").write_text(done.stdout + done.stderr)
+    step = json.loads(out.read_text()) if out.exists() else {}
+    if not cuda:
+        ctx.put("sanitizer", f"{NEEDS_CUDA} (the step ran without it)")
+    else:
+        ctx.put("sanitizer", "enabled" if step.get("sanitizer_enabled") else "not confirmed enabled (see report)")
+    ctx.put("step", step)
+    ctx.put("returncode", done.returncode)
+    checked = step.get("sanitizer_enabled") is True or not cuda  # on CUDA, a step the sanitizer missed proves nothing
+    ctx.put("passed", done.returncode == 0 and step.get("finite_gradients") is True and checked)
+    if done.returncode != 0:
+        ctx.put("report", done.stderr[-20000:])  # the sanitizer prints each race with both stacks
+
+
+def _pythonpath() -> str:
+    """Returns PYTHONPATH with the repo's src first (the project is not installed on the GPU machine)."""
+    return os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def gradient_tests(ctx: Context) -> None:
+    env = {**os.environ, "MEMO_TEST_DEVICE": ctx.device.type, "PYTHONPATH": _pythonpath()}
+    files = ["tests/test_layer_gradients.py", "tests/test_arena.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", *files, *ctx.sizes.pytest_args]
+    ctx.put("command", shlex.join(cmd[1:]))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    ctx.put("summary", lines[-1] if lines else done.stderr.strip()[-500:])
+    ctx.put("returncode", done.returncode)
+    ctx.put("passed", done.returncode == 0)
+    if done.returncode != 0:
+        ctx.put("output_tail", (done.stdout + done.stderr)[-8000:])
+
+
+def _measured_step(ctx: Context, step) -> dict:
+    """Returns step seconds and peaks of one step after a warm-up, with the cache emptied and peaks reset."""
+    strategies = _strategies()
+    step()  # warm-up: sizes buffers, solves α, plans every phase when planned
+    base = strategies.free_device_memory(ctx.device)
+    start = time.perf_counter()
+    step()
+    _synchronize(ctx.device)
+    result = {"step_s": time.perf_counter() - start, "allocated_before": base}
+    if ctx.device.type == "cuda":
+        result.update(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved())
+    else:
+        result["peaks"] = NEEDS_CUDA
+    return result
+
+
+def arena(ctx: Context) -> None:
+    from memo import ActivationPolicy
+
+    strategies = _strategies()
+    seq = ctx.sizes.seqs[0]
+    model, ids = _memo_model(ctx, ActivationPolicy("memo"), seq)
+    ctx.put("model", f"{ctx.sizes.model}, {ctx.sizes.layers} layers, {_label(seq)} tokens, memo (alpha solved)")
+
+    def step():
+        model(ids, labels=ids).backward()  # gradients accumulate: allocated once, like a training step's
+
+    ctx.put("caching_allocator", strategies.guarded(functools.partial(_measured_step, ctx, step), ctx.device))
+    planned = model.plan_memory()
+    ctx.put("arena", strategies.guarded(functools.partial(_measured_step, ctx, step), ctx.device))
+    ctx.put("arena_summary", planned.summary())
+    before, after = ctx.data["caching_allocator"].get("peak_reserved"), ctx.data["arena"].get("peak_reserved")
+    ctx.put("reserved_arena_over_caching", after / before if before and after else None)
+
+
+def prediction(ctx: Context) -> None:
+    from memo import ActivationPolicy
+    from memo.cost.calibrate import calibrate
+    from memo.cost.estimate import estimate
+    from memo.cost.hardware import GPUS, efficiency_from_calibration
+
+    strategies = _strategies()
+    calibration = calibrate(ctx.device)
+    ctx.put("calibration", calibration)
+    found = strategies.gpu_spec(ctx.device)
+    name, spec = found or ("H200", GPUS["H200"])
+    ctx.put("spec", name if found else f"{name} (assumed: this device is not in memo.cost.hardware.GPUS)")
+    eff = efficiency_from_calibration(calibration, spec)
+    ctx.put("efficiency", asdict(eff))
+    seq = ctx.sizes.seqs[0]
+    model, ids = _memo_model(ctx, ActivationPolicy("memo"), seq)
+    predicted = estimate(model.config, seq, 1, spec, "memo", eff=eff)
+    ctx.put("predicted", predicted.as_dict())
+    measured = _measured_step(ctx, lambda: model(ids, labels=ids).backward())
+    stats = model.swap_stats()
+    ctx.put("measured", {**measured, "alphas": stats.alphas, "device_skeletal_bytes": stats.device_skeletal_bytes})
+    ctx.put("step_measured_over_predicted", measured["step_s"] / predicted.step_seconds)
+    # The estimate's total adds fp32 master weights, Adam states and a 2 GiB reserve that a bare step lacks:
+    # compare the activations (persistent skeletal buffers + the step's transient peak) instead.
+    predicted_activation = predicted.device_bytes["skeletal_buffers"] + predicted.device_bytes["transient_peak"]
+    ctx.put("predicted_activation_bytes", predicted_activation)
+    if "peak_allocated" not in measured:
+        ctx.put("activation_measured_over_predicted", NEEDS_CUDA)
+        return
+    activation = measured["peak_allocated"] - measured["allocated_before"] + stats.device_skeletal_bytes
+    ctx.put("measured_activation_bytes", activation)
+    ctx.put("activation_measured_over_predicted", activation / predicted_activation)
+
+
+SECTIONS = {  # name: (time box in seconds, function), in order of value
+    "environment": (30, environment),
+    "bandwidth": (60, bandwidth),
+    "alpha": (90, alpha),
+    "strategies": (200, strategies_section),
+    "sanitizer": (60, sanitizer),
+    "gradient_tests": (150, gradient_tests),
+    "arena": (90, arena),
+    "prediction": (90, prediction),
+}
+HELPERS = {"sanitized_step": sanitized_step}  # run only as another section's subprocess
+
+
+# ---- the parent: one subprocess per section ---------------------------------------------------------------
+def run_child(cmd: list[str], timeout: float, log_path: Path, env: dict | None = None) -> str:
+    """Runs `cmd` in its own process group with output to `log_path`; returns "ok", "error" or "timeout".
+
+    The whole group is killed at the end, so a hung grandchild (pytest, the sanitized step) cannot outlive it.
+    """
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            status = "ok" if proc.wait(timeout=timeout) == 0 else "error"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return status
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_section(name: str, args, timeout: float, logs: Path) -> tuple[dict, dict | None]:
+    """Returns (the section's status record, whatever numbers it wrote before it ended)."""
+    out, log_path = logs / f"{name}.json", logs / f"{name}.log"
+    out.unlink(missing_ok=True)
+    start = time.monotonic()
+    status = run_child(_child_command(name, out, torch.device(args.device), args.quick), timeout, log_path)
+    record = {"status": status, "seconds": round(time.monotonic() - start, 1), "error": None, "log": str(log_path)}
+    if status == "timeout":
+        record["error"] = f"killed after its {timeout:.0f} s box\n{_tail(log_path)}"
+    elif status == "error":
+        record["error"] = _tail(log_path)
+    return record, json.loads(out.read_text()) if out.exists() else None
+
+
+def correctness_failed(results: dict) -> list[str]:
+    """Returns the correctness sections that failed, errored or timed out (a skipped one has not failed)."""
+    failed = []
+    for name in CORRECTNESS:
+        status = results["sections"].get(name, {}).get("status")
+        if status in ("error", "timeout") or (status == "ok" and results.get(name, {}).get("passed") is not True):
+            failed.append(name)
+    return failed
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def _step_cell(row: dict) -> str:
+    return "OOM" if row.get("oom") else _fmt(row.get("step_s", "error"), ".3f")
+
+
+def summary(results: dict) -> list[str]:
+    """Returns a few human lines: each section's status and its headline numbers."""
+    lines = [f"{name}: {r['status']} ({r['seconds']} s)" for name, r in results["sections"].items()]
+    bw = results.get("bandwidth", {})
+    if "d2h_GBps" in bw:
+        lines.append(f"pinned copies GB/s: d2h {_fmt(bw['d2h_GBps'], '.1f')}, h2d {_fmt(bw.get('h2d_GBps'), '.1f')}")
+    for seq, solved in results.get("alpha", {}).items():
+        if isinstance(solved, dict):
+            lines.append(f"alpha at {seq}: {_fmt(solved.get('alpha', solved.get('error')))}")
+    for seq, table in results.get("strategies", {}).items():
+        if isinstance(table, dict) and "rows" in table:
+            cells = [f"{r['name']} {_step_cell(r)}" for r in table["rows"]]
+            lines.append(f"strategies at {seq} (step s): " + ", ".join(cells))
+            lines.append(f"offload hiding at {seq} (x none): {table.get('offload_hiding')}")
+    for name in CORRECTNESS:
+        if name in results:
+            lines.append(f"{name}: passed={results[name].get('passed')} {results[name].get('summary', '')}")
+    if "arena" in results:
+        lines.append(f"arena reserved / caching reserved: {_fmt(results['arena'].get('reserved_arena_over_caching'))}")
+    if "prediction" in results:
+        p = results["prediction"]
+        lines.append(
+            f"measured / predicted: step {_fmt(p.get('step_measured_over_predicted'))}, "
+            f"activation {_fmt(p.get('activation_measured_over_predicted'))}"
+        )
+    return lines
+
+
+def _default_out() -> Path:
+    return Path(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else Path("gpu_check.json")
+
+
+def run_all(args) -> int:
+    """Runs the chosen sections one subprocess each, rewriting the results file after every one."""
+    out = Path(args.out) if args.out else _default_out()
+    logs = out.parent / f"{out.stem}_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if only - set(SECTIONS):
+        raise SystemExit(f"unknown section(s) {sorted(only - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
+    names = [name for name in SECTIONS if name in only]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    run = {"device": args.device, "quick": args.quick, "budget_s": args.budget, "out": str(out), "started": started}
+    results = {"run": {**run, "seconds": 0.0}, "sections": {}}
+    start = time.monotonic()
+    for name in names:
+        left = args.budget - (time.monotonic() - start)
+        if left < MIN_START_S:
+            record = {"status": "skipped", "seconds": 0.0, "error": f"global budget of {args.budget} s spent"}
+        else:
+            log(f"gpu_check: {name} (box {min(SECTIONS[name][0], left):.0f} s)")
+            record, data = run_section(name, args, min(SECTIONS[name][0], left), logs)
+            if data is not None:
+                results[name] = data
+        results["sections"][name] = record
+        results["run"]["seconds"] = round(time.monotonic() - start, 1)
+        write_json(out, results)
+        log(f"gpu_check: {name} {record['status']} after {record['seconds']} s")
+    print("\n".join(summary(results)))
+    failed = correctness_failed(results)
+    print(f"results: {out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def run_one(args) -> int:
+    """Runs one section in this process (the parent started it); its numbers go to --section-out."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    ctx = Context(torch.device(args.device), QUICK if args.quick else FULL, args.quick, Path(args.section_out))
+    fn = {**{name: fn for name, (_, fn) in SECTIONS.items()}, **HELPERS}[args.section]
+    fn(ctx)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--quick", action="store_true", help="toy sizes: every section in about a minute")
+    p.add_argument("--out", default=None, help="results JSON (default $OUT/gpu_check.json, else ./gpu_check.json)")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
+    p.add_argument("--only", default=None, help="comma-separated sections to run, in the usual order")
+    p.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--section-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    return run_one(args) if args.section else run_all(args)
 
 
 if __name__ == "__main__":

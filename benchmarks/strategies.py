@@ -1,28 +1,38 @@
 """Step time and activation memory of MEMO's strategies against what users run today, in one run.
 
-Rows: memo.Transformer with strategies none / full / memo (α), memo with the planned arena (§5), and the
-plain-autograd reference model (same weights, PyTorch's flash SDPA) under no wrapper, `torch.utils.checkpoint`
-per layer, and `torch.autograd.graph.save_on_cpu`. Ratios are against MEMO's `none`.
+Rows: memo.Transformer with strategies none / full / memo (α), memo with the planned arena (§5), memo
+offloading every layer whole (α = 1, last layers too), and the plain-autograd reference model (same weights,
+PyTorch's flash SDPA) under no wrapper, `torch.utils.checkpoint` per layer, and
+`torch.autograd.graph.save_on_cpu`. Ratios are against MEMO's `none`. Each row builds its own model from
+the shared weights and frees it before the next, so one row's memory never counts in another's; a row that
+runs out of device memory reads OOM.
 
-Memory is measured, the same way for every row: the process's resident-set high-water mark during one
-training step minus the resident set before it (CPU), or `torch.cuda.max_memory_allocated` minus the
-memory allocated before the step (CUDA), on a fresh MEMO store so that its buffers count. On CPU, host
-and "device" are the same memory (measured in a subprocess whose malloc returns freed memory), so the
-bytes a strategy parks in host memory (save_on_cpu's copies, MEMO's pool) are shown in their own
-column and subtracted from the activation column.
+Memory is measured the same way for every row. CUDA: `torch.cuda.max_memory_allocated` over the row's
+steps minus what its freshly built model held before them (weights), plus peak allocated and reserved
+bytes as the allocator reports them. CPU: the resident-set high-water mark of one step above the resident
+set before it, in a subprocess whose malloc returns freed memory, on a fresh MEMO store so that its buffers
+count. On CPU host and "device" are the same memory, so the bytes a strategy parks in host memory
+(save_on_cpu's copies, MEMO's pool) are shown in their own column and subtracted from the activation column.
+
+MFU uses `memo.cost.flops.model_flops_per_token` (see MFU_CONVENTION) and the dense bf16 peak of the GPU
+named in `memo.cost.hardware.GPUS`; it reads n/a on CPU or an unlisted GPU.
 
     python benchmarks/strategies.py                   # CPU default: tiny-gpt, 8 layers, 8192 tokens
-    python benchmarks/strategies.py --device cuda --model gpt-7b --layers 4 --seq 32768 --dtype bfloat16
+    python benchmarks/strategies.py --device cuda --model gpt-7b --layers 4 --seq 32K --dtype bfloat16 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import gc
+import json
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,11 +40,43 @@ import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
+from memo.cost.flops import layer_forward_flops, model_flops_per_token  # noqa: E402
+from memo.cost.hardware import GPUS, GPUSpec  # noqa: E402
 from memo.reference import ReferenceTransformer  # noqa: E402
 from memo.swap import make_store  # noqa: E402
 from memo.units import parse_size  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MFU_CONVENTION = (
+    "model FLOPs per token from memo.cost.flops.model_flops_per_token: all matmuls plus the full s x s "
+    "attention matrix (not halved for the causal mask), forward + backward = 3 x forward, recomputation not "
+    "counted; mfu_causal halves the attention term (the work a causal kernel does)"
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every row shares: the model shape, where it runs, and one set of weights kept in host memory."""
+
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    weights: dict[str, torch.Tensor]
+
+
+def shared_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Returns initialised weights in host memory (initialised on `device`, where it is fast)."""
+    with device:
+        model = Transformer(cfg)
+    return {name: t.to("cpu", dtype) for name, t in model.state_dict().items()}
+
+
+def _built(make, setup: Setup):
+    with setup.device:
+        model = make()
+    model.to(dtype=setup.dtype)
+    model.load_state_dict(setup.weights)
+    return model
 
 
 def _return_freed_memory_to_os() -> None:
@@ -55,29 +97,17 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-class PeakMemory:
-    """Measures the peak bytes allocated during a block, above what was allocated before it."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
+class RssPeak:
+    """Measures the resident-set high-water mark during a block, above the resident set before it (CPU)."""
 
     def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self.base = _rss_bytes("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        self.base = _rss_bytes("VmRSS:")
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.peak = _rss_bytes("VmHWM:") - self.base
+        self.peak = _rss_bytes("VmHWM:") - self.base
 
 
 class HostBytes:
@@ -108,29 +138,33 @@ def _checkpointed(layer, x):
     return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
 
 
-def build_rows(args, cfg: ModelConfig, device, dtype):
-    """Returns [(name, model, step(ids) -> host_bytes)] sharing one set of weights."""
-    ref = ReferenceTransformer(cfg, attention="sdpa").to(device=device, dtype=dtype)
-    alpha = None if args.alpha == "auto" else float(args.alpha)
-    rows = []
-    for name, policy in [
-        ("memo none", ActivationPolicy("none")),
-        ("memo full", ActivationPolicy("full")),
-        (f"memo alpha={args.alpha}", ActivationPolicy("memo", alpha=alpha)),
-        (f"memo alpha={args.alpha} + arena", ActivationPolicy("memo", alpha=alpha)),
-    ]:
-        model = Transformer(cfg, policy).to(device=device, dtype=dtype)
-        model.load_state_dict(ref.state_dict())
-        if name.endswith("arena"):
-            model.plan_memory()
-        rows.append((name, model, lambda ids, m=model: _memo_step(m, ids)))
-    saver = HostBytes(device)
-    rows += [
-        ("autograd (reference)", ref, lambda ids: _ref_step(ref, ids)),
-        ("torch.utils.checkpoint", ref, lambda ids: _ref_step(ref, ids, block=_checkpointed)),
-        ("save_on_cpu", ref, lambda ids: _ref_step(ref, ids, saver=saver)),
+def _memo_row(policy: ActivationPolicy, setup: Setup, arena: bool = False):
+    model = _built(lambda: Transformer(setup.cfg, policy), setup)
+    if arena:
+        model.plan_memory()
+    return model, functools.partial(_memo_step, model)
+
+
+def _ref_row(setup: Setup, block=None, save_on_cpu: bool = False):
+    ref = _built(lambda: ReferenceTransformer(setup.cfg, attention="sdpa"), setup)
+    saver = HostBytes(setup.device) if save_on_cpu else None
+    return ref, functools.partial(_ref_step, ref, block=block, saver=saver)
+
+
+def row_builders(alpha: str) -> list[tuple[str, object]]:
+    """Returns [(row name, build(setup) -> (model, step(ids) -> host bytes))], in table order."""
+    a = None if alpha == "auto" else float(alpha)
+    offload_all = ActivationPolicy("memo", alpha=1.0, offload_last_layers=True)
+    return [
+        ("memo none", functools.partial(_memo_row, ActivationPolicy("none"))),
+        ("memo full", functools.partial(_memo_row, ActivationPolicy("full"))),
+        (f"memo alpha={alpha}", functools.partial(_memo_row, ActivationPolicy("memo", alpha=a))),
+        (f"memo alpha={alpha} + arena", functools.partial(_memo_row, ActivationPolicy("memo", alpha=a), arena=True)),
+        ("memo offload-all", functools.partial(_memo_row, offload_all)),
+        ("autograd (reference)", _ref_row),
+        ("torch.utils.checkpoint", functools.partial(_ref_row, block=_checkpointed)),
+        ("save_on_cpu", functools.partial(_ref_row, save_on_cpu=True)),
     ]
-    return rows
 
 
 def _memo_step(model, ids) -> int:
@@ -156,31 +190,130 @@ def _run(step, model, ids, device) -> int:
     return host
 
 
-def measure_time(step, model, ids, device, repeats: int) -> float:
-    """Returns the median step seconds after one warm-up step (which sizes buffers and solves alpha)."""
+def measure_time(step, model, ids, device, repeats: int) -> tuple[float, int]:
+    """Returns (median step seconds, host bytes) after one warm-up step (which sizes buffers and solves α)."""
     _run(step, model, ids, device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _run(step, model, ids, device)
+        host = _run(step, model, ids, device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), host
 
 
-def measure_memory(step, model, ids, device) -> tuple[int, int]:
-    """Returns (peak bytes of one step minus what it parked in host memory, host bytes).
+def free_device_memory(device: torch.device) -> int:
+    """Returns the bytes still allocated after collecting garbage, emptying the cache and resetting the peaks."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _cuda_peaks(device: torch.device, base: int) -> dict:
+    if device.type != "cuda":
+        return {"activation_bytes": None, "peak_allocated": None, "peak_reserved": None}
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return {"activation_bytes": peak - base, "peak_allocated": peak, "peak_reserved": torch.cuda.max_memory_reserved()}
+
+
+def _first_line(err: BaseException) -> str:
+    return next(iter(str(err).splitlines()), "")
+
+
+def guarded(fn, device: torch.device) -> dict:
+    """Returns fn(), or what went wrong: running out of device memory is a result to record, not a crash."""
+    try:
+        return fn()
+    except torch.OutOfMemoryError as err:
+        return {"oom": True, "error": _first_line(err)}
+    except Exception as err:  # one broken row must not cost the others their numbers
+        return {"error": f"{type(err).__name__}: {_first_line(err)}"}
+    finally:
+        free_device_memory(device)
+
+
+def measure_row(name: str, build, ids: torch.Tensor, repeats: int) -> dict:
+    """Returns one row: step seconds, host bytes, α per layer (memo rows) and, on CUDA, memory peaks."""
+    device = ids.device
+
+    def run() -> dict:
+        model, step = build()
+        base = free_device_memory(device)
+        seconds, host = measure_time(step, model, ids, device, repeats)
+        row = {"step_s": seconds, "host_bytes": host, **_cuda_peaks(device, base)}
+        if isinstance(model, Transformer):
+            row["alphas"] = model.swap_stats().alphas
+        return row
+
+    return {"name": name, **guarded(run, device)}
+
+
+def gpu_spec(device: torch.device) -> tuple[str, GPUSpec] | None:
+    """Returns the GPUS entry whose model name (H200, A100, ...) appears in the device's name, if any."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(((key, spec) for key, spec in GPUS.items() if key.split("-")[0] in name), None)
+
+
+def flops_per_token(cfg: ModelConfig, seq: int) -> tuple[float, float]:
+    """Returns training FLOPs per token under MFU_CONVENTION, and the same with the attention term halved."""
+    full = model_flops_per_token(cfg, seq)
+    attention = 3.0 * cfg.n_layers * layer_forward_flops(cfg, seq, 1)[1]
+    return full, full - attention / 2
+
+
+def _throughput(row: dict, cfg: ModelConfig, ids: torch.Tensor, peak_flops: float | None) -> None:
+    if "step_s" not in row:
+        return
+    tokens_per_s = ids.numel() / row["step_s"]
+    full, causal = flops_per_token(cfg, ids.shape[1])
+    row["tokens_per_s"] = tokens_per_s
+    row["mfu"] = full * tokens_per_s / peak_flops if peak_flops else None
+    row["mfu_causal"] = causal * tokens_per_s / peak_flops if peak_flops else None
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Sets each row's step time and activation memory over the first row's (MEMO's `none`), where both exist."""
+    base = rows[0]
+    for row in rows:
+        for key, ratio in (("step_s", "step_over_none"), ("activation_bytes", "activation_over_none")):
+            both = row.get(key) is not None and bool(base.get(key))
+            row[ratio] = row[key] / base[key] if both else None
+
+
+def measure(setup: Setup, ids: torch.Tensor, alpha: str, repeats: int, on_row=None) -> list[dict]:
+    """Returns one dict per row (see row_builders); calls `on_row(rows so far)` after each row."""
+    spec = gpu_spec(setup.device)
+    rows = []
+    for name, build in row_builders(alpha):
+        print(f"  measuring {name} at {ids.shape[1]} tokens", file=sys.stderr, flush=True)
+        rows.append(measure_row(name, functools.partial(build, setup), ids, repeats))
+        _throughput(rows[-1], setup.cfg, ids, spec[1].peak_flops if spec else None)
+        add_ratios(rows)
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+def measure_memory(step, model, ids) -> tuple[int, int]:
+    """Returns (resident peak of one CPU step minus what it parked in host memory, host bytes).
 
     A MEMO model gets a fresh store first, so its rounding buffers and pool are allocated inside the step
     like every other row's activations.
     """
-    _run(step, model, ids, device)
+    _run(step, model, ids, ids.device)
     if isinstance(model, Transformer):
         model.store = make_store(model.policy, model.config.n_layers)
         if model.layers[0].arena is not None:
             model.layers[0].arena.buffer = None  # the arena too is allocated inside the measured step
-    with PeakMemory(device) as mem:
-        host = _run(step, model, ids, device)
-    return (max(mem.peak - host, 0) if device.type == "cpu" else mem.peak), host
+    with RssPeak() as mem:
+        host = _run(step, model, ids, ids.device)
+    return max(mem.peak - host, 0), host
 
 
 def _memory_in_subprocess(argv, row: int) -> tuple[int, int]:
@@ -190,6 +323,25 @@ def _memory_in_subprocess(argv, row: int) -> tuple[int, int]:
     )
     peak, host = done.stdout.split()
     return int(peak), int(host)
+
+
+def _cell(value, fmt: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value / scale, fmt)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| strategy | step s | x none | tokens/s | MFU | activation MiB | x none | peak reserved MiB | host MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['name']} | {'OOM' if row.get('oom') else 'error'} |  |  |  |  |  |  |  |")
+            continue
+        print(
+            f"| {row['name']} | {row['step_s']:.3f} | {_cell(row['step_over_none'], '.2f')} | "
+            f"{row['tokens_per_s']:.0f} | {_cell(row['mfu'], '.1%')} | "
+            f"{_cell(row['activation_bytes'], '.1f', 2**20)} | {_cell(row['activation_over_none'], '.2f')} | "
+            f"{_cell(row['peak_reserved'], '.1f', 2**20)} | {row['host_bytes'] / 2**20:.1f} |"
+        )
 
 
 def main(argv=None) -> int:
@@ -202,43 +354,53 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--memory-row", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.memory_row is not None:
+        _return_freed_memory_to_os()
     cfg = ModelConfig.preset(args.model, **({"n_layers": args.layers} if args.layers else {}))
     seq = parse_size(args.seq)
     torch.manual_seed(0)
+    setup = Setup(cfg, device, dtype, shared_weights(cfg, device, dtype))
     ids = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
-    rows = build_rows(args, cfg, device, dtype)
     if args.memory_row is not None:
-        if device.type == "cpu":
-            _return_freed_memory_to_os()
-        _, model, step = rows[args.memory_row]
-        print(*measure_memory(step, model, ids, device))
+        model, step = row_builders(args.alpha)[args.memory_row][1](setup)
+        print(*measure_memory(step, model, ids))
+        return 0
+    rows = measure(setup, ids, args.alpha, args.repeats)
+    if device.type == "cpu":
+        argv = sys.argv[1:] if argv is None else argv
+        for i, row in enumerate(rows):
+            if "error" not in row:
+                row["activation_bytes"], row["host_bytes"] = _memory_in_subprocess(argv, i)
+        add_ratios(rows)
+    spec = gpu_spec(device)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": cfg.name,
+                    "layers": cfg.n_layers,
+                    "batch": args.batch,
+                    "seq": seq,
+                    "dtype": args.dtype,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "peak_flops": {"gpu": spec[0], "flops_per_s": spec[1].peak_flops} if spec else None,
+                    "mfu_convention": MFU_CONVENTION,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         return 0
     print(
         f"# {cfg.name} ({cfg.n_layers} layers, h={cfg.hidden_size}) b={args.batch} s={seq} {args.dtype} on "
-        f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        flush=True,
+        f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"MFU against {spec[0] if spec else 'n/a'}: {MFU_CONVENTION}"
     )
-    results = []
-    argv = sys.argv[1:] if argv is None else argv
-    for row, (name, model, step) in enumerate(rows):
-        seconds = measure_time(step, model, ids, device, args.repeats)
-        if device.type == "cpu":
-            peak, host = _memory_in_subprocess(argv, row)
-        else:
-            peak, host = measure_memory(step, model, ids, device)
-        results.append((name, seconds, peak, host))
-        print(f"  measured {name}: {seconds:.3f}s", file=sys.stderr, flush=True)
-    base_t, base_m = results[0][1], results[0][2]
-    print("| strategy | step s | x none | activation MiB | x none | host MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, seconds, peak, host in results:
-        print(
-            f"| {name} | {seconds:.3f} | {seconds / base_t:.2f} | {peak / 2**20:.1f} | "
-            f"{peak / max(base_m, 1):.2f} | {host / 2**20:.1f} |"
-        )
+    print_table(rows)
     return 0
 
 

@@ -1,25 +1,63 @@
 """The benchmark scripts run end to end at toy sizes (their numbers live in the README, not here)."""
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import strategies  # noqa: E402
+
+ROWS = (
+    "memo none",
+    "memo full",
+    "memo alpha=0.5",
+    "memo alpha=0.5 + arena",
+    "memo offload-all",
+    "autograd (reference)",
+    "torch.utils.checkpoint",
+    "save_on_cpu",
+)
 
 
 @pytest.mark.slow
 def test_strategies_benchmark_prints_a_row_per_alternative(capsys):
     assert strategies.main(["--layers", "4", "--seq", "128", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    for row in (
-        "memo none",
-        "memo full",
-        "memo alpha=0.5",
-        "memo alpha=0.5 + arena",
-        "autograd (reference)",
-        "torch.utils.checkpoint",
-        "save_on_cpu",
-    ):
+    for row in ROWS:
         assert f"| {row} |" in out
+
+
+def test_strategies_json_gives_every_row_with_throughput_and_ratios(capsys):
+    argv = ["--layers", "2", "--seq", "64", "--repeats", "1", "--device", "cpu", "--json"]
+    with pytest.MonkeyPatch.context() as m:  # the CPU memory subprocesses are the table test's business
+        m.setattr(strategies, "_memory_in_subprocess", lambda argv, row: (1 << 20, 0))
+        assert strategies.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in result["rows"]] == list(ROWS)
+    for row in result["rows"]:
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["mfu"] is None  # no GPU peak on CPU
+        assert row["activation_over_none"] == 1.0
+    assert result["rows"][4]["alphas"] == [1.0, 1.0]  # offload-all: every layer, whole
+    assert result["peak_flops"] is None and "not halved" in result["mfu_convention"]
+
+
+def test_a_row_that_runs_out_of_device_memory_is_recorded_not_raised(capsys):
+    def build():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    row = strategies.measure_row("memo none", build, ids, repeats=1)
+    assert row == {"name": "memo none", "oom": True, "error": "CUDA out of memory. Tried to allocate 20.00 GiB"}
+    strategies.print_table([row])
+    assert "| memo none | OOM |" in capsys.readouterr().out
+
+
+def test_mfu_counts_the_full_attention_matrix_and_the_causal_variant_halves_it():
+    cfg = strategies.ModelConfig.preset("tiny-gpt")
+    full, causal = strategies.flops_per_token(cfg, 1024)
+    attention = 3 * cfg.n_layers * 4 * 1024 * cfg.n_heads * cfg.head_dim
+    assert full == strategies.model_flops_per_token(cfg, 1024)
+    assert full - causal == pytest.approx(attention / 2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
-from memo.attention import meta_kernels
+from memo.device import meta_kernels
 from memo.cli import main
 from memo.cost.estimate import _compute_seconds, estimate, max_seq
 from memo.cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
@@ -16,10 +16,10 @@ A800 = GPUS["A800-80GB"]
 GPT7B = ModelConfig.preset("gpt-7b")
 
 
-def test_gpt_skeletal_bytes_are_16bsh_plus_lse():
+def test_gpt_skeletal_bytes_are_16bsh_plus_lse_and_norm_statistics():
     s, h, a = 1 << 20, 4096, 32
     b = skeletal_bytes(GPT7B, s)
-    assert sum(b.values()) == 16 * s * h * 2 + a * s * 4
+    assert sum(b.values()) == 16 * s * h * 2 + a * s * 4 + 2 * 2 * s * 4  # two norms' fp32 (mean, rstd)
     assert b["input"] == s * h * 2 and b["attention"] == s * h * 2 + a * s * 4
 
 

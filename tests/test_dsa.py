@@ -1,6 +1,8 @@
 """DSA solvers against brute force and against each other; the search's techniques each cut work."""
 
 import itertools
+import subprocess
+import sys
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -191,3 +193,21 @@ def test_solve_is_never_worse_than_greedy_and_reports_gap():
     s = solve(p, time_limit=5)
     assert s.peak <= peak(p, g) and check_placement(p, s.offsets) == []
     assert s.lower_bound >= max_load(p) and s.gap == pytest.approx(s.peak / s.lower_bound - 1)
+
+
+def test_memo_imports_and_plans_without_highspy():
+    """The GPU image has no highspy: `import memo` must not need it, and a plan skips the MIP and says so."""
+    # greedy places this one 1 above LOAD, so the solver would reach for the MIP
+    code = (
+        "import sys, logging; sys.modules['highspy'] = None; logging.basicConfig()\n"
+        "import memo\n"
+        "from memo.plan.dsa import solve\n"
+        "from memo.plan.problem import Problem\n"
+        "p = Problem.from_rows([(0, 1, 3, 3), (1, 1, 4, 3), (2, 3, 6, 4), (3, 0, 1, 4), (4, 2, 3, 2), (5, 2, 4, 2)])\n"
+        "s = solve(p, 1.0, use_search=False)\n"
+        "print('peak', s.peak, s.method)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "peak" in done.stdout
+    assert "highspy is not installed" in done.stderr

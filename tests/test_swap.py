@@ -123,6 +123,20 @@ def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
     model(ids, labels=ids).backward()
     stats = model.swap_stats()
     h, s = 4096, 1 << 20
-    # per layer: 16·b·s·h bf16 (memo-method.md §2) + LSE, rounded to 512 B per tensor
-    assert stats.device_skeletal_bytes == pytest.approx(2 * (16 * s * h * 2 + 32 * s * 4), rel=1e-6)
+    # per layer: 16·b·s·h bf16 (memo-method.md §2) + LSE + two norms' (mean, rstd) in fp32, 512 B-rounded
+    assert stats.device_skeletal_bytes == pytest.approx(2 * (16 * s * h * 2 + 32 * s * 4 + 2 * 2 * s * 4), rel=1e-6)
     assert model.layers[0].wq.weight.grad.is_meta
+
+
+def test_offloaded_last_two_layers_are_neither_prefetched_nor_recomputed():
+    """Their rounding buffers still hold their tensors at their backward: loading or rebuilding is waste."""
+    batch, seq, alpha = 2, 40, 0.37
+    model = _run(ActivationPolicy("memo", alpha=alpha, offload_last_layers=True), batch, seq)
+    b = _skeletal_bytes(model, batch, seq)
+    kept_rows = int(alpha * seq)
+    per_layer = b["input"] + b["attention"] + b["other"] * kept_rows // seq
+    stats = model.swap_stats()
+    assert stats.bytes_offloaded == 4 * per_layer
+    assert stats.bytes_prefetched == 2 * per_layer  # layers 0 and 1 only
+    assert stats.tokens_recomputed == 2 * batch * (seq - kept_rows)
+    assert model.store.pool.in_use == 0

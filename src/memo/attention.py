@@ -6,42 +6,29 @@ q, k, v are (batch, heads, seq, head_dim) views; k and v may have fewer heads (g
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-
 import torch
 
+from .device import kernel_device_type
+
 aten = torch.ops.aten
-_META_KERNELS: ContextVar[str] = ContextVar("memo_meta_kernels", default="cpu")
-
-
-@contextmanager
-def meta_kernels(device_type: str):
-    """Makes attention on `meta` tensors call the kernels of `device_type`, so a meta trace of a CUDA step
-    allocates what the CUDA kernels allocate (the arena plans a run before it happens)."""
-    token = _META_KERNELS.set(device_type)
-    try:
-        yield
-    finally:
-        _META_KERNELS.reset(token)
 
 
 def _kernel(q: torch.Tensor) -> str:
-    device_type = _META_KERNELS.get() if q.device.type == "meta" else q.device.type
-    if device_type != "cuda":
+    if kernel_device_type(q.device) != "cuda":
         return "cpu_flash"
     return "cuda_flash" if q.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
 
 
 def lse_seq_len(seq_len: int, device: torch.device, dtype: torch.dtype) -> int:
-    """Returns the length of the LSE's token dimension (the CUDA efficient kernel pads it to 32)."""
-    if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+    """Returns the length of the LSE's token dimension for the kernel that runs on `device` (on meta: the
+    one `device.meta_kernels` names); the CUDA efficient kernel pads it to a multiple of 32."""
+    if kernel_device_type(device) == "cuda" and dtype not in (torch.float16, torch.bfloat16):
         return -(-seq_len // 32) * 32
     return seq_len
 
 
 def _repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Returns k or v with heads repeated to `n_heads` (the CUDA kernels want equal head counts)."""
+    """Returns k or v with heads repeated to `n_heads` (the CUDA efficient kernel wants equal head counts)."""
     rep = n_heads // t.shape[1]
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
@@ -58,12 +45,12 @@ def attention_forward(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor
     if kind == "cpu_flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    if kind == "cuda_flash":
+    if kind == "cuda_flash":  # takes grouped-query k, v as they are (FlashAttention-2's num_heads_k)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, True, False, scale=scale
         )
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
     return out, lse, (seed, offset)
 
@@ -75,16 +62,15 @@ def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, True, scale=scale
         )
-    n_kv = k.shape[1]
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     if kind == "cuda_flash":
         cum_q, cum_k, max_q, max_k, seed, offset = aux
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
-        )
-    else:
-        seed, offset = aux
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
-        )
+        )[:3]
+    n_kv = k.shape[1]
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    seed, offset = aux
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
+    )
     return dq, _sum_kv(dk, n_kv), _sum_kv(dv, n_kv)

@@ -9,12 +9,42 @@ import contextlib
 import os
 import time
 import weakref
+from contextvars import ContextVar
 
 import torch
 
 
+_META_KERNELS: ContextVar[str] = ContextVar("memo_meta_kernels", default="cpu")
+
+
 def is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+@contextlib.contextmanager
+def meta_kernels(device_type: str):
+    """Makes ops on `meta` tensors stand for the kernels of `device_type`, so a meta trace of a CUDA step
+    allocates what the CUDA kernels allocate (the arena and the cost model plan a run before it happens)."""
+    token = _META_KERNELS.set(device_type)
+    try:
+        yield
+    finally:
+        _META_KERNELS.reset(token)
+
+
+def kernel_device_type(device: torch.device) -> str:
+    """Returns the device type whose kernels run for tensors on `device`: its own, or on `meta` the one
+    `meta_kernels` names (default cpu)."""
+    return _META_KERNELS.get() if device.type == "meta" else device.type
+
+
+def has_fused_kernel(op: str, device_type: str) -> bool:
+    """Returns whether `op` ("aten::name") has a kernel of its own for `device_type`, not a decomposition.
+
+    CUDA builds of torch >= 2.11 have the fused norm kernels; assuming them lets a CPU-only build trace a GPU
+    step on meta. Elsewhere the dispatcher is asked (a test may register a kernel to mimic CUDA on CPU).
+    """
+    return device_type == "cuda" or torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
 
 
 def new_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -48,21 +78,43 @@ def host_device_for(device: torch.device) -> torch.device:
     return torch.device("meta") if device.type == "meta" else torch.device("cpu")
 
 
-def empty_host(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Returns a byte buffer in host memory for copies from `device`, page-locked when `device` is CUDA.
+def pins(device: torch.device) -> bool:
+    """Returns whether host buffers for copies from `device` are page-locked (CUDA only)."""
+    return is_cuda(device)
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+class HostBuffer:
+    """Host bytes for copies from `device`, page-locked for exactly the life of this object on CUDA.
 
     Pinning registers exactly `nbytes` (cudaHostRegister) rather than using `pin_memory=True`, whose caching
-    host allocator rounds every request up to a power of two and keeps freed blocks: a 17 GiB pool would
-    lock 32 GiB and never give it back.
+    host allocator rounds every request up to a power of two and keeps freed blocks: a 17 GiB pool would lock
+    32 GiB and never give it back. This object owns the registration: views of `data` keep only its storage,
+    so the registration must not hang on any tensor's Python object (a view would outlive it and copy from
+    pageable memory). `release` (or the object's death) unregisters only after the device has finished every
+    queued copy, on every stream, that may still touch the bytes.
     """
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=host_device_for(device))
-    if is_cuda(device) and nbytes:
-        cudart = torch.cuda.cudart()
-        ptr = buffer.data_ptr()
-        if cudart.cudaHostRegister(ptr, nbytes, 0) != 0:
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device=host_device_for(device))
+        self.pinned = pins(device) and nbytes > 0
+        if self.pinned and _cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0) != 0:
             raise RuntimeError(f"could not pin {nbytes} bytes of host memory (cudaHostRegister failed)")
-        weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)  # views keep `buffer` alive via ._base
-    return buffer
+        # runs before `data` is dropped (weak references die first), so the bytes are never freed while pinned
+        self._unpin = weakref.finalize(self, _unregister, self.data.data_ptr(), device) if self.pinned else None
+
+    def release(self) -> None:
+        """Unpins now (idempotent), after synchronising the device; `data` stays usable as pageable memory."""
+        if self._unpin is not None:
+            self._unpin()
+
+
+def _unregister(ptr: int, device: torch.device) -> None:
+    synchronize(device)
+    _cudart().cudaHostUnregister(ptr)
 
 
 def synchronize(device: torch.device) -> None:

@@ -5,6 +5,7 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
 
     x    (b,s,h)    layer input                      -- role "input": always to host in full
     n1   (b,s,h)    attention-norm output            -- role "other": α of the tokens to host, rest recomputed
+    n1_stats (b,s,k) its per-token statistics, fp32  -- other (k = 2: mean, rstd for LayerNorm; 1: rstd)
     q    (b,s,a,d)  rotated query                    -- other
     k    (b,s,g,d)  rotated key                      -- other
     v    (b,s,g,d)  value                            -- other
@@ -12,12 +13,14 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
     lse  (b,a,s')   attention log-sum-exp, float32   -- attention (b, a/sp, s'·sp) under sequence parallelism
     x1   (b,s,h)    x + attention projection         -- other
     n2   (b,s,h)    MLP-norm output                  -- other
+    n2_stats (b,s,k) its statistics                  -- other
     gate (b,s,f)    SwiGLU gate (llama only)         -- other
     up   (b,s,f)    up projection                    -- other
     act  (b,s,f)    GeLU(up) or SiLU(gate)*up        -- other
 
 Every "other" tensor is a token-local function of x and attn, so `fill(t, start)` recomputes rows
-[start, s) from them without touching attention (§3).
+[start, s) from them without touching attention (§3). Each is written straight into its slot (`out=`)
+where an op allows it, so the forward and the recompute move no extra copies of them.
 
 Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
 shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions.
@@ -35,6 +38,7 @@ from torch import nn
 
 from .attention import attention_backward, attention_forward, lse_seq_len
 from .config import ModelConfig
+from .norms import norm_backward, norm_forward, stats_dtype, stats_width
 
 aten = torch.ops.aten
 Role = Literal["input", "attention", "other"]
@@ -82,10 +86,17 @@ def rope_tables(start: int, stop: int, head_dim: int, theta: float, dtype, devic
     return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Returns x (b, r, heads, d) rotated pairwise (first half, second half); rotate(., cos, -sin) inverts it."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns x (b, r, heads, d) rotated pairwise (first half, second half), into `out` if given;
+    rotate(., cos, -sin) inverts it."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    halves = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    return torch.cat(halves, dim=-1) if out is None else torch.cat(halves, dim=-1, out=out)
+
+
+def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """Writes x·Wᵀ + b into `out` (a slot of the skeletal tensors, no temporary) and returns it."""
+    return aten.linear.out(x, lin.weight, lin.bias, out=out)
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -96,15 +107,6 @@ def heads_major(t: torch.Tensor) -> torch.Tensor:
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Returns dW = dyᵀ·x summed over all tokens, for y = x·Wᵀ."""
     return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-
-
-def _rms_norm_backward(dy, x, weight, eps: float):
-    """Returns (dx, dw) of y = x·r·w with r = 1/sqrt(mean(x²) + eps), in float32 (no CPU fused kernel)."""
-    xf, g = x.float(), dy.float() * weight.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    dx = r * (g - xf * r.pow(2) * (g * xf).mean(-1, keepdim=True))
-    dw = (dy.float() * xf * r).reshape(-1, x.shape[-1]).sum(0)
-    return dx.to(x.dtype), dw.to(weight.dtype)
 
 
 def _token_sum(dy: torch.Tensor) -> torch.Tensor:
@@ -144,9 +146,11 @@ class DecoderLayer(nn.Module):
         def spec(role: Role, *tail: int) -> SkeletalSpec:
             return SkeletalSpec((b, s, *tail), dtype, role)
 
+        stats = SkeletalSpec((b, s, stats_width(self.attn_norm)), stats_dtype(dtype), "other")
         specs = {
             "x": spec("input", h),
             "n1": spec("other", h),
+            "n1_stats": stats,
             "q": spec("other", a, d),
             "k": spec("other", g, d),
             "v": spec("other", g, d),
@@ -154,6 +158,7 @@ class DecoderLayer(nn.Module):
             "lse": self._lse_spec(b, s, dtype, torch.device(device)),
             "x1": spec("other", h),
             "n2": spec("other", h),
+            "n2_stats": stats,
             "gate": spec("other", f),
             "up": spec("other", f),
             "act": spec("other", f),
@@ -174,11 +179,14 @@ class DecoderLayer(nn.Module):
         return 0 if self.seq_parallel is None else self.seq_parallel.token_offset(s)
 
     # ---- forward (also the token-wise recompute) --------------------------------------------------------
-    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        shape = [self.config.hidden_size]
-        if self.gpt:
-            return aten.native_layer_norm(x, shape, norm.weight, norm.bias, norm.eps)[0]
-        return aten._fused_rms_norm(x, shape, norm.weight, norm.eps)[0]
+    def _norm(self, t: dict, name: str, x: torch.Tensor, rows: slice, norm: nn.Module) -> torch.Tensor:
+        """Writes norm(x) into t[name] and its statistics into t[name + "_stats"] (rows `rows`); returns the
+        written rows."""
+        y, stats = norm_forward(norm, x)
+        t[name + "_stats"][:, rows] = stats
+        out = t[name][:, rows]
+        out.copy_(y)
+        return out
 
     def fill(self, t: dict[str, torch.Tensor], start: int = 0, attention: bool = True) -> tuple | None:
         """Writes the skeletal tensors of token rows [start, s) into `t` from t["x"] (and t["attn"]).
@@ -195,13 +203,12 @@ class DecoderLayer(nn.Module):
         c = self.config
         x = t["x"][:, rows]  # (b, r, h)
         b, r = x.shape[:2]
-        n1 = self._norm(x, self.attn_norm)  # (b, r, h)
-        t["n1"][:, rows] = n1
+        n1 = self._norm(t, "n1", x, rows, self.attn_norm)  # (b, r, h)
         at = self._offset(t["x"].shape[1])
         cos, sin = rope_tables(at + rows.start, at + rows.stop, c.head_dim, c.rope_theta, x.dtype, x.device)
-        t["q"][:, rows] = rotate(F.linear(n1, self.wq.weight, self.wq.bias).view(b, r, -1, c.head_dim), cos, sin)
-        t["k"][:, rows] = rotate(F.linear(n1, self.wk.weight, self.wk.bias).view(b, r, -1, c.head_dim), cos, sin)
-        t["v"][:, rows] = F.linear(n1, self.wv.weight, self.wv.bias).view(b, r, -1, c.head_dim)
+        rotate(F.linear(n1, self.wq.weight, self.wq.bias).view(b, r, -1, c.head_dim), cos, sin, t["q"][:, rows])
+        rotate(F.linear(n1, self.wk.weight, self.wk.bias).view(b, r, -1, c.head_dim), cos, sin, t["k"][:, rows])
+        linear_into(t["v"][:, rows].flatten(2), n1, self.wv)  # (b, r, g·d)
 
     def _fill_attention(self, t) -> tuple:
         sp = self.seq_parallel
@@ -219,36 +226,24 @@ class DecoderLayer(nn.Module):
 
     def _fill_mlp_inputs(self, t, rows: slice) -> None:
         x, attn = t["x"][:, rows], t["attn"][:, rows].flatten(2)  # (b, r, h), (b, r, a*d)
-        x1 = x + F.linear(attn, self.wo.weight, self.wo.bias)
-        t["x1"][:, rows] = x1
-        n2 = self._norm(x1, self.mlp_norm)
-        t["n2"][:, rows] = n2
-        up = F.linear(n2, self.w_up.weight, self.w_up.bias)  # (b, r, f)
-        t["up"][:, rows] = up
+        x1 = torch.add(x, F.linear(attn, self.wo.weight, self.wo.bias), out=t["x1"][:, rows])
+        n2 = self._norm(t, "n2", x1, rows, self.mlp_norm)
+        up = linear_into(t["up"][:, rows], n2, self.w_up)  # (b, r, f)
         if self.gpt:
-            t["act"][:, rows] = F.gelu(up)
+            aten.gelu.out(up, out=t["act"][:, rows])
         else:
-            gate = F.linear(n2, self.w_gate.weight)
-            t["gate"][:, rows] = gate
-            t["act"][:, rows] = F.silu(gate) * up
+            gate = linear_into(t["gate"][:, rows], n2, self.w_gate)
+            torch.mul(F.silu(gate), up, out=t["act"][:, rows])
 
     def output(self, t) -> torch.Tensor:
         """Returns the layer output y = x1 + act·W_downᵀ (b, s, h), a fresh tensor."""
         return t["x1"] + F.linear(t["act"], self.w_down.weight, self.w_down.bias)
 
     # ---- backward ---------------------------------------------------------------------------------------
-    def _norm_backward(self, dy, x, norm: nn.Module, grads: dict, prefix: str) -> torch.Tensor:
-        """Returns dx of a norm and stores its parameter grads; mean/rstd are recomputed from x (cheap)."""
-        shape = [self.config.hidden_size]
-        if self.gpt:
-            _, mean, rstd = aten.native_layer_norm(x, shape, norm.weight, norm.bias, norm.eps)
-            dx, dw, db = aten.native_layer_norm_backward(
-                dy, x, shape, mean, rstd, norm.weight, norm.bias, [True, True, True]
-            )
-            grads[prefix + ".bias"] = db
-        else:
-            dx, dw = _rms_norm_backward(dy, x, norm.weight, norm.eps)
-        grads[prefix + ".weight"] = dw
+    def _norm_backward(self, dy, x, stats, prefix: str, grads: dict) -> torch.Tensor:
+        """Returns dx of the norm `prefix` from its kept statistics and stores its parameter grads."""
+        dx, norm_grads = norm_backward(getattr(self, prefix), dy, x, stats)
+        grads.update({f"{prefix}.{name}": g for name, g in norm_grads.items()})
         return dx
 
     def _linear_backward(self, dy, x, name: str, grads: dict) -> torch.Tensor:
@@ -274,7 +269,7 @@ class DecoderLayer(nn.Module):
             dgate = aten.silu_backward(dact * up, gate)
             dn2 = self._linear_backward(dup, t["n2"], "w_up", grads)
             dn2 += self._linear_backward(dgate, t["n2"], "w_gate", grads)
-        dx1 = dy + self._norm_backward(dn2, t["x1"], self.mlp_norm, grads, "mlp_norm")  # (b, s, h)
+        dx1 = dy + self._norm_backward(dn2, t["x1"], t["n2_stats"], "mlp_norm", grads)  # (b, s, h)
         # attention: x1 = x + attn·W_oᵀ
         dattn = self._linear_backward(dx1, t["attn"].flatten(2), "wo", grads).view(b, s, c.n_heads, c.head_dim)
         dq, dk, dv = self._attention_backward(dattn, t, aux)  # token-major (b, s, heads, d)
@@ -286,7 +281,7 @@ class DecoderLayer(nn.Module):
         dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
         dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
         dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads)
-        dx = dx1 + self._norm_backward(dn1, t["x"], self.attn_norm, grads, "attn_norm")
+        dx = dx1 + self._norm_backward(dn1, t["x"], t["n1_stats"], "attn_norm", grads)
         return dx, grads
 
     def _attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):

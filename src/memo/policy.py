@@ -58,6 +58,11 @@ class ActivationPolicy:
             return []
         return list(range(n_layers if self.offload_last_layers else max(n_layers - 2, 0)))
 
+    def reloaded_layers(self, n_layers: int) -> list[int]:
+        """Returns the offloaded layers whose backward needs their tensors back (prefetch + recompute): the
+        last two keep theirs in the rounding buffers, which no later layer overwrites (§4)."""
+        return [i for i in self.offloaded_layers(n_layers) if i + 2 < n_layers]
+
 
 def split_row(alpha: float, seq_len: int) -> int:
     """Returns how many leading tokens are offloaded for `alpha` (floor: the copy must stay hidden)."""

@@ -165,7 +165,8 @@ class HostPool:
                 "lower `--alpha`, keep more layers on device, or raise `host_budget_bytes`"
             )
         self.cap, self.nbytes = cap, nbytes
-        self.buffer = dev.empty_host(nbytes, device)
+        self.host = dev.HostBuffer(nbytes, device)
+        self.buffer = self.host.data
         self.in_use = 0
         self.peak = 0
 
@@ -179,6 +180,10 @@ class HostPool:
     def release(self, nbytes: int) -> None:
         self.in_use -= nbytes
 
+    def close(self) -> None:
+        """Unpins the pool once the device has finished every copy into or out of it."""
+        self.host.release()
+
 
 class SwapEngine(ActivationStore):
     """Strategy `memo`: layer-wise offload with token-wise swap/recompute (memo-method.md §3-4)."""
@@ -186,6 +191,7 @@ class SwapEngine(ActivationStore):
     def __init__(self, policy, n_layers):
         super().__init__(policy, n_layers)
         self.offloaded = set(policy.offloaded_layers(n_layers))
+        self.reloaded = set(policy.reloaded_layers(n_layers))
         self.pool: HostPool | None = None
         self._buffers: list[dict[str, torch.Tensor]] = []
         self._host: dict[int, dict[str, torch.Tensor]] = {}
@@ -197,9 +203,8 @@ class SwapEngine(ActivationStore):
 
     # ---- sizing -----------------------------------------------------------------------------------------
     def _reserve(self, layers, batch, seq, dtype, device) -> None:
-        self._sync_all()
+        self._drop_buffers()
         self._device = device
-        self._buffers, self._host, self.pool = [], {}, None  # free the old sizes before allocating new ones
         offsets, total = pack_layout(self.specs)
         self._buffers = [
             carve(torch.empty(total, dtype=torch.uint8, device=device), offsets, self.specs) for _ in (0, 1)
@@ -279,13 +284,12 @@ class SwapEngine(ActivationStore):
     # ---- backward ---------------------------------------------------------------------------------------
     def _prefetch(self, index: int) -> None:
         """Starts the copy of layer `index`'s host slot into its (now free) rounding buffer."""
-        if index not in self.offloaded or index in self._prefetch_done:
+        if index not in self.reloaded or index in self._prefetch_done:
             return
         ready = dev.record_event(self._device)
         prefetch_stream = self._streams[1]
         with dev.on_stream(prefetch_stream):
-            dev.wait_event(ready, prefetch_stream)
-            dev.wait_event(self._offload_done.pop(index, None), prefetch_stream)
+            dev.wait_event(ready, prefetch_stream)  # the offload of `index` is before it: layer index+2 waited
             moved = self._copy_slot(index, to_host=False)
             self._prefetch_done[index] = dev.record_event(self._device, prefetch_stream)
         self.stats.bytes_prefetched += moved
@@ -297,14 +301,29 @@ class SwapEngine(ActivationStore):
         self._prefetch(index - 1)
         recompute = None
         if index in self.offloaded:
-            dev.wait_event(self._prefetch_done.pop(index), device=self._device)
             self.pool.release(sum(h.numel() * h.element_size() for h in self._host[index].values()))
+        if index in self.offloaded and index not in self.reloaded:
+            # nothing to load or rebuild; the offload must still finish reading before layer index-2's
+            # prefetch (ordered after this layer's backward) writes the buffer
+            dev.wait_event(self._offload_done.pop(index, None), device=self._device)
+        elif index in self.reloaded:
+            dev.wait_event(self._prefetch_done.pop(index), device=self._device)
             split, seq = self._split[index], self.specs["x"].shape[1]
             if split < seq:
                 recompute = Recompute(split)
                 self.stats.tokens_recomputed += (seq - split) * self.specs["x"].shape[0]
                 self.stats.bytes_recomputed += other_rows_bytes(self.specs, seq - split)
         return self._buffers[index % 2], self._aux.pop(index), recompute
+
+    def _drop_buffers(self) -> None:
+        """Frees the buffers of the previous shape (before allocating new ones), once no stream uses them:
+        side-stream copies may still read or write them, and the caching allocator only knows the compute
+        stream."""
+        self._sync_all()
+        dev.synchronize(self._device)
+        if self.pool is not None:
+            self.pool.close()
+        self._buffers, self._host, self.pool = [], {}, None
 
     def _sync_all(self) -> None:
         for event in (*self._offload_done.values(), *self._prefetch_done.values()):
@@ -322,9 +341,12 @@ class SwapEngine(ActivationStore):
 
 def measure_copy_bandwidth(src: torch.Tensor) -> float:
     """Returns device-to-host bytes/s measured by copying `src` into fresh (pinned on CUDA) host memory."""
-    dst = dev.empty_host(src.numel() * src.element_size(), src.device).view(src.dtype).view(src.shape)
+    nbytes = src.numel() * src.element_size()
+    host = dev.HostBuffer(nbytes, src.device)  # held (and so pinned) until the timing is over
+    dst = host.data.view(src.dtype).view(src.shape)
     seconds = dev.timed(lambda: dst.copy_(src, non_blocking=True), src.device, repeats=3)
-    return src.numel() * src.element_size() / max(seconds, 1e-9)
+    host.release()
+    return nbytes / max(seconds, 1e-9)
 
 
 def measure_layer_seconds(layer: DecoderLayer, t: dict[str, torch.Tensor]) -> float:

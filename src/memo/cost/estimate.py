@@ -208,7 +208,8 @@ def _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu: GPUSpec, eff: E
         bw = _host_bandwidth(gpu, eff)
         for i in offloaded:
             seconds = (b["input"] + b["attention"] + alphas[i] * b["other"]) / bw
-            copy[i] = max(0.0, seconds - fwd) + max(0.0, seconds - (bwd + recompute[i]))
+            prefetch = max(0.0, seconds - (bwd + recompute[i])) if i < n - 2 else 0.0  # the last two stay
+            copy[i] = max(0.0, seconds - fwd) + prefetch
     comm = n * _layer_comm_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu, eff, fwd, bwd, t)
     head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
     return {

@@ -27,12 +27,12 @@ def model_flops_per_token(c: ModelConfig, seq: int) -> float:
     return 3.0 * (c.n_layers * (matmul + attention) + 2.0 * c.vocab_size * c.hidden_size)
 
 
-def recompute_flops(c: ModelConfig, seq: int, strategy: str, alphas=None, offloaded=(), tokens=None) -> float:
+def recompute_flops(c: ModelConfig, seq: int, strategy: str, alphas=None, reloaded=(), tokens=None) -> float:
     """Returns the forward FLOPs a strategy spends again before backward, for one sequence.
 
     `full` re-runs each layer's forward except the last projection (its output is not needed);
     `memo` re-runs the token-local matmuls (all but the last projection) for the (1 − α) tokens of
-    every offloaded layer (§3).
+    every layer whose tensors come back from host (`ActivationPolicy.reloaded_layers`, §3).
     """
     tokens = seq if tokens is None else tokens
     w_down = c.ffn_hidden_size * c.hidden_size
@@ -40,5 +40,5 @@ def recompute_flops(c: ModelConfig, seq: int, strategy: str, alphas=None, offloa
     if strategy == "full":
         return c.n_layers * (local * tokens + layer_forward_flops(c, seq, tokens)[1])
     if strategy == "memo":
-        return sum(local * (tokens - split_row(alphas[i], tokens)) for i in offloaded)
+        return sum(local * (tokens - split_row(alphas[i], tokens)) for i in reloaded)
     return 0.0

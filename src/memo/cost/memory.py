@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from ..attention import meta_kernels
+from ..device import meta_kernels
 from ..config import ModelConfig
 from ..layer import DecoderLayer, bytes_by_role
 from ..model import Transformer

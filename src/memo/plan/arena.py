@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..attention import meta_kernels
+from ..device import meta_kernels
 from .dsa import Solution, solve
 from .problem import Problem
 from .trace import Output, trace

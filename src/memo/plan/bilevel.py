@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import meta_kernels
+from ..device import meta_kernels
 from ..config import ModelConfig
 from ..model import Transformer
 from ..policy import ActivationPolicy

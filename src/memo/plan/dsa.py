@@ -8,6 +8,7 @@ independent overlap check of `problem.check_placement`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -78,7 +79,7 @@ def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip
     unit = math.gcd(*(int(s) for s in p.size)) if len(p) else 1
     if use_search:
         lower, offsets, best, method = _drive_search(p, lower, offsets, best, method, unit, deadline, steps)
-    if use_mip and best > lower and len(p) <= MIP_MAX_BUFFERS and time.perf_counter() < deadline:
+    if use_mip and best > lower and len(p) <= MIP_MAX_BUFFERS and time.perf_counter() < deadline and _has_highs():
         found, proven, bound = solve_mip(p, offsets, deadline - time.perf_counter())
         steps.append(f"mip: peak {peak(p, found)}{' (optimal)' if proven else ''}, bound {bound}")
         lower = max(lower, bound)
@@ -90,6 +91,17 @@ def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip
         offsets, method = greedy(p)
         best, steps = peak(p, offsets), steps + [f"verification failed: {problems[0]}"]
     return Solution(offsets, best, lower, best <= lower, time.perf_counter() - start, method, steps)
+
+
+@functools.cache
+def _has_highs() -> bool:
+    """Returns whether HiGHS can be imported; without it the MIP step is skipped, once with a warning."""
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        log.warning("highspy is not installed: DSA plans skip the MIP step (search and greedy only)")
+        return False
+    return True
 
 
 def _overlapping_pairs(p: Problem) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import highspy
 import numpy as np
 
 from .problem import Problem, check_placement, max_load, peak
@@ -22,6 +21,8 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndar
 
     The offsets are checked before they are returned (rounding a near-integral solution could overlap).
     """
+    import highspy  # here, not at `import memo`: the planner works without the MIP where highspy is missing
+
     n = len(p)
     unit = math.gcd(*(int(s) for s in p.size)) if n else 1
     size = p.size // unit

@@ -1,0 +1,90 @@
+"""LayerNorm and RMSNorm forward and backward through the device's fused kernels, as one op on every device.
+
+The forward returns the per-token statistics its backward needs, (b, s, k) in float32 or wider: LayerNorm
+keeps (mean, rstd), k = 2; RMSNorm keeps rstd, k = 1. The layer keeps them as skeletal tensors, so the
+backward neither reruns the forward nor recomputes them.
+
+The run-time arena (plan/arena.py) replays a phase's op sequence traced on `meta`, so a norm must be the
+same ops on meta as on the device. `aten._fused_rms_norm` is one kernel on CUDA but a decomposition on
+CPU and meta; `memo::rms_norm` wraps it as one custom op whose fake kernel stands in for it on meta.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .device import has_fused_kernel, kernel_device_type
+
+aten = torch.ops.aten
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Returns the dtype of the kept statistics: the kernels' accumulation type (float32 for 16-bit inputs)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def stats_width(norm: nn.Module) -> int:
+    """Returns how many numbers per token the backward of `norm` needs."""
+    return 2 if isinstance(norm, nn.LayerNorm) else 1
+
+
+@torch.library.custom_op("memo::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (x·rstd·weight, rstd) with rstd = 1/sqrt(mean(x²) + eps) of shape (..., 1)."""
+    if has_fused_kernel("aten::_fused_rms_norm", x.device.type):
+        y, rstd = aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        return y, rstd
+    xf = x.to(stats_dtype(x.dtype))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd).to(x.dtype) * weight, rstd
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], 1), dtype=stats_dtype(x.dtype))
+
+
+def rms_norm_backward(dy, x, rstd, weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight) of `rms_norm` from the forward's rstd (…, 1)."""
+    if has_fused_kernel("aten::_fused_rms_norm_backward", kernel_device_type(x.device)):
+        return aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], rstd, weight, [True, True])
+    acc = rstd.dtype
+    xf, g = x.to(acc), dy.to(acc) * weight.to(acc)
+    dx = rstd * (g - xf * rstd.pow(2) * (g * xf).mean(-1, keepdim=True))
+    dw = (dy.to(acc) * xf * rstd).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+
+def _rms_norm_autograd(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    return (*rms_norm_backward(dy, x, rstd, weight), None)
+
+
+rms_norm.register_autograd(_rms_norm_autograd, setup_context=_rms_norm_setup)
+
+
+def norm_forward(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (norm(x), statistics (…, stats_width(norm))) for `norm` an nn.LayerNorm or nn.RMSNorm."""
+    if isinstance(norm, nn.LayerNorm):
+        y, mean, rstd = aten.native_layer_norm(x, [x.shape[-1]], norm.weight, norm.bias, norm.eps)
+        return y, torch.cat((mean, rstd), dim=-1)
+    return rms_norm(x, norm.weight, norm.eps)
+
+
+def norm_backward(norm: nn.Module, dy, x, stats) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Returns (dx, parameter grads by name) of `norm_forward` from its kept statistics."""
+    if isinstance(norm, nn.LayerNorm):
+        # the CPU kernel keeps its statistics in the input's dtype and wants them back so
+        kept = x.dtype if kernel_device_type(x.device) == "cpu" else stats.dtype
+        mean, rstd = (part.to(kept).contiguous() for part in stats.split(1, dim=-1))  # kernels index densely
+        dx, dw, db = aten.native_layer_norm_backward(
+            dy, x, [x.shape[-1]], mean, rstd, norm.weight, norm.bias, [True, True, True]
+        )
+        return dx, {"weight": dw, "bias": db}
+    dx, dw = rms_norm_backward(dy, x, stats, norm.weight)
+    return dx, {"weight": dw}
