@@ -303,13 +303,16 @@ class DecoderLayer(nn.Module):
         return phase(self, *args) if self.arena is None else self.arena.run(self, phase, *args)
 
     def forward(self, x: torch.Tensor, store=None) -> torch.Tensor:
-        """Returns the layer output; with a store and grad enabled, through the explicit autograd function."""
-        if store is None or not torch.is_grad_enabled():
+        """Returns the layer output: without grad, straight; with grad, through the explicit autograd function
+        and `store` (a `swap.ActivationStore`), which keeps the skeletal tensors for the backward."""
+        if not torch.is_grad_enabled():
             specs = self.skeletal_specs(x.shape[0], x.shape[1], x.dtype, x.device)
             t = {n: torch.empty(sp.shape, dtype=sp.dtype, device=x.device) for n, sp in specs.items()}
             t["x"] = x
             self.fill(t)
             return self.output(t)
+        if store is None:
+            raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
         return LayerFunction.apply(x, self, store, *self.parameters())
 
 

@@ -56,18 +56,6 @@ def rms_norm_backward(dy, x, rstd, weight) -> tuple[torch.Tensor, torch.Tensor]:
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
-def _rms_norm_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1], output[1])
-
-
-def _rms_norm_autograd(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    return (*rms_norm_backward(dy, x, rstd, weight), None)
-
-
-rms_norm.register_autograd(_rms_norm_autograd, setup_context=_rms_norm_setup)
-
-
 def norm_forward(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (norm(x), statistics (…, stats_width(norm))) for `norm` an nn.LayerNorm or nn.RMSNorm."""
     if isinstance(norm, nn.LayerNorm):
