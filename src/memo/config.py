@@ -3,19 +3,63 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 Arch = Literal["gpt", "llama"]
+RopeType = Literal["linear", "dynamic", "yarn", "llama3"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are stretched past the length a model was pretrained at (memo/rope.py).
+
+    The fields and their defaults are those of transformers' `rope_scaling` / `rope_parameters`:
+    `linear` divides every frequency by `factor`; `dynamic` (NTK) raises the base with the sequence length
+    beyond `max_position_embeddings`; `yarn` interpolates the low frequencies only, between `beta_slow` and
+    `beta_fast` rotations over `original_max_positions`, and scales attention by `attention_factor`
+    (default 0.1·ln(factor) + 1); `llama3` divides the low frequencies by `factor`, keeps the high ones and
+    blends between wavelengths `original_max_positions / low_freq_factor` and `/ high_freq_factor`.
+    """
+
+    type: RopeType
+    factor: float
+    original_max_positions: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in ("linear", "dynamic", "yarn", "llama3"):
+            raise ValueError(f"`--rope-scaling` must be linear, dynamic, yarn or llama3, got {self.type!r}")
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor >= 1):
+            raise ValueError(f"`--rope-factor` must be a finite number >= 1, got {self.factor!r}")
+        if self.type in ("yarn", "llama3") and not (
+            isinstance(self.original_max_positions, int) and self.original_max_positions > 0
+        ):
+            raise ValueError(
+                f"`--original-max-positions` (the pretraining length) is required by {self.type} RoPE scaling"
+            )
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer.
 
-    `gpt`: LayerNorm, GeLU, FFN with biases (the paper's models, memo-method.md §8).
-    `llama`: RMSNorm, SwiGLU, no biases, grouped-query attention.
+    `gpt`: LayerNorm, GeLU, biases everywhere (the paper's models, memo-method.md §8).
+    `llama`: RMSNorm, SwiGLU, no biases by default, grouped-query attention: the family of Llama 2/3.x,
+    Mistral (`sliding_window`), Qwen2/2.5 (`qkv_bias`), Qwen3 (`qk_norm`, explicit `kv_channels`).
     Both use rotary position embeddings: a learned table of 1M positions would cost more than the model.
+    Bias flags left None take the arch's default.
     """
 
     arch: Arch
@@ -28,30 +72,50 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     name: str = "custom"
+    kv_channels: int | None = None  # the per-head width (Megatron's name); None: hidden_size / n_heads
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    tie_embeddings: bool = False  # the LM head is the token embedding (one parameter)
+    max_position_embeddings: int | None = None  # the length the weights are meant for; None: not known
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # attention window (Mistral); only "at least the sequence" is supported
+    hf_model_type: str | None = None  # the Hugging Face family it came from / exports as (llama, mistral, qwen2, qwen3)
 
     def __post_init__(self) -> None:
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"`arch` must be 'gpt' or 'llama', got {self.arch!r}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        for flag in ("qkv_bias", "out_bias", "mlp_bias"):
+            if getattr(self, flag) is None:
+                object.__setattr__(self, flag, self.arch == "gpt")
+        if isinstance(self.rope_scaling, dict):  # from a config file
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for field in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size", "vocab_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"`{field}` must be a positive integer, got {value!r}")
-        if self.hidden_size % self.n_heads:
+            _positive(field, getattr(self, field))
+        for field in ("kv_channels", "max_position_embeddings", "sliding_window"):
+            if getattr(self, field) is not None:
+                _positive(field, getattr(self, field))
+        if self.kv_channels is None and self.hidden_size % self.n_heads:
             raise ValueError(f"`n_heads` ({self.n_heads}) must divide `hidden_size` ({self.hidden_size})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"`n_kv_heads` ({self.n_kv_heads}) must divide `n_heads` ({self.n_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"`hidden_size`/`n_heads` must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(f"the head dimension must be even for rotary embeddings, got {self.head_dim}")
         if not self.norm_eps > 0:
             raise ValueError(f"`norm_eps` must be > 0, got {self.norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"`rope_theta` must be a finite number > 0, got {self.rope_theta}")
+        if self.qk_norm and self.arch == "gpt":
+            raise ValueError("`qk_norm` is an RMSNorm of the llama family; the gpt arch has none")
+        if self.rope_scaling is not None and self.rope_scaling.type == "dynamic" and not self.max_position_embeddings:
+            raise ValueError("dynamic RoPE scaling needs `max_position_embeddings` (where the stretching starts)")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        return self.kv_channels or self.hidden_size // self.n_heads
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -61,23 +125,44 @@ class ModelConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def num_parameters(self) -> int:
-        """Returns the parameter count (embedding and head untied)."""
+        """Returns the parameter count (a tied head counted once)."""
         return sum(_param_shapes_numel(self))
+
+    def check_length(self, seq_len: int) -> None:
+        """Raises if the model cannot attend over `seq_len` tokens as it was built to."""
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            raise ValueError(
+                f"sliding-window attention ({self.sliding_window} tokens) is not supported at {seq_len} tokens: "
+                "memo runs full causal attention; set `sliding_window` to null or train at most that long"
+            )
+
+
+def _positive(field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"`{field}` must be a positive integer, got {value!r}")
 
 
 def _param_shapes_numel(c: ModelConfig) -> list[int]:
-    h, f, kv = c.hidden_size, c.ffn_hidden_size, c.n_kv_heads * c.head_dim
-    if c.arch == "gpt":
-        layer = 2 * 2 * h + (h * h + h) * 2 + (h * kv + kv) * 2 + (h * f + f) + (f * h + h)
-        final_norm = 2 * h
-    else:
-        layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f
-        final_norm = h
-    return [c.vocab_size * h, c.n_layers * layer, final_norm, c.vocab_size * h]
+    h, f, d = c.hidden_size, c.ffn_hidden_size, c.head_dim
+    q, kv = c.n_heads * d, c.n_kv_heads * d
+    attention = h * (q + 2 * kv) + q * h + c.qkv_bias * (q + 2 * kv) + c.out_bias * h + c.qk_norm * 2 * d
+    mlp = (2 if c.arch == "gpt" else 3) * h * f + c.mlp_bias * (f + h)
+    norm = (2 if c.arch == "gpt" else 1) * h
+    layer = attention + mlp + 2 * norm
+    return [c.vocab_size * h, c.n_layers * layer, norm, 0 if c.tie_embeddings else c.vocab_size * h]
 
 
 def _gpt(name: str, n_layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig("gpt", n_layers, hidden, heads, 4 * hidden, 50257, name=name)
+
+
+def _llama3(name: str, n_layers: int, hidden: int, heads: int, ffn: int, factor: float, **kw) -> ModelConfig:
+    """Returns a Llama 3.1/3.2 shape: 8 kv heads, 128K vocabulary, θ = 500000, llama3 RoPE scaling from 8K."""
+    scaling = RopeScaling("llama3", factor, original_max_positions=8192)
+    return ModelConfig(
+        "llama", n_layers, hidden, heads, ffn, 128256, n_kv_heads=8, rope_theta=500000.0, name=name,
+        max_position_embeddings=131072, rope_scaling=scaling, hf_model_type="llama", **kw,
+    )
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -89,6 +174,22 @@ PRESETS: dict[str, ModelConfig] = {
     # published Llama configs
     "llama2-7b": ModelConfig("llama", 32, 4096, 32, 11008, 32000, n_kv_heads=32, name="llama2-7b"),
     "llama3-8b": ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, rope_theta=500000.0, name="llama3-8b"),
+    # the released checkpoints people extend (their config.json shapes; vocabularies as shipped)
+    "llama3.1-8b": _llama3("llama3.1-8b", 32, 4096, 32, 14336, factor=8.0),
+    "llama3.2-1b": _llama3("llama3.2-1b", 16, 2048, 32, 8192, factor=32.0, kv_channels=64, tie_embeddings=True),
+    "llama3.2-3b": _llama3("llama3.2-3b", 28, 3072, 24, 8192, factor=32.0, kv_channels=128, tie_embeddings=True),
+    "qwen2.5-7b": ModelConfig(
+        "llama", 28, 3584, 28, 18944, 152064, n_kv_heads=4, norm_eps=1e-6, rope_theta=1e6, name="qwen2.5-7b",
+        qkv_bias=True, max_position_embeddings=131072, hf_model_type="qwen2",
+    ),
+    "qwen3-8b": ModelConfig(
+        "llama", 36, 4096, 32, 12288, 151936, n_kv_heads=8, norm_eps=1e-6, rope_theta=1e6, name="qwen3-8b",
+        kv_channels=128, qk_norm=True, max_position_embeddings=40960, hf_model_type="qwen3",
+    ),
+    "mistral-7b": ModelConfig(
+        "llama", 32, 4096, 32, 14336, 32768, n_kv_heads=8, rope_theta=1e6, name="mistral-7b",
+        max_position_embeddings=32768, hf_model_type="mistral",
+    ),
     # CPU-sized debug presets used by tests and the default training job
     "tiny": ModelConfig("llama", 4, 64, 4, 176, 256, n_kv_heads=2, name="tiny"),
     "tiny-gpt": ModelConfig("gpt", 4, 64, 4, 256, 256, name="tiny-gpt"),

@@ -7,6 +7,7 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
     n1   (b,s,h)    attention-norm output            -- role "other": α of the tokens to host, rest recomputed
     n1_stats (b,s,k) its per-token statistics, fp32  -- other (k = 2: mean, rstd for LayerNorm; 1: rstd)
     q    (b,s,a,d)  rotated query                    -- other
+    q_stats (b,s,a,1) q's per-head RMSNorm rstd      -- other (`qk_norm` only, as are k_stats)
     k    (b,s,g,d)  rotated key                      -- other
     v    (b,s,g,d)  value                            -- other
     attn (b,s,a,d)  attention output                 -- role "attention": always to host in full
@@ -19,7 +20,8 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
     act  (b,s,f)    GeLU(up) or SiLU(gate)*up        -- other
 
 Every "other" tensor is a token-local function of x and attn, so `fill(t, start)` recomputes rows
-[start, s) from them without touching attention (§3). Each is written straight into its slot (`out=`)
+[start, s) from them without touching attention (§3). With `qk_norm` the backward needs q and k before
+their norm: it recomputes them from n1 (one token-local matmul) rather than keeping two more tensors. Each is written straight into its slot (`out=`)
 where an op allows it, so the forward and the recompute move no extra copies of them.
 
 Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
@@ -38,7 +40,8 @@ from torch import nn
 
 from .attention import attention_backward, attention_forward, lse_seq_len
 from .config import ModelConfig
-from .norms import norm_backward, norm_forward, stats_dtype, stats_width
+from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
+from .rope import rope_tables, rotate, unrotate
 
 aten = torch.ops.aten
 Role = Literal["input", "attention", "other"]
@@ -79,21 +82,6 @@ class Recompute:
     attention: bool = False
 
 
-def rope_tables(start: int, stop: int, head_dim: int, theta: float, dtype, device):
-    """Returns cos, sin of shape (rows, 1, d/2) for positions [start, stop)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(start, stop, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Returns x (b, r, heads, d) rotated pairwise (first half, second half), into `out` if given;
-    rotate(., cos, -sin) inverts it."""
-    x1, x2 = x.chunk(2, dim=-1)
-    halves = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-    return torch.cat(halves, dim=-1) if out is None else torch.cat(halves, dim=-1, out=out)
-
-
 def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     """Writes x·Wᵀ + b into `out` (a slot of the skeletal tensors, no temporary) and returns it."""
     return aten.linear.out(x, lin.weight, lin.bias, out=out)
@@ -124,14 +112,16 @@ class DecoderLayer(nn.Module):
         h, d, f = c.hidden_size, c.head_dim, c.ffn_hidden_size
         norm = (lambda: nn.LayerNorm(h, eps=c.norm_eps)) if self.gpt else (lambda: nn.RMSNorm(h, eps=c.norm_eps))
         self.attn_norm = norm()
-        self.wq = nn.Linear(h, c.n_heads * d, bias=self.gpt)
-        self.wk = nn.Linear(h, c.n_kv_heads * d, bias=self.gpt)
-        self.wv = nn.Linear(h, c.n_kv_heads * d, bias=self.gpt)
-        self.wo = nn.Linear(c.n_heads * d, h, bias=self.gpt)
+        self.wq = nn.Linear(h, c.n_heads * d, bias=c.qkv_bias)
+        self.wk = nn.Linear(h, c.n_kv_heads * d, bias=c.qkv_bias)
+        self.wv = nn.Linear(h, c.n_kv_heads * d, bias=c.qkv_bias)
+        self.q_norm = nn.RMSNorm(d, eps=c.norm_eps) if c.qk_norm else None
+        self.k_norm = nn.RMSNorm(d, eps=c.norm_eps) if c.qk_norm else None
+        self.wo = nn.Linear(c.n_heads * d, h, bias=c.out_bias)
         self.mlp_norm = norm()
-        self.w_gate = None if self.gpt else nn.Linear(h, f, bias=False)
-        self.w_up = nn.Linear(h, f, bias=self.gpt)
-        self.w_down = nn.Linear(f, h, bias=self.gpt)
+        self.w_gate = None if self.gpt else nn.Linear(h, f, bias=c.mlp_bias)
+        self.w_up = nn.Linear(h, f, bias=c.mlp_bias)
+        self.w_down = nn.Linear(f, h, bias=c.mlp_bias)
         self.scale = d**-0.5
         self.arena = None  # a plan.arena.Arena: transient tensors at planned offsets (Transformer.plan_memory)
         self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
@@ -165,6 +155,9 @@ class DecoderLayer(nn.Module):
         }
         if self.gpt:
             del specs["gate"]
+        if c.qk_norm:
+            specs["q_stats"] = SkeletalSpec((b, s, a, 1), stats_dtype(dtype), "other")
+            specs["k_stats"] = SkeletalSpec((b, s, g, 1), stats_dtype(dtype), "other")
         return specs
 
     def _lse_spec(self, b: int, s: int, dtype, device: torch.device) -> SkeletalSpec:
@@ -177,6 +170,16 @@ class DecoderLayer(nn.Module):
     def _offset(self, s: int) -> int:
         """Returns the global position of this rank's first token (0 without sequence parallelism)."""
         return 0 if self.seq_parallel is None else self.seq_parallel.token_offset(s)
+
+    def _rope(self, s: int, rows: slice, like: torch.Tensor):
+        """Returns cos, sin for local token rows `rows` of this rank's `s` tokens (global positions)."""
+        at, total = self._offset(s), s * (1 if self.seq_parallel is None else self.seq_parallel.size)
+        return rope_tables(self.config, at + rows.start, at + rows.stop, total, like.dtype, like.device)
+
+    def _project(self, n1: torch.Tensor, name: str) -> torch.Tensor:
+        """Returns the q or k projection of n1 (b, r, h) as heads (b, r, heads, d), before norm and RoPE."""
+        lin = getattr(self, "w" + name)
+        return F.linear(n1, lin.weight, lin.bias).unflatten(-1, (-1, self.config.head_dim))
 
     # ---- forward (also the token-wise recompute) --------------------------------------------------------
     def _norm(self, t: dict, name: str, x: torch.Tensor, rows: slice, norm: nn.Module) -> torch.Tensor:
@@ -204,10 +207,13 @@ class DecoderLayer(nn.Module):
         x = t["x"][:, rows]  # (b, r, h)
         b, r = x.shape[:2]
         n1 = self._norm(t, "n1", x, rows, self.attn_norm)  # (b, r, h)
-        at = self._offset(t["x"].shape[1])
-        cos, sin = rope_tables(at + rows.start, at + rows.stop, c.head_dim, c.rope_theta, x.dtype, x.device)
-        rotate(F.linear(n1, self.wq.weight, self.wq.bias).view(b, r, -1, c.head_dim), cos, sin, t["q"][:, rows])
-        rotate(F.linear(n1, self.wk.weight, self.wk.bias).view(b, r, -1, c.head_dim), cos, sin, t["k"][:, rows])
+        cos, sin = self._rope(t["x"].shape[1], rows, x)
+        for name in ("q", "k"):  # (b, r, heads, d): per-head norm (Qwen3), then RoPE into the slot
+            proj = self._project(n1, name)
+            if c.qk_norm:
+                proj, rstd = rms_norm(proj, getattr(self, name + "_norm").weight, c.norm_eps)
+                t[name + "_stats"][:, rows] = rstd
+            rotate(proj, cos, sin, t[name][:, rows])
         linear_into(t["v"][:, rows].flatten(2), n1, self.wv)  # (b, r, g·d)
 
     def _fill_attention(self, t) -> tuple:
@@ -273,16 +279,23 @@ class DecoderLayer(nn.Module):
         # attention: x1 = x + attn·W_oᵀ
         dattn = self._linear_backward(dx1, t["attn"].flatten(2), "wo", grads).view(b, s, c.n_heads, c.head_dim)
         dq, dk, dv = self._attention_backward(dattn, t, aux)  # token-major (b, s, heads, d)
-        at = self._offset(s)
-        cos, sin = rope_tables(at, at + s, c.head_dim, c.rope_theta, dy.dtype, dy.device)
-        dq = rotate(dq, cos, -sin)  # (b, s, a, d), un-rotated
-        dk = rotate(dk, cos, -sin)
+        cos, sin = self._rope(s, slice(0, s), dy)
         n1 = t["n1"]
+        dq = self._head_norm_backward(unrotate(dq, cos, sin), n1, t, "q", grads)  # (b, s, a, d)
+        dk = self._head_norm_backward(unrotate(dk, cos, sin), n1, t, "k", grads)
         dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
         dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
         dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads)
         dx = dx1 + self._norm_backward(dn1, t["x"], t["n1_stats"], "attn_norm", grads)
         return dx, grads
+
+    def _head_norm_backward(self, grad, n1, t: dict, name: str, grads: dict) -> torch.Tensor:
+        """Returns the gradient of q's or k's projection through its per-head norm (identity without one)."""
+        if not self.config.qk_norm:
+            return grad
+        norm = getattr(self, name + "_norm")
+        grad, grads[f"{name}_norm.weight"] = rms_norm_backward(grad, self._project(n1, name), t[name + "_stats"], norm.weight)
+        return grad
 
     def _attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):
         """Returns token-major (dq, dk, dv) of this rank's tokens from dattn (b, s, a, d); attention is not rerun."""

@@ -28,7 +28,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         h = config.hidden_size
         self.norm = nn.LayerNorm(h, eps=config.norm_eps) if config.arch == "gpt" else nn.RMSNorm(h, eps=config.norm_eps)
-        self.head = nn.Linear(h, config.vocab_size, bias=False)
+        self.head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
         self.store: ActivationStore = make_store(self.policy, config.n_layers)
         self.token_reduction: TokenReduction | None = None  # memo.parallel: the loss is a mean over all ranks
         self.reset_parameters()
@@ -50,17 +50,29 @@ class Transformer(nn.Module):
         `targets` replaces `labels` with labels already shifted (position t predicts targets[t]): what a
         sequence-parallel rank holds, its last token predicting the next rank's first (parallel.shard_batch).
         """
+        x = self.hidden_states(input_ids)
+        if labels is None and targets is None:
+            return x @ self.head_weight.t()
+        targets = shift_labels(labels) if targets is None else targets
+        return target_cross_entropy(x, self.head_weight, targets, self.loss_chunk_tokens, self.token_reduction)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Returns the final-norm hidden states (b, s, h): what the LM head reads (decode from a few rows of
+        them without building the s × V logits)."""
         b, s = input_ids.shape
+        sp = self.layers[0].seq_parallel
+        self.config.check_length(s * (1 if sp is None else sp.size))
         x = self.embed(input_ids)  # (b, s, h)
         if torch.is_grad_enabled():
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, self.store)
-        x = self.norm(x)
-        if labels is None and targets is None:
-            return self.head(x)
-        targets = shift_labels(labels) if targets is None else targets
-        return target_cross_entropy(x, self.head.weight, targets, self.loss_chunk_tokens, self.token_reduction)
+        return self.norm(x)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """Returns the LM head's weight (vocab, h): the token embedding itself when they are tied."""
+        return self.embed.weight if self.head is None else self.head.weight
 
     def plan_memory(self, debug: bool = False, time_limit: float = 2.0) -> Arena:
         """From now on, carves every layer phase's transient tensors from one planned arena (§5); `debug`
