@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
-from memo.device import meta_kernels
 from memo.cli import main
 from memo.cost.estimate import _compute_seconds, estimate, max_seq
 from memo.cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
 from memo.cost.memory import persistent_activation_bytes, skeletal_bytes, traced_transient_peak
+from memo.device import meta_kernels
 from memo.plan.trace import trace
 
 A800 = GPUS["A800-80GB"]

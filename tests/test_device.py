@@ -100,8 +100,10 @@ def test_swap_engine_unpins_an_old_pool_only_after_the_device_is_synchronised(fa
         ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5, offload_last_layers=offload_last_layers)
     )
 
+    store = model.store
+
     def pool_range():
-        pool = model.store.pool
+        pool = store.pool
         return [] if pool is None else [(pool.buffer.data_ptr(), pool.nbytes)]
 
     with CopyLog(fake_cuda, pool_range):
@@ -112,7 +114,7 @@ def test_swap_engine_unpins_an_old_pool_only_after_the_device_is_synchronised(fa
     assert kinds.count("register") == 3 and kinds.count("unregister") == 2 and kinds.count("copy") > 0
     _check_order(fake_cuda.log)
     assert fake_cuda.is_pinned(model.store.pool.buffer)
-    del model
+    model = store = None  # drop the engine: its pool must unpin
     gc.collect()
     assert fake_cuda.pinned == {}  # the last pool is released with its engine
     _check_order(fake_cuda.log)

@@ -1,9 +1,9 @@
 """DSA solvers against brute force and against each other; the search's techniques each cut work."""
 
 import itertools
+import json
 import subprocess
 import sys
-import json
 from dataclasses import replace
 from pathlib import Path
 

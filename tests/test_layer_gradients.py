@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
+from memo.config import RopeScaling
 from memo.reference import ReferenceTransformer
 
 DEVICE = torch.device(os.environ.get("MEMO_TEST_DEVICE", "cpu"))
@@ -26,11 +27,28 @@ POLICIES = {
 }
 
 
+# the features of released checkpoints (Qwen2/Qwen3/Llama 3.x), on the tiny shape
+VARIANTS = {
+    "qwen2-like": dict(qkv_bias=True, rope_scaling=RopeScaling("llama3", 8.0, original_max_positions=16)),
+    "qwen3-like": dict(
+        kv_channels=24,
+        qk_norm=True,
+        tie_embeddings=True,
+        rope_scaling=RopeScaling("yarn", 4.0, original_max_positions=16),
+    ),
+    "dynamic-rope": dict(max_position_embeddings=24, rope_scaling=RopeScaling("dynamic", 2.0)),
+}
+
+
+def _config(preset: str) -> ModelConfig:
+    return ModelConfig.preset("tiny", **VARIANTS[preset]) if preset in VARIANTS else ModelConfig.preset(preset)
+
+
 def _pair(preset: str, policy: ActivationPolicy, dtype=torch.float32):
-    ref = ReferenceTransformer(ModelConfig.preset(preset)).to(DEVICE, dtype)
+    ref = ReferenceTransformer(_config(preset)).to(DEVICE, dtype)
     for p in ref.parameters():  # non-trivial norms and biases so their gradients are exercised
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1)
-    model = Transformer(ModelConfig.preset(preset), policy).to(DEVICE, dtype)
+    model = Transformer(_config(preset), policy).to(DEVICE, dtype)
     model.load_state_dict(ref.state_dict())
     return ref, model
 
@@ -42,7 +60,7 @@ def _batch(batch: int, seq: int):
     return ids, labels
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt", *VARIANTS])
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("batch, seq", [(1, 37), (2, 29)])
 def test_loss_and_gradients_match_autograd_reference_fp32(preset, policy, batch, seq):

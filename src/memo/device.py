@@ -13,7 +13,6 @@ from contextvars import ContextVar
 
 import torch
 
-
 _META_KERNELS: ContextVar[str] = ContextVar("memo_meta_kernels", default="cpu")
 
 

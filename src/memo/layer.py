@@ -20,9 +20,9 @@ Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token s
     act  (b,s,f)    GeLU(up) or SiLU(gate)*up        -- other
 
 Every "other" tensor is a token-local function of x and attn, so `fill(t, start)` recomputes rows
-[start, s) from them without touching attention (§3). With `qk_norm` the backward needs q and k before
-their norm: it recomputes them from n1 (one token-local matmul) rather than keeping two more tensors. Each is written straight into its slot (`out=`)
-where an op allows it, so the forward and the recompute move no extra copies of them.
+[start, s) from them without touching attention (§3), writing each straight into its slot (`out=`) where an
+op allows it, so the forward and the recompute move no extra copies. With `qk_norm` the backward needs q
+and k before their norm: it recomputes them from n1 (one token-local matmul) rather than keeping them.
 
 Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
 shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions.
@@ -294,7 +294,9 @@ class DecoderLayer(nn.Module):
         if not self.config.qk_norm:
             return grad
         norm = getattr(self, name + "_norm")
-        grad, grads[f"{name}_norm.weight"] = rms_norm_backward(grad, self._project(n1, name), t[name + "_stats"], norm.weight)
+        grad, grads[f"{name}_norm.weight"] = rms_norm_backward(
+            grad, self._project(n1, name), t[name + "_stats"], norm.weight
+        )
         return grad
 
     def _attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):

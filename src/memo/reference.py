@@ -2,6 +2,7 @@
 
 It shares no code with the MEMO layer: the tests use it as the independent oracle for loss and gradients,
 and the benchmarks wrap it with `torch.utils.checkpoint` / `save_on_cpu` as the alternatives users have.
+It takes the frequencies of scaled RoPE from `memo.rope` (transformers is the oracle for those).
 """
 
 from __future__ import annotations
@@ -13,21 +14,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .rope import attention_factor, inverse_frequencies
 
 
 class RotaryEmbedding(nn.Module):
     """HF-style rotary embedding: q·cos + rotate_half(q)·sin with the frequency table repeated twice."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, c: ModelConfig):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.c = c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (b, heads, s, d)
-        s, d = x.shape[2], self.head_dim
-        freqs = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+        s, d = x.shape[2], self.c.head_dim
+        freqs = inverse_frequencies(self.c, s, x.device)
         pos = torch.arange(s, dtype=torch.float32, device=x.device)
         emb = torch.cat([pos[:, None] * freqs[None, :]] * 2, dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        m = attention_factor(self.c)
+        cos, sin = (emb.cos() * m).to(x.dtype), (emb.sin() * m).to(x.dtype)
         half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
         return x * cos + half * sin
 
@@ -42,16 +45,18 @@ class ReferenceBlock(nn.Module):
             if gpt
             else (lambda: nn.RMSNorm(c.hidden_size, eps=c.norm_eps))
         )
-        kv = c.n_kv_heads * c.head_dim
+        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self.attn_norm, self.mlp_norm = norm(), norm()
-        self.wq = nn.Linear(c.hidden_size, c.hidden_size, bias=gpt)
-        self.wk = nn.Linear(c.hidden_size, kv, bias=gpt)
-        self.wv = nn.Linear(c.hidden_size, kv, bias=gpt)
-        self.wo = nn.Linear(c.hidden_size, c.hidden_size, bias=gpt)
-        self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=False)
-        self.w_up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=gpt)
-        self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=gpt)
-        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.wq = nn.Linear(c.hidden_size, q, bias=c.qkv_bias)
+        self.wk = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias)
+        self.wv = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias)
+        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else nn.Identity()
+        self.wo = nn.Linear(q, c.hidden_size, bias=c.out_bias)
+        self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
+        self.w_up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
+        self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias)
+        self.rope = RotaryEmbedding(c)
 
     def _attend(self, q, k, v):
         rep = q.shape[1] // k.shape[1]
@@ -66,9 +71,10 @@ class ReferenceBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        split = lambda t: t.view(b, s, -1, self.c.head_dim).transpose(1, 2)  # noqa: E731
+        heads = lambda t: t.view(b, s, -1, self.c.head_dim)  # noqa: E731
         n = self.attn_norm(x)
-        q, k, v = split(self.wq(n)), split(self.wk(n)), split(self.wv(n))
+        q, k, v = self.q_norm(heads(self.wq(n))), self.k_norm(heads(self.wk(n))), heads(self.wv(n))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
         o = self._attend(self.rope(q), self.rope(k), v)
         x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
         n = self.mlp_norm(x)
@@ -89,14 +95,14 @@ class ReferenceTransformer(nn.Module):
             if c.arch == "gpt"
             else nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
         )
-        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids, labels=None, block=None):
         """Returns the mean next-token loss (or logits); `block(layer, x)` wraps each layer, e.g. checkpoint."""
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x) if block is None else block(layer, x)
-        logits = self.head(self.norm(x))
+        logits = self.norm(x) @ (self.embed.weight if self.head is None else self.head.weight).t()
         if labels is None:
             return logits
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))

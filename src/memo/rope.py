@@ -41,7 +41,9 @@ def _yarn(theta: float, dim: int, r: RopeScaling, device) -> torch.Tensor:
     if r.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    ramp = (
+        (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low if high != low else 0.001)
+    ).clamp(0, 1)
     extrapolated = _plain(theta, dim, device)
     return extrapolated / r.factor * ramp + extrapolated * (1 - ramp)
 
