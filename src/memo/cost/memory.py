@@ -11,8 +11,8 @@ from functools import lru_cache
 
 import torch
 
-from ..device import meta_kernels
 from ..config import ModelConfig
+from ..device import meta_kernels
 from ..layer import DecoderLayer, bytes_by_role
 from ..model import Transformer
 from ..plan.trace import trace

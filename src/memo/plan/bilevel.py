@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import meta_kernels
 from ..config import ModelConfig
+from ..device import meta_kernels
 from ..model import Transformer
 from ..policy import ActivationPolicy
 from .caching_sim import SimResult, replay
