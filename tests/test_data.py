@@ -18,6 +18,7 @@ from memo.train.data import (
     read_token_file,
     retrieval_accuracy,
     retrieval_batch,
+    split_documents,
     write_token_file,
 )
 
@@ -25,6 +26,21 @@ from memo.train.data import (
 def _write_jsonl(path, texts, key="text"):
     path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts))
     return path
+
+
+def _write_parquet(path, texts, key="text", row_group_size=None, **columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({key: texts, **columns}), path, row_group_size=row_group_size)
+    return path
+
+
+def _stream(source: TokenDataset) -> tuple[list[int], list[int]]:
+    """Returns the ids and labels of every chunk of `source`, padding dropped."""
+    ids = torch.cat([source.sequence(i)[0] for i in range(source.num_sequences)])[: source.num_tokens]
+    labels = torch.cat([source.sequence(i)[1] for i in range(source.num_sequences)])[: source.num_tokens]
+    return ids.tolist(), labels.tolist()
 
 
 def _word_level_tokenizer(tmp_path):
@@ -86,7 +102,7 @@ def test_hf_tokenizer_json_encodes_like_the_tokenizers_library(tmp_path):
 def test_make_source_tokenizes_jsonl_with_a_tokenizer_json(tmp_path):
     path, reference = _word_level_tokenizer(tmp_path)
     data = _write_jsonl(tmp_path / "d.jsonl", ["the cat", "dog sat on"], key="body")
-    source = make_source(data, seq_len=5, tokenizer_path=path, text_key="body")
+    source = make_source(data, seq_len=5, tokenizer_path=path, text_field="body")
     expected = reference.encode("the cat").ids + reference.encode("dog sat on").ids
     assert source.sequence(0)[0].tolist() == expected
     assert source.sequence(0)[1].tolist() == expected[:2] + [IGNORE] + expected[3:]
@@ -100,6 +116,129 @@ def test_txt_file_is_one_document_and_a_directory_is_many(tmp_path):
     ids, labels = source.sequence(0)
     assert ids.tolist() == list(b"ab\n\ncdef")
     assert labels.tolist() == list(b"ab\n\ncd") + [IGNORE, ord("f")]
+
+
+# ------------------------------------------------------------------------------------------------- parquet
+
+DOCS = ["first document", "the second — with ünïcode", "3", "and a fourth, longer than the others " * 3]
+
+
+def test_parquet_and_jsonl_with_a_custom_text_field_give_the_token_stream_of_txt_documents(tmp_path, monkeypatch):
+    monkeypatch.setattr("memo.train.data.PARQUET_BATCH_ROWS", 3)  # several record batches and row groups
+    (tmp_path / "txt").mkdir()
+    for i, text in enumerate(DOCS):
+        (tmp_path / "txt" / f"{i}.txt").write_text(text)
+    reference = make_source(tmp_path / "txt", seq_len=16, seed=4)
+    ids = list(range(len(DOCS)))
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": n, "body": t}) + "\n" for n, t in zip(ids, DOCS)))
+    parquet = _write_parquet(tmp_path / "d.parquet", DOCS, key="body", row_group_size=2, id=ids)
+    (tmp_path / "shards").mkdir()  # a folder of .parquet files reads like a folder of .txt files
+    _write_parquet(tmp_path / "shards" / "00.parquet", DOCS[:3], key="body")
+    _write_parquet(tmp_path / "shards" / "01.parquet", DOCS[3:], key="body")
+    for data in (jsonl, parquet, tmp_path / "shards"):
+        source = make_source(data, seq_len=16, seed=4, text_field="body")
+        assert _stream(source) == _stream(reference), data
+        assert source.doc_starts.tolist() == reference.doc_starts.tolist()
+        for step in (1, 2, 5):
+            assert all(torch.equal(a, b) for a, b in zip(source.batch(step, 2), reference.batch(step, 2)))
+
+
+def test_parquet_text_column_streams_in_record_batches_and_tokenizes_to_a_token_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("memo.train.data.PARQUET_BATCH_ROWS", 2)
+    path = _write_parquet(tmp_path / "d.parquet", DOCS, row_group_size=1)
+    sidecar = write_token_file(path, tmp_path / "c.bin")
+    assert sidecar["num_documents"] == len(DOCS)
+    tokens, starts, _ = read_token_file(tmp_path / "c.bin")
+    assert bytes(tokens.tolist()) == "".join(DOCS).encode()
+    assert starts.tolist() == np.cumsum([0] + [len(d.encode()) for d in DOCS[:-1]]).tolist()
+
+
+def test_parquet_errors_name_the_file_and_what_is_wrong(tmp_path):
+    import pyarrow as pa
+
+    path = _write_parquet(tmp_path / "d.parquet", ["a", "b"], key="content", url=["u", "v"])
+    with pytest.raises(ValueError, match=r"d.parquet: no column 'text' \(columns: content, url\)"):
+        make_source(path, seq_len=8)
+    _write_parquet(path, [1, 2], key="text")
+    with pytest.raises(ValueError, match=r"d.parquet: column 'text' is int64, not a string"):
+        make_source(path, seq_len=8)
+    _write_parquet(path, ["a", None, "c"], key="text")
+    with pytest.raises(ValueError, match=r"d.parquet: column 'text' is null at row 1"):
+        make_source(path, seq_len=8)
+    _write_parquet(path, pa.array([], pa.string()), key="text")
+    with pytest.raises(ValueError, match=r"d.parquet: file is empty"):
+        make_source(path, seq_len=8)
+    path.write_text('{"text": "json, not parquet"}\n')
+    with pytest.raises(ValueError, match=r"d.parquet: not a readable Parquet file \(.*magic bytes"):
+        make_source(path, seq_len=8)
+    _write_parquet(path, ["x" * 1000] * 50, key="text")
+    path.write_bytes(path.read_bytes()[:-100])  # a truncated download
+    with pytest.raises(ValueError, match=r"d.parquet: not a readable Parquet file"):
+        make_source(path, seq_len=8)
+
+
+def test_parquet_accepts_large_view_and_dictionary_string_columns(tmp_path):
+    import pyarrow as pa
+
+    columns = pa.array(DOCS, pa.large_string()), pa.array(DOCS, pa.string_view()), pa.array(DOCS).dictionary_encode()
+    for array in columns:
+        source = make_source(_write_parquet(tmp_path / "d.parquet", array), seq_len=16)
+        assert bytes(_stream(source)[0]) == "".join(DOCS).encode()
+
+
+# ------------------------------------------------------------------------------------------- held-out split
+
+
+def _numbered_documents(n: int) -> list[np.ndarray]:
+    """Returns n documents; document i is the token i repeated 1 + i % 5 times (whole documents are countable)."""
+    return [np.full(1 + i % 5, i, dtype=np.int64) for i in range(n)]
+
+
+def _packed(documents: list[np.ndarray], seq_len: int) -> TokenDataset:
+    starts = np.cumsum([0] + [len(d) for d in documents[:-1]])
+    return TokenDataset(np.concatenate(documents), starts, seq_len)
+
+
+def test_eval_split_holds_out_whole_documents_and_packs_both_parts_like_separate_corpora():
+    documents = _numbered_documents(60)
+    train, held_out = split_documents(_packed(documents, seq_len=7), 0.1, seed=3)
+    held = sorted(set(_stream(held_out)[0]))
+    kept = sorted(set(_stream(train)[0]))
+    assert len(held) == 6 and not set(held) & set(kept) and sorted(held + kept) == list(range(60))
+    for part, chosen in ((train, kept), (held_out, held)):  # independent reference: pack the documents anew
+        assert _stream(part) == _stream(_packed([documents[i] for i in chosen], seq_len=7))
+    assert train.vocab_size_needed == held_out.vocab_size_needed == 60
+
+
+def test_eval_split_is_a_function_of_the_seed_and_reads_a_token_file_in_place(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i:03d};"}) + "\n" for i in range(200)))
+    write_token_file(path, tmp_path / "c.bin")
+    from_file = split_documents(make_source(tmp_path / "c.bin", seq_len=32), 0.05, seed=1)
+    in_memory = split_documents(make_source(path, seq_len=32), 0.05, seed=1)
+    assert isinstance(from_file[1].tokens, np.memmap)
+    for a, b in zip(from_file, in_memory):
+        assert _stream(a) == _stream(b)
+    other = split_documents(make_source(path, seq_len=32), 0.05, seed=2)[1]
+    assert _stream(other) != _stream(in_memory[1])
+    assert bytes(_stream(in_memory[1])[0]).count(b"document") == 10
+
+
+def test_eval_split_needs_a_document_left_to_train_on(tmp_path):
+    (tmp_path / "one.txt").write_text("a single long document")
+    with pytest.raises(ValueError, match=r"`--eval-split` 0.01 of 1 document\(s\) leaves none to train on"):
+        split_documents(make_source(tmp_path / "one.txt", seq_len=8), 0.01)
+
+
+def test_eval_batches_are_the_first_chunks_in_order_padded_to_full_batches():
+    source = TokenDataset(np.arange(20), np.array([0]), seq_len=4)  # 5 chunks
+    batches = source.eval_batches(n_batches=4, batch_size=2)
+    assert len(batches) == 3  # the stream runs out during the third batch
+    assert [row[0] for ids, _ in batches for row in ids.tolist()] == [0, 4, 8, 12, 16, 0]
+    assert (batches[-1][1][1] == IGNORE).all()  # the padding row is never a target
+    again = source.eval_batches(n_batches=4, batch_size=2)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
 
 
 # ---------------------------------------------------------------------------------------------- token files
@@ -192,7 +331,7 @@ def test_empty_inputs_raise_value_error_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match="no text"):
         make_source(tmp_path / "blank.jsonl", seq_len=8)
     (tmp_path / "dir").mkdir()
-    with pytest.raises(ValueError, match="no .txt or .jsonl"):
+    with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet"):
         make_source(tmp_path / "dir", seq_len=8)
 
 

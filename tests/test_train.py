@@ -1,13 +1,16 @@
 """`memo train` as a user runs it: config files and flags, run directories, checkpoints, exact resume, reports."""
 
 import json
+import logging
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from memo import ModelConfig, Transformer, to_hf
 from memo.cli import main
+from memo.loss import IGNORE_INDEX
 from memo.train import checkpoint
 from memo.train.config import TrainConfig
 from memo.train.loop import Trainer
@@ -196,3 +199,172 @@ def test_metrics_and_report(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     png = out / "report.png"
     assert capsys.readouterr().out.strip() == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------------------- held-out data
+
+
+def _documents(tmp_path):
+    """Writes a Parquet training corpus and a JSONL held-out file, both with the text in a `body` field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = [f"training document {i}: " + "abc " * (i % 7) for i in range(40)]
+    pq.write_table(pa.table({"body": train, "id": list(range(40))}), tmp_path / "train.parquet")
+    held_out = ["held-out " + "xyz " * n for n in (1, 9, 3, 16)]  # 152 bytes: 5 rows of 32, the 6th is padding
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in held_out))
+    return tmp_path / "train.parquet", tmp_path / "eval.jsonl", held_out
+
+
+def test_file_run_with_eval_data_writes_eval_loss_and_prints_it_in_the_summary(tmp_path, capsys):
+    train, held_out, _ = _documents(tmp_path)
+    out = tmp_path / "run"
+    files = ["--data", str(train), "--eval-data", str(held_out), "--text-field", "body"]
+    assert main(["train", *SMALL, *files, "--steps", "2", "--eval-every", "1", "--out", str(out)]) == 0
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2] and all("eval_accuracy" not in r for r in evals)
+    summary = capsys.readouterr().out
+    assert f"held-out loss {evals[-1]['eval_loss']:.4f}  (step 2)" in summary
+
+
+def test_eval_loss_is_the_token_mean_over_the_held_out_batches(tmp_path):
+    train, held_out, texts = _documents(tmp_path)
+    cfg = TrainConfig.from_dict(
+        {"data": str(train), "eval_data": str(held_out), "text_field": "body", "seq_len": 32, "batch_size": 2,
+         "eval_batches": 3, "steps": 1, "out": str(tmp_path / "r")}
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    evaluated = [r for r in trainer.records() if "eval_loss" in r][0]["eval_loss"]
+    # independent reference: the held-out bytes in 32-byte rows, no target at a document's first byte
+    stream = b"".join(t.encode() for t in texts)
+    starts = {sum(len(t.encode()) for t in texts[:i]) for i in range(len(texts))}
+    rows = -(-len(stream) // 32)
+    ids = torch.zeros(rows, 32, dtype=torch.long)
+    ids.view(-1)[: len(stream)] = torch.tensor(list(stream))
+    targets = torch.full((rows, 32), IGNORE_INDEX)
+    for p in range(1, len(stream)):
+        if p not in starts:
+            targets.view(-1)[p - 1] = stream[p]
+    targets[:, -1] = IGNORE_INDEX  # a row's last position predicts nothing
+    with torch.no_grad():
+        logits = trainer.model(ids).float()
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    assert rows == 5 and evaluated == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_eval_split_holds_out_whole_documents_and_the_same_ones_when_a_run_resumes(tmp_path, capsys):
+    train, _, _ = _documents(tmp_path)
+    out = str(tmp_path / "run")
+    argv = ["--data", str(train), "--text-field", "body", "--eval-split", "0.25", "--eval-every", "2", "--out", out]
+    assert main(["train", *SMALL, *argv, "--steps", "2", "--json"]) == 0
+    assert main(["train", "--resume", out, "--steps", "3", "--json"]) == 0
+    assert [r["step"] for r in _records(capsys) if "eval_loss" in r] == [2, 3]
+    saved = checkpoint.load_latest(out).state["config"]
+    first, again = (Trainer(TrainConfig.from_dict({**saved, "out": str(tmp_path / name)})) for name in "ab")
+    assert len(first.held_out.spans) == 10  # a quarter of 40 documents, one span each
+    assert first.held_out.num_tokens + first.source.num_tokens == len(first.source.tokens)
+    assert again.held_out.spans.tolist() == first.held_out.spans.tolist()
+
+
+def test_eval_every_on_file_data_without_held_out_data_warns_and_skips_evaluation(tmp_path, caplog):
+    train, _, _ = _documents(tmp_path)
+    cfg = TrainConfig.from_dict(
+        {"data": str(train), "text_field": "body", "seq_len": 32, "batch_size": 2, "steps": 2, "eval_every": 1,
+         "out": str(tmp_path / "r")}
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="memo.train.loop"):
+        records = list(Trainer(cfg).records())
+    assert "no held-out evaluation: give `--eval-data` or `--eval-split` with `--data`" in caplog.text
+    assert [r["step"] for r in records] == [1, 2] and all("eval_loss" not in r for r in records)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval-split", "1.5"], "`--eval-split` must be in [0, 1), got 1.5"),
+        (["--eval-data", "eval.jsonl", "--eval-split", "0.1"], "give `--eval-data` or `--eval-split`, not both"),
+        (["--eval-data", "none.jsonl"], "`--eval-data` file 'none.jsonl' does not exist"),
+        (["--eval-data", "./train.parquet"], "`--eval-data` './train.parquet' overlaps `--data` 'train.parquet'"),
+        (["--eval-data", "."], "`--eval-data` '.' overlaps `--data` 'train.parquet'"),
+        (["--eval-data", "other.jsonl"], "other.jsonl:1: expected an object with a 'body' field"),
+        (["--eval-split", "0.99"], "`--eval-split` 0.99 of 40 document(s) leaves none to train on"),
+    ],
+)
+def test_bad_held_out_data_exits_2_with_one_clear_line(tmp_path, capsys, flags, message):
+    _documents(tmp_path)
+    (tmp_path / "other.jsonl").write_text('{"content": "a field the run does not read"}\n')
+    data = ["--data", "train.parquet", "--text-field", "body"]
+    assert main(["train", *SMALL, *data, *flags, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--eval-data", "eval.jsonl"), ("--eval-split", "0.1")])
+def test_held_out_flags_without_data_exit_2(tmp_path, capsys, flag, value):
+    _documents(tmp_path)
+    assert main(["train", *SMALL, flag, value, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"`{flag}` applies only with `--data`" in err and len(err.strip().splitlines()) == 1
+
+
+def test_configs_saved_before_text_key_became_text_field_still_load():
+    assert TrainConfig.from_dict({"text_key": "body"}).text_field == "body"
+
+
+def _small_hf_checkpoint(path, max_positions: int = 64):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=max_positions, tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return transformers
+
+
+def test_context_extension_flags_stretch_a_loaded_checkpoint_and_its_export_says_so(tmp_path, capsys):
+    """--rope-scaling yarn on a 64-position checkpoint trained at 256 tokens: the run, its resume and its
+    Hugging Face export all use YaRN over the original 64 positions, and transformers reads the same logits."""
+    transformers = _small_hf_checkpoint(tmp_path / "base")
+    out, flags = tmp_path / "run", ["--rope-scaling", "yarn", "--rope-factor", "4", "--rope-theta", "20000"]
+    argv = ["train", "--model", str(tmp_path / "base"), *flags, *SMALL, "--seq-len", "256", "--steps", "2"]
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    assert main(["export", str(out), "--hf", str(tmp_path / "hf")]) == 0
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    rope = exported["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
+    assert rope["rope_theta"] == 20000 and exported["max_position_embeddings"] >= 256
+    ours = checkpoint.saved_model_config(checkpoint.load_latest(out).state, out)
+    assert ours.rope_scaling.type == "yarn" and ours.rope_theta == 20000
+    from memo import from_hf
+
+    model, hf = from_hf(tmp_path / "hf"), transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 256, (1, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rope-factor", "4"], "`--rope-factor` needs `--rope-scaling`"),
+        (["--rope-scaling", "yarn"], "needs `--rope-factor`"),
+        (["--rope-scaling", "yarn", "--rope-factor", "0.5"], "`--rope-factor` must be a finite number >= 1"),
+        (["--rope-scaling", "llama3", "--rope-factor", "4"], "needs `--original-max-positions`"),
+        (["--rope-theta", "-1"], "`--rope-theta` must be a finite number > 0"),
+    ],
+)
+def test_bad_context_extension_flags_exit_2_with_one_line(tmp_path, capsys, flags, message):
+    assert main(["train", *flags, *SMALL, "--steps", "1", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err.splitlines()[-1]
+    assert not (tmp_path / "r").exists()
+
+
+def test_rope_theta_on_a_preset_changes_only_the_base_frequency():
+    from memo.train.config import model_config
+
+    extended = model_config(TrainConfig(model="tiny", rope_theta=1e6))
+    assert extended == ModelConfig.preset("tiny", rope_theta=1e6)
+    dynamic = model_config(TrainConfig(model="tiny", rope_scaling="dynamic", rope_factor=2.0, seq_len=64))
+    assert dynamic.rope_scaling.type == "dynamic" and dynamic.max_position_embeddings == 64

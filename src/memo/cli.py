@@ -57,7 +57,8 @@ def _add_field(p, f) -> None:
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
-    kind = {"alpha": _alpha, "seq_len": parse_size}.get(f.name) or (type(f.default) if f.default is not None else str)
+    kind = {"alpha": _alpha, "seq_len": parse_size}.get(f.name) or f.metadata.get("kind")
+    kind = kind or (type(f.default) if f.default is not None else str)
     p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text)
 
 
@@ -167,18 +168,22 @@ def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None
 def _export_parser(sub) -> None:
     p = sub.add_parser(
         "export",
-        help="write a run's latest weights as one safetensors file of whole tensors (for inference)",
+        help="write a run's latest weights as one safetensors file, or as a Hugging Face checkpoint (--hf)",
         description="Gather the latest checkpoint of RUN_DIR, one-process or sharded by a distributed run, into "
         "one model.safetensors of whole tensors (fp32 masters when the run trained in bf16); load it with "
-        "Transformer.load_state_dict(safetensors.torch.load_file(PATH)).",
+        "Transformer.load_state_dict(safetensors.torch.load_file(PATH)). With --hf DIR, write a folder that "
+        "transformers' AutoModelForCausalLM.from_pretrained(DIR) loads: config.json (Llama, Mistral, Qwen2 or "
+        "Qwen3, with the RoPE and length trained at), generation_config.json, weights and the run's tokenizer.",
     )
     p.add_argument("run_dir", help="a run directory written by `memo train`")
-    p.add_argument("--out", help="safetensors path (default: RUN_DIR/export/model.safetensors)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", help="safetensors path (default: RUN_DIR/export/model.safetensors)")
+    where.add_argument("--hf", metavar="DIR", help="write a Hugging Face checkpoint folder to DIR instead")
     p.set_defaults(run=_run_export)
 
 
 def _run_export(args) -> int:
-    print(checkpoint.export(Path(args.run_dir), args.out))
+    print(checkpoint.export(Path(args.run_dir), args.out, args.hf))
     return 0
 
 
@@ -396,6 +401,133 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _eval_parser(sub) -> None:
+    from .eval import DTYPES
+
+    p = sub.add_parser(
+        "eval",
+        help="long-context evaluation: pass-key retrieval by length and depth, loss by position",
+        description="Evaluate the newest checkpoint of a `memo train` run, or a Hugging Face Llama folder: "
+        "pass-key (needle-in-a-haystack) accuracy per prompt length and needle depth, by greedy decoding; with "
+        "--ppl-file, the loss of a held-out text by token position. Prompts are generated from --seed.",
+    )
+    p.add_argument("path", help="a `memo train` run directory, or a Hugging Face folder (config.json + safetensors)")
+    p.add_argument(
+        "--tokenizer", help="Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)"
+    )
+    p.add_argument(
+        "--lengths", type=_size_list, default=[1024, 4096, 16384], help="prompt lengths in tokens (default: 1K,4K,16K)"
+    )
+    p.add_argument(
+        "--depths",
+        type=_float_list,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question (default: 0,0.25,0.5,0.75,1)",
+    )
+    p.add_argument("--trials", type=int, default=4, help="prompts per length and depth; 0: no pass key (default: 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of keys and filler (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: %(default)s)")
+    p.add_argument(
+        "--ppl-file", help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)"
+    )
+    p.add_argument("--bucket-size", type=parse_size, help="positions per loss bucket (default: doubling from 128)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--plot", help="write the pass-key heatmap (length x depth) to this PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=_run_eval)
+
+
+def _size_list(text: str) -> list[int]:
+    try:
+        return [parse_size(t) for t in text.split(",")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+def _run_eval(args) -> int:
+    from .eval import (
+        DTYPES,
+        PasskeyTask,
+        held_out_sequences,
+        load,
+        passkey_accuracy,
+        perplexity_by_position,
+        plot_passkey,
+    )
+
+    if args.trials == 0 and not args.ppl_file:
+        raise ValueError("nothing to evaluate: `--trials 0` and no `--ppl-file`")
+    if args.plot and args.trials == 0:
+        raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
+    loaded = load(args.path, torch.device(args.device), DTYPES[args.dtype], args.tokenizer)
+    report = {"model": loaded.source, "tokenizer": loaded.tokenizer.name, "device": args.device, "dtype": args.dtype}
+    model, tokenizer = loaded.model, loaded.tokenizer
+    limit = model.config.max_position_embeddings
+    if limit and max(args.lengths) > limit:
+        print(
+            f"note: lengths past the model's max_position_embeddings ({format_count(limit)}) run as asked",
+            file=sys.stderr,
+        )
+    if args.trials:  # bad arguments fail at once, before any progress bar or long run
+        PasskeyTask(tokenizer).check(model, args.lengths, args.depths, args.trials, args.seed)
+    longest = max(args.lengths)
+    vocab_size = model.config.vocab_size
+    data = held_out_sequences(args.ppl_file, loaded.tokenizer_path, longest, vocab_size) if args.ppl_file else None
+    if args.trials:
+        total = len(args.lengths) * len(args.depths) * args.trials
+        with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=args.json) as bar:
+            cells = passkey_accuracy(
+                model, tokenizer, args.lengths, args.depths, args.trials, args.seed, args.batch_size, bar.update
+            )
+        report["passkey"] = [c.as_dict() for c in cells]
+        if args.plot:
+            plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {args.trials} trials per cell")
+            print(f"wrote {args.plot}", file=sys.stderr)
+    if data is not None:
+        with tqdm(total=data.num_sequences, desc="loss", unit="seq", file=sys.stderr, disable=args.json) as bar:
+            buckets = perplexity_by_position(model, data, args.bucket_size, bar.update)
+        report["perplexity"] = {
+            "file": args.ppl_file,
+            "sequences": data.num_sequences,
+            "length": longest,
+            "buckets": [b.as_dict() for b in buckets],
+        }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_eval(report, args.seed)
+    return 0
+
+
+def _print_eval(report: dict, seed: int) -> None:
+    print(f"model {report['model']}  tokenizer {report['tokenizer']}  {report['device']} {report['dtype']}")
+    if "passkey" in report:
+        cells = report["passkey"]
+        lengths = list(dict.fromkeys(c["length"] for c in cells))
+        accuracy = {(c["length"], c["depth"]): c["accuracy"] for c in cells}
+        print(f"\npass key accuracy, {cells[0]['trials']} trials per cell (seed {seed})")
+        print("| depth | " + " | ".join(format_count(n) for n in lengths) + " |")
+        print("|---:" * (len(lengths) + 1) + "|")
+        for depth in dict.fromkeys(c["depth"] for c in cells):
+            print(f"| {depth:.2f} | " + " | ".join(f"{accuracy[n, depth]:.0%}" for n in lengths) + " |")
+    if "perplexity" in report:
+        ppl = report["perplexity"]
+        print(f"\nloss of {ppl['file']} by position, {ppl['sequences']} sequence(s) of {format_count(ppl['length'])}")
+        print("| positions | tokens | loss | perplexity |")
+        print("|---|---:|---:|---:|")
+        for b in ppl["buckets"]:
+            loss, perplexity = (f"{b['loss']:.4f}", f"{b['perplexity']:.2f}") if b["tokens"] else ("-", "-")
+            print(f"| [{format_count(b['start'])}, {format_count(b['end'])}) | {b['tokens']} | {loss} | {perplexity} |")
+
+
 def _read_json(path: str) -> dict:
     try:
         return json.loads(Path(path).read_text())
@@ -415,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     _calibrate_parser(sub)
     _dsa_parser(sub)
     _plan_parser(sub)
+    _eval_parser(sub)
     return parser
 
 

@@ -1,13 +1,20 @@
-"""Hugging Face Llama checkpoints in and out: `config.json` + safetensors, no `transformers` import.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3 `config.json` + safetensors, no
+`transformers` import.
 
-HF's Llama applies RoPE with `rotate_half` (first half of the head dim paired with the second half), the
-same pairing as `layer.rotate`, so q/k weights map one to one with no permutation (tests/test_hf.py checks
-this against `transformers`). Weights are read with `safetensors` only: a checkpoint cannot run code.
+Each family's modeling file in transformers fixes what its config fields mean, and `config_from_hf` reads
+them the same way: Llama's `attention_bias` covers q/k/v and o_proj, Qwen2 has q/k/v biases and no other,
+Mistral none at all; Qwen3 adds a per-head RMSNorm of q and k. Both config layouts are read: transformers
+4.x (`rope_theta` and `rope_scaling` at the top) and 5.x (`rope_parameters` holding `rope_type`,
+`rope_theta` and the scaling fields). HF applies RoPE with `rotate_half` (first half of the head dim paired
+with the second half), the pairing of `layer.rotate`, so q/k weights map one to one with no permutation
+(tests/test_hf.py checks all of this against `transformers`). Weights are read with `safetensors` only: a
+checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -17,91 +24,351 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .model import Transformer
 from .policy import ActivationPolicy
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
+# model_type -> (architecture, the config class's default max_position_embeddings)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", 2048),
+    "mistral": ("MistralForCausalLM", 131072),
+    "qwen2": ("Qwen2ForCausalLM", 32768),
+    "qwen3": ("Qwen3ForCausalLM", 32768),
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# memo parameter name in a layer -> HF tensor name in `model.layers.i`
 _LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "wq.weight",
-    "self_attn.k_proj.weight": "wk.weight",
-    "self_attn.v_proj.weight": "wv.weight",
-    "self_attn.o_proj.weight": "wo.weight",
-    "post_attention_layernorm.weight": "mlp_norm.weight",
-    "mlp.gate_proj.weight": "w_gate.weight",
-    "mlp.up_proj.weight": "w_up.weight",
-    "mlp.down_proj.weight": "w_down.weight",
+    "attn_norm": "input_layernorm",
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+    "wo": "self_attn.o_proj",
+    "mlp_norm": "post_attention_layernorm",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
+
+# Special tokens looked up in a tokenizer without a tokenizer_config.json, most common first (Llama 3, Llama 2 /
+# Mistral, GPT-2 / Qwen, ChatML).
+_SPECIAL_TOKENS = {
+    "bos_token": ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>"),
+    "eos_token": ("<|end_of_text|>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<eos>"),
+    "pad_token": ("<pad>", "<|pad|>", "[PAD]"),
 }
 
 
-def hf_names(n_layers: int) -> dict[str, str]:
-    """Returns memo parameter name -> HF `LlamaForCausalLM` tensor name."""
-    names = {
-        "embed.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "head.weight": "lm_head.weight",
-    }
-    for i in range(n_layers):
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for theirs, ours in _LAYER_NAMES.items()})
-    return names
+def hf_name(name: str) -> str:
+    """Returns the HF `*ForCausalLM` tensor name of a memo parameter name (`layers.3.wq.bias` ->
+    `model.layers.3.self_attn.q_proj.bias`)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    _, index, module, kind = name.split(".")
+    return f"model.layers.{index}.{_LAYER_NAMES[module]}.{kind}"
 
 
 def _unsupported(field: str, value, why: str) -> ValueError:
     return ValueError(f"config.json: `{field}` = {value!r} is not supported: {why}")
 
 
-def _rope_theta(cfg: dict) -> float:
-    """Returns RoPE's base from either layout (4.x: top-level `rope_theta`; 5.x: `rope_parameters`)."""
-    theta = cfg.get("rope_theta", 10000.0)
-    for field in ("rope_parameters", "rope_scaling"):
-        rope = cfg.get(field)
-        if rope is None:
-            continue
-        per_layer = not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values())
-        if per_layer or rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise _unsupported(field, rope, "memo implements only default RoPE (no scaling or per-layer RoPE)")
-        theta = rope.get("rope_theta", theta)
-    return float(theta)
+# ---- config.json -> ModelConfig -------------------------------------------------------------------------
 
 
 def config_from_hf(cfg: dict, name: str = "custom") -> ModelConfig:
-    """Returns the ModelConfig of a Llama `config.json` dict; raises ValueError naming any field memo cannot run."""
-    if cfg.get("model_type", "llama") != "llama":
-        raise _unsupported("model_type", cfg["model_type"], "only Llama checkpoints convert")
-    missing = [
-        f
-        for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        if f not in cfg
-    ]
+    """Returns the ModelConfig of a Llama, Mistral, Qwen2 or Qwen3 `config.json` dict (either layout); raises a
+    one-line ValueError naming any field memo cannot run."""
+    family = cfg.get("model_type", "llama")
+    if family not in FAMILIES:
+        raise _unsupported("model_type", family, f"memo reads {', '.join(FAMILIES)} checkpoints")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [f for f in required if f not in cfg]
     if missing:
         raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise _unsupported("hidden_act", cfg["hidden_act"], "memo's Llama MLP is SwiGLU (silu)")
-    for field in ("attention_bias", "mlp_bias"):
-        if cfg.get(field, False):
-            raise _unsupported(field, cfg[field], "memo's Llama layers have no biases")
-    if cfg.get("attention_dropout", 0.0):
-        raise _unsupported("attention_dropout", cfg["attention_dropout"], "memo has no attention dropout")
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    if head_dim * heads != cfg["hidden_size"]:
-        raise _unsupported("head_dim", head_dim, "ModelConfig needs head_dim = hidden_size / num_attention_heads")
+    _check_runnable(cfg)
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim", 128 if family == "qwen3" else None) or hidden // heads  # Qwen3Config's default
+    max_positions = cfg.get("max_position_embeddings") or FAMILIES[family][1]
+    attention_bias = bool(cfg.get("attention_bias", False)) and family in ("llama", "qwen3")
+    theta, scaling = _rope(cfg, max_positions)
     return ModelConfig(
         "llama",
         n_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
+        hidden_size=hidden,
         n_heads=heads,
         ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=theta,
         name=name,
+        kv_channels=None if head_dim * heads == hidden else head_dim,
+        qkv_bias=attention_bias or family == "qwen2",
+        out_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and family == "llama",
+        qk_norm=family == "qwen3",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_positions,
+        rope_scaling=scaling,
+        sliding_window=_sliding_window(cfg, family),
+        hf_model_type=family,
     )
+
+
+def _check_runnable(cfg: dict) -> None:
+    """Raises for the fields whose values change what the HF model computes in ways memo does not."""
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise _unsupported("hidden_act", cfg["hidden_act"], "memo's MLP is SwiGLU (silu)")
+    if cfg.get("attention_dropout", 0.0):
+        raise _unsupported("attention_dropout", cfg["attention_dropout"], "memo has no attention dropout")
+    if cfg.get("quantization_config"):
+        raise _unsupported("quantization_config", cfg["quantization_config"], "memo loads plain weights")
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(field) or {}
+        if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+            raise _unsupported(field, rope, "memo runs one RoPE for every layer")
+        factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if factor != 1:
+            raise _unsupported("partial_rotary_factor", factor, "memo rotates the whole head dimension")
+
+
+def _rope(cfg: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
+    """Returns RoPE's base and scaling as transformers resolves them: `rope_scaling` (4.x) if set, else
+    `rope_parameters` (5.x); their `rope_theta` over the top-level one; `rope_type` over the older `type`."""
+    field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(field) or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise _unsupported(f"{field}.rope_type", kind, f"memo implements {', '.join(ROPE_TYPES)} RoPE")
+    if kind == "default":
+        return theta, None
+    factor = rope.get("factor")
+    # as transformers: a top-level original_max_position_embeddings wins (Phi-3 style), then max_position_embeddings
+    original = (
+        cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_positions
+    )
+    fields = {}
+    if kind == "yarn":
+        factor = max_positions / original if factor is None else factor
+        fields = dict(
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            attention_factor=_yarn_attention_factor(rope, factor),
+            truncate=bool(rope.get("truncate", True)),
+        )
+    elif kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if key not in rope:
+                raise ValueError(f"config.json: `{field}` lacks `{key}`, which llama3 RoPE scaling needs")
+        fields = dict(low_freq_factor=float(rope["low_freq_factor"]), high_freq_factor=float(rope["high_freq_factor"]))
+    if kind in ("yarn", "llama3"):
+        fields["original_max_positions"] = int(original)
+    try:
+        return theta, RopeScaling(kind, factor, **fields)
+    except ValueError as err:
+        raise ValueError(f"config.json: `{field}` = {rope!r} is not supported: {err}") from None
+
+
+def _yarn_attention_factor(rope: dict, factor: float) -> float | None:
+    """Returns YaRN's attention factor: given, or from `mscale` / `mscale_all_dim` as transformers derives it
+    (None: RopeScaling's default, 0.1·ln(factor) + 1)."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if not (mscale and all_dim):
+        return None
+
+    def get_mscale(m: float) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    return get_mscale(mscale) / get_mscale(all_dim)
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """Returns the attention window some layer uses, or None: memo runs full attention, which is the same as
+    long as the sequence fits the window (`ModelConfig.check_length` refuses longer ones)."""
+    if family == "llama":
+        return None
+    if family == "mistral":  # every layer; MistralConfig's default window is 4096
+        return cfg.get("sliding_window", 4096)
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+    types = cfg.get("layer_types")
+    if types is None:  # the Qwen2/3 rule: layers from max_window_layers on slide
+        sliding = window is not None and cfg["num_hidden_layers"] > cfg.get("max_window_layers", 28)
+    else:
+        unknown = sorted(set(types) - {"full_attention", "attention", "sliding_attention"})
+        if unknown:
+            raise _unsupported("layer_types", unknown, "memo runs full (or fitting sliding-window) attention")
+        sliding = "sliding_attention" in types
+    return window if sliding else None
+
+
+# ---- ModelConfig -> config.json -------------------------------------------------------------------------
+
+
+def hf_family(config: ModelConfig) -> str:
+    """Returns the HF model_type a config exports as: its `hf_model_type`, else the family whose layers it has
+    (Qwen3 for q/k norm, Qwen2 for q/k/v-only biases, Mistral for a sliding window, Llama otherwise)."""
+    if config.hf_model_type is not None:
+        return config.hf_model_type
+    if config.qk_norm:
+        return "qwen3"
+    if config.qkv_bias and not config.out_bias and not config.mlp_bias:
+        return "qwen2"
+    if config.sliding_window is not None and not (config.qkv_bias or config.out_bias or config.mlp_bias):
+        return "mistral"
+    return "llama"
+
+
+def _check_exportable(config: ModelConfig, family: str) -> None:
+    """Raises unless transformers' `family` has exactly the layers of `config`."""
+    if config.arch != "llama":
+        raise ValueError(f"only arch 'llama' converts to Hugging Face, got {config.arch!r} (model {config.name!r})")
+    if family not in FAMILIES:
+        raise ValueError(f"`hf_model_type` must be one of {', '.join(FAMILIES)}, got {family!r}")
+    has = {field: getattr(config, field) for field in ("qkv_bias", "out_bias", "mlp_bias", "qk_norm")}
+    holds = {  # what each family's layers have; None: either, set by its config
+        "llama": {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": None, "qk_norm": False},
+        "mistral": {"qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False},
+        "qwen2": {"qkv_bias": True, "out_bias": False, "mlp_bias": False, "qk_norm": False},
+        "qwen3": {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": False, "qk_norm": True},
+    }[family]
+    for field, want in holds.items():
+        want = has[want] if isinstance(want, str) else want
+        if want is not None and has[field] != want:
+            raise ValueError(
+                f"Hugging Face {family} needs `{field}` {want}, the model has {has[field]}: "
+                "set `hf_model_type` to the family that has its layers (llama, mistral, qwen2, qwen3)"
+            )
+    if family == "llama" and config.sliding_window is not None:
+        raise ValueError("Hugging Face llama has no `sliding_window`: set `hf_model_type` to mistral, qwen2 or qwen3")
+    if family == "llama" and config.hidden_size % config.n_heads:  # LlamaConfig's own check
+        raise ValueError(
+            f"Hugging Face llama needs `n_heads` ({config.n_heads}) to divide `hidden_size` ({config.hidden_size})"
+        )
+
+
+def _rope_to_hf(config: ModelConfig) -> dict:
+    """Returns the 5.x `rope_parameters` of a config (rope_type, rope_theta and the scaling fields)."""
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    r = config.rope_scaling
+    if r is None:
+        return rope
+    rope.update(rope_type=r.type, factor=r.factor)
+    if r.type in ("yarn", "llama3"):
+        rope["original_max_position_embeddings"] = r.original_max_positions
+    if r.type == "llama3":
+        rope.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+    if r.type == "yarn":
+        rope.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+        if r.attention_factor is not None:
+            rope["attention_factor"] = r.attention_factor
+        if not r.truncate:  # written only when off: older readers know no such key and truncate
+            rope["truncate"] = False
+    return rope
+
+
+def config_to_hf(
+    config: ModelConfig, dtype: torch.dtype, seq_len: int | None = None, token_ids: dict | None = None
+) -> dict:
+    """Returns the `config.json` dict of `config` as its HF family (`hf_family`).
+
+    RoPE is written in both layouts: `rope_parameters` (what 5.x reads) and top-level `rope_theta` +
+    `rope_scaling` (4.x, which 5.x also reads). `max_position_embeddings` is at least the trained `seq_len`
+    and the config's, except under dynamic scaling, whose frequencies depend on it: there it stays the config's.
+    """
+    family = hf_family(config)
+    _check_exportable(config, family)
+    rope, r = _rope_to_hf(config), config.rope_scaling
+    if r is not None and r.type == "dynamic":
+        max_positions = config.max_position_embeddings
+    else:  # YaRN's stretched length too: transformers warns when it is neither that nor the original one
+        stretched = round(r.original_max_positions * r.factor) if r is not None and r.type == "yarn" else 0
+        max_positions = max(config.max_position_embeddings or 0, seq_len or 0, stretched) or FAMILIES[family][1]
+    out = {
+        "architectures": [FAMILIES[family][0]],
+        "model_type": family,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "max_position_embeddings": max_positions,
+        "rope_parameters": rope,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": 0.0,
+        **{key: (token_ids or {}).get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),  # 4.x's name
+    }
+    if family in ("llama", "qwen3"):
+        out["attention_bias"] = config.qkv_bias
+    if family == "llama":
+        out["mlp_bias"] = config.mlp_bias
+    if family == "mistral":
+        out["sliding_window"] = config.sliding_window
+    if family in ("qwen2", "qwen3"):
+        window = config.sliding_window
+        out.update(use_sliding_window=window is not None, sliding_window=window)
+        out["max_window_layers"] = 0 if window else config.n_layers  # layers from this one on slide
+        out["layer_types"] = ["sliding_attention" if window else "full_attention"] * config.n_layers
+    return out
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------------
+
+
+def tokenizer_file(tokenizer: str | os.PathLike) -> Path:
+    """Returns the tokenizer.json of a path that is one or a folder holding one."""
+    path = Path(tokenizer)
+    path = path / TOKENIZER_NAMES[0] if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"tokenizer {str(path)!r} does not exist")
+    return path
+
+
+def special_token_ids(tokenizer: str | os.PathLike) -> dict[str, int | None]:
+    """Returns {bos,eos,pad}_token_id of a HF tokenizer.json: the tokens its tokenizer_config.json or
+    special_tokens_map.json names, else the first of the usual ones it has; None when there is none."""
+    from tokenizers import Tokenizer
+
+    path = tokenizer_file(tokenizer)
+    vocab = Tokenizer.from_file(str(path))
+    named = {}
+    for side in reversed(TOKENIZER_NAMES[1:]):  # tokenizer_config.json wins
+        if (path.parent / side).is_file():
+            named.update(json.loads((path.parent / side).read_text()))
+    ids = {}
+    for key, usual in _SPECIAL_TOKENS.items():
+        if key in named:
+            token = named[key]["content"] if isinstance(named[key], dict) else named[key]
+            ids[key + "_id"] = None if token is None else vocab.token_to_id(token)
+        else:
+            ids[key + "_id"] = next((i for i in map(vocab.token_to_id, usual) if i is not None), None)
+    return ids
+
+
+# ---- reading ------------------------------------------------------------------------------------------
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -123,102 +390,125 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def _read_state_dict(path: Path, names: dict[str, str], tied: bool) -> dict[str, torch.Tensor]:
     """Returns memo name -> tensor read from the checkpoint, checking that the tensor names match exactly."""
     files = _weight_files(path)
-    # Old checkpoints stored RoPE's inv_freq buffer; it is recomputed from rope_theta.
-    present = {n for n in files if not n.endswith("rotary_emb.inv_freq")}
-    wanted = dict(names)
-    if tied and "lm_head.weight" not in present:
-        del wanted["head.weight"]  # copied from the embedding below
-    missing, unexpected = sorted(set(wanted.values()) - present), sorted(present - set(wanted.values()))
+    # Old checkpoints stored RoPE's inv_freq buffer; it is recomputed from the config. A tied head is the
+    # embedding, whether or not the file also holds a copy.
+    present = {n for n in files if not n.endswith("rotary_emb.inv_freq") and not (tied and n == "lm_head.weight")}
+    missing, unexpected = sorted(set(names.values()) - present), sorted(present - set(names.values()))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint tensors do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     by_file: dict[Path, list[str]] = {}
-    for ours, theirs in wanted.items():
+    for ours, theirs in names.items():
         by_file.setdefault(files[theirs], []).append(ours)
     state = {}
     for file, ours_names in by_file.items():
         with safe_open(file, framework="pt") as f:
-            state.update({ours: f.get_tensor(wanted[ours]) for ours in ours_names})
-    if "head.weight" not in state:
-        state["head.weight"] = state["embed.weight"].clone()
+            state.update({ours: f.get_tensor(names[ours]) for ours in ours_names})
     return state
 
 
 def from_hf(
-    path: str | os.PathLike, policy: ActivationPolicy | None = None, dtype: torch.dtype | None = None
+    path: str | os.PathLike,
+    policy: ActivationPolicy | None = None,
+    dtype: torch.dtype | None = None,
+    config: ModelConfig | None = None,
 ) -> Transformer:
-    """Returns a memo.Transformer holding a local HF Llama checkpoint (`save_pretrained` layout).
+    """Returns a memo.Transformer holding a local HF Llama, Mistral, Qwen2 or Qwen3 checkpoint
+    (`save_pretrained` layout, one or several safetensors files).
 
-    `dtype` None keeps the stored dtype (the embedding's, if the file mixes them). Tied embeddings are copied
-    into memo's separate head, so training afterwards updates them independently.
+    `dtype` None keeps the stored dtype (the embedding's, if the file mixes them). Tied embeddings stay tied:
+    one parameter, the embedding, is also the LM head. `config` replaces the folder's own (the same shapes
+    with other RoPE settings: context extension).
     """
     path = Path(path)
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
-    cfg = json.loads(config_file.read_text())
-    config = config_from_hf(cfg, name=path.name or "custom")
-    names = hf_names(config.n_layers)
-    state = _read_state_dict(path, names, tied=bool(cfg.get("tie_word_embeddings", False)))
+    config = config or config_from_hf(json.loads(config_file.read_text()), name=path.name or "custom")
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(config, policy)
-    for name, p in model.state_dict().items():
-        if state[name].shape != p.shape:
-            shape = tuple(state[name].shape)
-            raise ValueError(f"{names[name]} has shape {shape}, config.json implies {tuple(p.shape)}")
+    shapes = {name: p.shape for name, p in model.state_dict().items()}
+    names = {name: hf_name(name) for name in shapes}
+    state = _read_state_dict(path, names, config.tie_embeddings)
+    for name, shape in shapes.items():
+        if state[name].shape != shape:
+            raise ValueError(f"{names[name]} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
     dtype = dtype or state["embed.weight"].dtype  # one dtype throughout, even if the file mixes them
     model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, assign=True)
     return model
 
 
-def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
-    """Returns a `config.json` dict for LlamaForCausalLM (transformers 4.x layout, which 5.x also reads)."""
-    if config.arch != "llama":
+# ---- writing ------------------------------------------------------------------------------------------
+
+
+def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raises unless `weights` are exactly the parameters, by name and shape, of a model of `config`."""
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Transformer(config).state_dict().items()}
+    missing, unexpected = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(shapes))
+    wrong = sorted(n for n in set(shapes) & set(weights) if weights[n].shape != shapes[n])
+    if missing or unexpected or wrong:
         raise ValueError(
-            f"only arch 'llama' converts to Hugging Face Llama, got {config.arch!r} (model {config.name!r})"
+            f"the weights do not fit model {config.name!r}: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"other shapes {wrong[:5]}"
         )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
-def to_hf(model: Transformer, path: str | os.PathLike) -> None:
-    """Writes `config.json` + `model.safetensors` that `AutoModelForCausalLM.from_pretrained(path)` loads.
+def save_hf(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    seq_len: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> Path:
+    """Writes `weights` (memo names) as a HF checkpoint folder that `AutoModelForCausalLM.from_pretrained`
+    loads with no missing or unexpected keys; returns `path`.
 
-    Files are written in a temporary directory beside `path` and renamed in, so a crash never leaves a
-    half-written checkpoint: a new `path` appears whole, an existing one gets each file replaced whole.
+    The folder holds config.json (`config_to_hf`), generation_config.json, model.safetensors and, given a
+    HF `tokenizer` (tokenizer.json or its folder), its tokenizer.json, tokenizer_config.json and
+    special_tokens_map.json, whose bos/eos/pad ids the configs name. Files are written in a temporary
+    folder beside `path` and renamed in, so a crash never leaves a half-written checkpoint: a new `path`
+    appears whole, an existing one gets each file replaced whole. Modes are those of any new file (0644 and
+    a 0755 folder under the usual umask 022), not safetensors' 0600.
     """
     path = Path(path)
-    config = config_to_hf(model.config, model.embed.weight.dtype)
-    names = hf_names(model.config.n_layers)
-    state = {names[n]: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
+    _check_weights(config, weights)
+    token_ids = special_token_ids(tokenizer) if tokenizer is not None else {}
+    dtype = weights["embed.weight"].dtype
+    hf_config = config_to_hf(config, dtype, seq_len, token_ids)
+    tokens = ("bos_token_id", "eos_token_id", "pad_token_id")
+    generation = {"_from_model_config": True, **{k: hf_config[k] for k in tokens}}
+    state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in weights.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stay on the renamed checkpoint
     try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+        (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        shutil.copymode(tmp / CONFIG_NAME, tmp / WEIGHTS_NAME)
+        if tokenizer is not None:
+            source = tokenizer_file(tokenizer).parent
+            for name in TOKENIZER_NAMES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, tmp / name)  # contents only: the mode is a new file's
         if not path.exists():
             tmp.rename(path)
-            return
-        for name in (WEIGHTS_NAME, CONFIG_NAME):  # each file whole; for an instant new weights meet the old config
-            os.replace(tmp / name, path / name)
+            return path
+        for file in sorted(tmp.iterdir()):  # each file whole; for an instant new weights meet the old config
+            os.replace(file, path / file.name)
+        return path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def to_hf(
+    model: Transformer,
+    path: str | os.PathLike,
+    seq_len: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> Path:
+    """Writes `model` as a HF checkpoint folder (`save_hf`): `seq_len` is the length it was trained at,
+    `tokenizer` the HF tokenizer.json (or its folder) it was trained with; returns `path`."""
+    return save_hf(model.config, model.state_dict(), path, seq_len, tokenizer)

@@ -15,7 +15,8 @@ renamed into place (by rank 0, after every rank has written), so a crash mid-sav
 checkpoint untouched and no half checkpoint visible. Nothing is loaded through pickle: DCP's default
 format keeps its `.metadata` as a pickle, the Hugging Face reader rebuilds it from the safetensors headers.
 
-`export` writes the newest checkpoint's weights as one `model.safetensors` of whole tensors (for inference).
+`export` writes the newest checkpoint's weights as one `model.safetensors` of whole tensors (for inference), or as
+a Hugging Face checkpoint folder that transformers loads (`memo.hf.save_hf`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+from ..config import ModelConfig
+from ..hf import save_hf
+from .config import TrainConfig, model_config
 
 PREFIX = "step-"
 PARTS = ("model", "optimizer")
@@ -181,21 +186,58 @@ def load_latest(run_dir: Path) -> Checkpoint:
         raise ValueError(f"checkpoint {path} cannot be read: {err}") from None
 
 
-def export(run_dir: Path, out: Path | None = None) -> Path:
-    """Writes the weights of the newest checkpoint of `run_dir` as whole tensors in one safetensors file
-    (default `RUN_DIR/export/model.safetensors`, atomically); fp32 masters replace bf16 weights."""
+def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Path:
+    """Writes the weights of the newest checkpoint of `run_dir` (fp32 masters replace bf16 weights) and returns
+    where: as whole tensors with memo's names in one safetensors file (default `RUN_DIR/export/model.safetensors`),
+    or, given `hf`, as a Hugging Face checkpoint folder there (`memo.hf.save_hf`) with the run's model config,
+    trained length and tokenizer. Either is written atomically."""
     saved = load_latest(run_dir)
     weights = saved.model
     masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}
     weights = {name: masters.get(name, t) for name, t in weights.items()}
+    config = saved.state.get("config", {})
+    if hf is not None:
+        model = saved_model_config(saved.state, run_dir)
+        return save_hf(model, weights, Path(hf), config.get("seq_len"), _run_tokenizer(config))
     out = Path(out) if out else Path(run_dir) / "export" / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    metadata = {"step": str(saved.step), "model": str(saved.state.get("config", {}).get("model", ""))}
+    metadata = {"step": str(saved.step), "model": str(config.get("model", ""))}
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
+    _chmod_as_new(tmp)
     _fsync(tmp)
     os.replace(tmp, out)
     return out
+
+
+def saved_model_config(state: dict, run_dir: Path) -> ModelConfig:
+    """Returns the ModelConfig a checkpoint was trained with: as saved, else (older runs) resolved again from
+    its `--model` and context-extension flags."""
+    if "model_config" in state:
+        return ModelConfig(**state["model_config"])
+    return model_config(TrainConfig.from_dict(state.get("config", {}), origin=f"{run_dir} state.json"))
+
+
+def _run_tokenizer(config: dict) -> str | None:
+    """Returns the HF tokenizer.json a run trained with: its `--tokenizer`, else the one that tokenized its .bin
+    data (named in the data's sidecar JSON); None for the bytes tokenizer."""
+    if config.get("tokenizer"):
+        return config["tokenizer"]
+    data = Path(config.get("data") or "")
+    if data.suffix != ".bin" or not data.with_suffix(".json").is_file():
+        return None
+    name = json.loads(data.with_suffix(".json").read_text()).get("tokenizer")
+    return None if name in (None, "bytes") else name
+
+
+def _chmod_as_new(path: Path) -> None:
+    """Gives `path` the mode of a newly created file (0644 under the usual umask 022): safetensors writes 0600."""
+    probe = path.with_name(f"{path.name}.mode")
+    probe.touch()
+    try:
+        shutil.copymode(probe, path)
+    finally:
+        probe.unlink()
 
 
 def _fsync(path: Path) -> None:

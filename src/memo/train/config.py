@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from ..config import PRESETS
+from ..config import PRESETS, ModelConfig, RopeScaling
 from ..policy import STRATEGIES, ActivationPolicy
 from ..units import parse_size
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
+ROPE_SCALINGS = ("linear", "yarn", "llama3", "dynamic")
+RENAMED = {"text_key": "text_field"}  # old field names, so that runs saved before a rename still resume
 
 
 def _f(default, help: str, **kwargs):
@@ -39,10 +42,21 @@ class TrainConfig:
         "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
     )
     arena: bool = _f(False, "carve each layer's transient tensors from one statically planned arena (§5)")
+    # context extension, applied on top of --model (its own RoPE is kept unless these are given)
+    rope_theta: float | None = _f(
+        None, "RoPE base frequency replacing the model's (raise it to extend context)", kind=float
+    )
+    rope_scaling: str | None = _f(None, "stretch RoPE for a longer context", choices=ROPE_SCALINGS)
+    rope_factor: float | None = _f(None, "--rope-scaling factor: new context length / original (e.g. 4)", kind=float)
+    original_max_positions: int | None = _f(
+        None, "length the model was pretrained at, for yarn/llama3 (default: its max_position_embeddings)", kind=int
+    )
     # data
-    data: str | None = _f(None, "text/JSONL file, folder of them, or pre-tokenised .bin; none: generated retrieval")
+    data: str | None = _f(
+        None, ".txt/.jsonl/.parquet file, folder of them, or pre-tokenised .bin/.npy; none: generated retrieval"
+    )
     tokenizer: str | None = _f(None, "Hugging Face tokenizer.json (default: bytes, ids 0-255)")
-    text_key: str = _f("text", "JSONL field holding each document's text")
+    text_field: str = _f("text", "JSONL field / Parquet column holding each document's text")
     seq_len: int = _f(1024, "tokens per sequence")
     batch_size: int = _f(8, "sequences per optimizer step (split into --grad-accum micro-batches)")
     grad_accum: int = _f(1, "micro-batches per optimizer step (gradient accumulation)")
@@ -66,8 +80,12 @@ class TrainConfig:
     out: str | None = _f(None, "run directory (default: runs/<date-time>)")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted)")
-    eval_every: int = _f(100, "held-out evaluation every N steps (and at the end)")
-    eval_batches: int = _f(4, "held-out batches per evaluation")
+    eval_every: int = _f(
+        100, "held-out evaluation every N steps and at the end (with --data: needs --eval-data or --eval-split)"
+    )
+    eval_batches: int = _f(4, "held-out batches per evaluation (the same ones each time)")
+    eval_data: str | None = _f(None, "held-out data for --data runs, in any --data format (same tokenizer and field)")
+    eval_split: float = _f(0.0, "fraction of --data's documents held out whole for evaluation (seeded); 0: none")
     tensorboard: bool = _f(False, "also write TensorBoard events (needs the `tensorboard` package)")
 
     def __post_init__(self) -> None:
@@ -91,7 +109,7 @@ class TrainConfig:
             raise ValueError(f"`--batch-size` {self.batch_size} is not a multiple of `--grad-accum` {self.grad_accum}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(
                     f"`--{_flag(f.name)}` must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
@@ -101,7 +119,40 @@ class TrainConfig:
             raise ValueError("`--arena` does not support sequence parallelism: use `--sp 1` or leave out `--arena`")
         if self.host_budget is not None:
             parse_size(self.host_budget)
+        self._check_eval_source()
+        self._check_rope()
         self.policy()
+
+    def _check_rope(self) -> None:
+        if self.rope_theta is not None and not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"`--rope-theta` must be a finite number > 0, got {self.rope_theta}")
+        if self.rope_scaling is None:
+            given = [n for n in ("rope_factor", "original_max_positions") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"`--{_flag(given[0])}` needs `--rope-scaling` ({', '.join(ROPE_SCALINGS)})")
+            return
+        if self.rope_factor is None:
+            raise ValueError(f"`--rope-scaling {self.rope_scaling}` needs `--rope-factor` (new length / original)")
+        if not (math.isfinite(self.rope_factor) and self.rope_factor >= 1):
+            raise ValueError(f"`--rope-factor` must be a finite number >= 1, got {self.rope_factor}")
+        if self.original_max_positions is not None and self.original_max_positions <= 0:
+            raise ValueError(f"`--original-max-positions` must be positive, got {self.original_max_positions}")
+
+    def _check_eval_source(self) -> None:
+        if not 0 <= self.eval_split < 1:
+            raise ValueError(f"`--eval-split` must be in [0, 1), got {self.eval_split}")
+        if self.eval_data is not None and self.eval_split:
+            raise ValueError("give `--eval-data` or `--eval-split`, not both")
+        if self.data is None and (self.eval_data is not None or self.eval_split):
+            which = "--eval-data" if self.eval_data is not None else "--eval-split"
+            raise ValueError(f"`{which}` applies only with `--data` (the generated task has its own held-out stream)")
+        if self.eval_data is not None:
+            data, held_out = Path(self.data).resolve(), Path(self.eval_data).resolve()
+            if held_out == data or data in held_out.parents or held_out in data.parents:
+                raise ValueError(
+                    f"`--eval-data` {self.eval_data!r} overlaps `--data` {self.data!r}: held-out documents must not "
+                    "be trained on"
+                )
 
     def check_world(self, world: int) -> None:
         """Raises ValueError unless `world` ranks split into dp × sp and the batch into dp × grad-accum parts."""
@@ -134,24 +185,69 @@ class TrainConfig:
         clean = {}
         for key, value in values.items():
             name = str(key).replace("-", "_")
+            name = RENAMED.get(name, name)
             if name not in known:
                 raise ValueError(f"{origin}: unknown field {key!r} (fields: {', '.join(known)})")
-            clean[name] = _coerce(name, value, known[name].default, origin)
+            clean[name] = _coerce(name, value, known[name].default, origin, known[name].metadata.get("kind"))
         return cls(**clean)
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """Returns the ModelConfig a run trains: `--model`'s (a preset, a config file or a Hugging Face folder)
+    with the context-extension flags applied."""
+    return extend_context(named_model_config(cfg.model), cfg)
+
+
+def named_model_config(model: str) -> ModelConfig:
+    """Returns the ModelConfig `--model` names: a preset, a ModelConfig file or a Hugging Face checkpoint folder."""
+    from ..hf import CONFIG_NAME, config_from_hf  # the HF reader is only needed for folders
+
+    path = Path(model)
+    if model in PRESETS:
+        return ModelConfig.preset(model)
+    if path.is_dir():
+        if not (path / CONFIG_NAME).is_file():
+            raise ValueError(f"`--model` folder {model!r} has no {CONFIG_NAME} (a Hugging Face checkpoint folder)")
+        return config_from_hf(json.loads((path / CONFIG_NAME).read_text()), name=path.name)
+    if path.is_file():
+        try:
+            return ModelConfig(**read_config_file(path))
+        except TypeError as err:
+            raise ValueError(f"model config {path}: {err}") from None
+    raise ValueError(f"`--model` {model!r} is neither a preset ({', '.join(PRESETS)}) nor a file or folder")
+
+
+def extend_context(base: ModelConfig, cfg: TrainConfig) -> ModelConfig:
+    """Returns `base` with `--rope-theta` and `--rope-scaling/--rope-factor/--original-max-positions` applied,
+    as long-context recipes do (a raised base frequency, YaRN, Llama 3's scaling); unchanged without them."""
+    changes: dict = {}
+    if cfg.rope_theta is not None:
+        changes["rope_theta"] = cfg.rope_theta
+    if cfg.rope_scaling is not None:
+        original = cfg.original_max_positions or base.max_position_embeddings
+        if cfg.rope_scaling in ("yarn", "llama3") and original is None:
+            raise ValueError(
+                f"`--rope-scaling {cfg.rope_scaling}` needs `--original-max-positions`: model {base.name!r} does "
+                "not say the length it was trained at"
+            )
+        changes["rope_scaling"] = RopeScaling(cfg.rope_scaling, cfg.rope_factor, original_max_positions=original)
+        if cfg.rope_scaling == "dynamic":  # NTK stretches from max_position_embeddings on
+            changes["max_position_embeddings"] = original or cfg.seq_len
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _coerce(name: str, value, default, origin: str):
+def _coerce(name: str, value, default, origin: str, kind: type | None = None):
     """Returns `value` as the type of the field: ints for floats are fine, 'auto' is α=None, `seq_len` takes
     sizes such as 128K, and a number written as text (YAML reads 3e-4 as text) is read as a number."""
     if name == "alpha" and value in (None, "auto"):
         return None
     if value is None:
         return None
-    expected = type(default) if default is not None else (float if name == "alpha" else str)
+    expected = kind or (type(default) if default is not None else (float if name == "alpha" else str))
     if name == "seq_len" and isinstance(value, str):
         return parse_size(value)
     if expected in (int, float) and isinstance(value, str):

@@ -1,8 +1,9 @@
 """Training data: a generated long-range retrieval task, or text and token files packed into sequences.
 
 Every source answers `batch(step, batch_size) -> (ids, labels)` as a pure function of (seed, step), so a
-resumed run sees exactly the batches it would have seen. Labels follow `Transformer`'s convention: position
-t predicts labels[t + 1], and IGNORE (-100) marks targets the loss skips.
+resumed run sees exactly the batches it would have seen, and `eval_batches(n, batch_size)`, the same
+held-out batches at every evaluation. Labels follow `Transformer`'s convention: position t predicts
+labels[t + 1], and IGNORE (-100) marks targets the loss skips.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 IGNORE = -100
 TOKEN_FILE_FORMAT = "memo-tokens-v1"
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+PARQUET_BATCH_ROWS = 256  # rows decoded at a time: a Parquet corpus is streamed, never read whole
 
 
 def _generator(seed: int, stream: int, step: int) -> torch.Generator:
@@ -210,34 +212,45 @@ def load_tokenizer(path: str | Path | None) -> TextTokenizer:
 # ---------------------------------------------------------------------------------------------------- text files
 
 
-def text_files(path: str | Path) -> list[Path]:
-    """Returns `path` if it is a .txt/.jsonl file, or the .txt/.jsonl files under a directory, sorted."""
+def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
+    """Returns `path` if it is a .txt/.jsonl/.parquet file, or those files under a directory, sorted; `flag`
+    names the option in errors."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"`--data` directory {str(path)!r} holds no .txt or .jsonl files")
+            raise ValueError(f"`{flag}` directory {str(path)!r} holds no .txt, .jsonl or .parquet files")
         return files
     if not path.exists():
-        raise ValueError(f"`--data` file {str(path)!r} does not exist")
+        raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
     if path.suffix not in TEXT_SUFFIXES:
-        raise ValueError(f"`--data` {str(path)!r}: expected .txt, .jsonl, .bin (with .json sidecar) or .npy")
+        raise ValueError(f"`{flag}` {str(path)!r}: expected .txt, .jsonl, .parquet, .bin (with .json sidecar) or .npy")
     return [path]
 
 
-def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
-    """Yields the documents of one file: a .txt file is one document, a .jsonl file one per non-blank line.
+def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """Yields the documents of one file: a .txt file is one document, a .jsonl file one per non-blank line
+    (its `text_field`), a .parquet file one per row (its `text_field` column).
 
     A whole .txt file is one document because long-context training wants long documents; give a
-    directory of .txt files for many. Raises ValueError naming the file (and line) for undecodable UTF-8,
-    bad JSON, a missing or non-string `text_key`, or a file without text.
+    directory of .txt files for many. Raises ValueError naming the file (and line or row) for an unreadable
+    file, undecodable UTF-8, bad JSON, a missing or non-string `text_field`, or a file without text.
     """
-    if path.suffix == ".txt":
-        text = _decode(path.read_bytes(), path, 1)
-        if not text.strip():
-            raise ValueError(f"{path}: file is empty")
-        yield text
-        return
+    read = {".txt": _txt_documents, ".jsonl": _jsonl_documents, ".parquet": _parquet_documents}[path.suffix]
+    try:
+        yield from read(path, text_field)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _txt_documents(path: Path, text_field: str) -> Iterator[str]:
+    text = _decode(path.read_bytes(), path, 1)
+    if not text.strip():
+        raise ValueError(f"{path}: file is empty")
+    yield text
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
     empty = True
     with open(path, "rb") as f:  # line by line: a JSONL corpus may not fit in memory
         for number, raw in enumerate(f, start=1):
@@ -249,14 +262,48 @@ def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or text_key not in record:
-                raise ValueError(f"{path}:{number}: expected an object with a {text_key!r} field")
-            if not isinstance(record[text_key], str):
-                kind = type(record[text_key]).__name__
-                raise ValueError(f"{path}:{number}: field {text_key!r} is {kind}, not a string")
-            yield record[text_key]
+            if not isinstance(record, dict) or text_field not in record:
+                raise ValueError(f"{path}:{number}: expected an object with a {text_field!r} field")
+            if not isinstance(record[text_field], str):
+                kind = type(record[text_field]).__name__
+                raise ValueError(f"{path}:{number}: field {text_field!r} is {kind}, not a string")
+            yield record[text_field]
     if empty:
         raise ValueError(f"{path}: file is empty")
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    """Yields the `text_field` column of a Parquet file (as `datasets` exports), PARQUET_BATCH_ROWS rows at a
+    time and no other column, so a file larger than memory streams. Rows count from 0, as in `datasets`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+        schema = table.schema_arrow
+        if text_field not in schema.names:
+            raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
+        kind = schema.field(text_field).type
+        if not _is_text(pa, kind):
+            raise ValueError(f"{path}: column {text_field!r} is {kind}, not a string")
+        if table.metadata.num_rows == 0:
+            raise ValueError(f"{path}: file is empty")
+        row = 0
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                if text is None:
+                    raise ValueError(f"{path}: column {text_field!r} is null at row {row}")
+                row += 1
+                yield text
+    except pa.ArrowException as e:  # not Parquet, truncated, or a corrupt page
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _is_text(pa, kind) -> bool:
+    """Returns whether an Arrow type holds strings (plain, large, view, or dictionary-encoded)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 def _decode(raw: bytes, path: Path, first_line: int) -> str:
@@ -268,10 +315,12 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
         raise ValueError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
 
 
-def tokenize_documents(files: Iterable[Path], tokenizer: TextTokenizer, text_key: str = "text") -> Iterator[list[int]]:
+def tokenize_documents(
+    files: Iterable[Path], tokenizer: TextTokenizer, text_field: str = "text"
+) -> Iterator[list[int]]:
     """Yields each non-empty document of `files` as token ids."""
     for path in files:
-        for text in read_documents(path, text_key):
+        for text in read_documents(path, text_field):
             ids = tokenizer.encode(text)
             if ids:
                 yield ids
@@ -289,9 +338,9 @@ def _doc_starts_path(path: Path) -> Path:
 
 
 def write_token_file(
-    data: str | Path, out: str | Path, tokenizer_path: str | Path | None = None, text_key: str = "text"
+    data: str | Path, out: str | Path, tokenizer_path: str | Path | None = None, text_field: str = "text"
 ) -> dict:
-    """Tokenizes text/JSONL at `data` into `out` (.bin) and returns the sidecar it writes next to it.
+    """Tokenizes text/JSONL/Parquet at `data` into `out` (.bin) and returns the sidecar it writes next to it.
 
     Writes three files, streaming tokens so a corpus need not fit in memory:
     `out` raw uint16 (uint32 for vocabularies over 65536) token ids, `out.with_suffix('.json')` the sidecar
@@ -306,7 +355,7 @@ def write_token_file(
     starts: list[int] = []
     num_tokens = max_id = 0
     with open(out, "wb") as f:
-        for ids in tokenize_documents(text_files(data), tokenizer, text_key):
+        for ids in tokenize_documents(text_files(data), tokenizer, text_field):
             starts.append(num_tokens)
             array = np.asarray(ids, dtype=np.int64)
             max_id = max(max_id, int(array.max()))
@@ -330,14 +379,15 @@ def write_token_file(
     return sidecar
 
 
-def read_token_file(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
+def read_token_file(path: str | Path, flag: str = "--data") -> tuple[np.ndarray, np.ndarray, int]:
     """Returns (tokens, doc_starts, max_token_id) of a .bin token file or a 1-D .npy, memory-mapped.
 
-    A .npy has no sidecar: it is one document unless `<stem>.docs.npy` lists document starts.
+    A .npy has no sidecar: it is one document unless `<stem>.docs.npy` lists document starts. `flag` names
+    the option in errors.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"`--data` file {str(path)!r} does not exist")
+        raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
     docs_path = _doc_starts_path(path)
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
@@ -373,34 +423,51 @@ def read_token_file(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
 class TokenDataset:
     """A token stream cut into seq_len chunks, served in a seeded shuffled order, one permutation per epoch.
 
-    Chunks ignore document boundaries (no padding is wasted), but the label of a document's first token
-    is IGNORE, so no loss is taken predicting across a boundary. The last chunk is padded with IGNORE labels.
-    Attention still sees the previous document, as in GPT-style packing.
+    The stream is `tokens`, or with `spans` ((n, 2) [start, end) ranges of whole documents, in order) the
+    concatenation of those ranges: how `split_documents` keeps held-out documents out of training without
+    copying a memory-mapped corpus. Chunks ignore document boundaries (no padding is wasted), but the label
+    of a document's first token is IGNORE, so no loss is taken predicting across a boundary. The last chunk
+    is padded with IGNORE labels. Attention still sees the previous document, as in GPT-style packing.
     """
 
     def __init__(
-        self, tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, seed: int = 0, max_token_id: int | None = None
+        self,
+        tokens: np.ndarray,
+        doc_starts: np.ndarray,
+        seq_len: int,
+        seed: int = 0,
+        max_token_id: int | None = None,
+        spans: np.ndarray | None = None,
     ):
         if seq_len < 2:
             raise ValueError(f"`--seq-len` must be at least 2, got {seq_len}")
-        if len(tokens) == 0:
-            raise ValueError("the token stream is empty")
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.doc_starts = np.asarray(doc_starts, dtype=np.int64)
-        self.num_sequences = -(-len(tokens) // seq_len)
+        whole = [[0, len(tokens)]]
+        self.spans = np.asarray(whole if spans is None else spans, dtype=np.int64).reshape(-1, 2)
+        self._span_offsets = np.concatenate(([0], np.cumsum(self.spans[:, 1] - self.spans[:, 0])))  # in the stream
+        self.num_tokens = int(self._span_offsets[-1])
+        if self.num_tokens == 0:
+            raise ValueError("the token stream is empty")
+        self.num_sequences = -(-self.num_tokens // seq_len)
         self.vocab_size_needed = (int(np.max(tokens)) if max_token_id is None else int(max_token_id)) + 1
         self._epoch_order: tuple[int, torch.Tensor] | None = None
 
     def sequence(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (ids, labels) of chunk `index`: ids (seq_len,), labels IGNORE at document starts and padding."""
         start = index * self.seq_len
-        chunk = np.asarray(self.tokens[start : start + self.seq_len], dtype=np.int64)
         ids = torch.zeros(self.seq_len, dtype=torch.long)
-        ids[: len(chunk)] = torch.from_numpy(chunk)
-        labels = ids.clone()
-        labels[len(chunk) :] = IGNORE
-        lo, hi = np.searchsorted(self.doc_starts, [start + 1, start + len(chunk)])
-        labels[torch.from_numpy(self.doc_starts[lo:hi] - start)] = IGNORE  # a document's first token
+        labels = torch.full((self.seq_len,), IGNORE)
+        filled, span = 0, int(np.searchsorted(self._span_offsets, start, side="right")) - 1
+        while filled < self.seq_len and span < len(self.spans):
+            lo = int(self.spans[span, 0] + start + filled - self._span_offsets[span])
+            hi = min(int(self.spans[span, 1]), lo + self.seq_len - filled)
+            piece = torch.from_numpy(np.asarray(self.tokens[lo:hi], dtype=np.int64))
+            ids[filled : filled + len(piece)] = labels[filled : filled + len(piece)] = piece
+            # a document's first token: a span starts with one; position 0's label is never a target anyway
+            first, last = np.searchsorted(self.doc_starts, [lo + 1 if filled == 0 else lo, hi])
+            labels[torch.from_numpy(self.doc_starts[first:last] - lo + filled)] = IGNORE
+            filled, span = filled + len(piece), span + 1
         return ids, labels
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,8 +476,16 @@ class TokenDataset:
         if step < 1:
             raise ValueError(f"steps count from 1, got {step}")
         first = (step - 1) * batch_size
-        rows = [self.sequence(self._index(first + i)) for i in range(batch_size)]
-        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        return _stack([self.sequence(self._index(first + i)) for i in range(batch_size)])
+
+    def eval_batches(self, n_batches: int = 4, batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Returns the stream's first n_batches x batch_size chunks in order, the same at every evaluation (fewer
+        batches for a shorter stream); rows past its end are padding, IGNORE labels, so every batch is full."""
+        padding = torch.zeros(self.seq_len, dtype=torch.long), torch.full((self.seq_len,), IGNORE)
+        return [
+            _stack([self.sequence(i) if i < self.num_sequences else padding for i in range(first, first + batch_size)])
+            for first in range(0, min(n_batches * batch_size, self.num_sequences), batch_size)
+        ]
 
     def _index(self, sample: int) -> int:
         epoch, within = divmod(sample, self.num_sequences)
@@ -418,6 +493,47 @@ class TokenDataset:
             order = torch.randperm(self.num_sequences, generator=_generator(self.seed, 2, epoch))
             self._epoch_order = (epoch, order)
         return int(self._epoch_order[1][within])
+
+
+def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+def split_documents(source: TokenDataset, fraction: float, seed: int = 0) -> tuple[TokenDataset, TokenDataset]:
+    """Returns (train, held_out) of a whole token stream: round(fraction x documents), at least one, held out
+    whole, and the rest to train on. Both read `source`'s tokens in place (a .bin stays memory-mapped).
+
+    Which documents is a fixed hash of (seed, document index), not a random stream whose algorithm may change
+    with the numpy version: a resumed run holds out the same documents, so it never evaluates one it trained on.
+    """
+    starts, total = source.doc_starts, len(source.tokens)
+    n = len(starts)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise ValueError(
+            f"`--eval-split` {fraction} of {n} document(s) leaves none to train on: "
+            "give more documents or `--eval-data`"
+        )
+    salt = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))
+    held = np.sort(np.argpartition(_splitmix64(np.arange(n, dtype=np.uint64) ^ salt), k - 1)[:k])
+    held_starts = starts[held]
+    held_ends = np.where(held + 1 < n, starts[np.minimum(held + 1, n - 1)], total)
+    train = np.stack((np.append(0, held_ends), np.append(held_starts, total)), axis=1)
+    held_out = np.stack((held_starts, held_ends), axis=1)
+    log.info("held out %d of %d documents (%d tokens) for evaluation", k, n, int((held_ends - held_starts).sum()))
+    max_id = source.vocab_size_needed - 1
+    return tuple(
+        TokenDataset(source.tokens, starts, source.seq_len, source.seed, max_id, spans[spans[:, 1] > spans[:, 0]])
+        for spans in (train, held_out)
+    )
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Returns splitmix64's finaliser of each uint64 (a bijection that scatters neighbouring inputs)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 # -------------------------------------------------------------------------------------------------- entry point
@@ -430,31 +546,42 @@ def make_source(
     seq_len: int,
     seed: int = 0,
     tokenizer_path: str | Path | None = None,
-    text_key: str = "text",
+    text_field: str = "text",
 ) -> Source:
-    """Returns what `memo train` trains on: the retrieval task without `data_path`, else its packed tokens.
-
-    `data_path` is a .bin token file (with sidecar), a .npy, a .txt/.jsonl file, or a directory of
-    .txt/.jsonl files (tokenized in memory with `tokenizer_path`, bytes by default).
-    """
+    """Returns what `memo train` trains on: the retrieval task without `data_path`, else its packed tokens
+    (see `token_dataset`)."""
     if data_path is None:
         if tokenizer_path is not None:
             raise ValueError("`--tokenizer` applies only with `--data`")
         return RetrievalTask(seq_len, seed)
-    path = Path(data_path)
+    if Path(data_path).suffix in (".bin", ".npy") and tokenizer_path is not None:
+        raise ValueError(f"`--tokenizer` does not apply to the pre-tokenized {str(data_path)!r}")
+    return token_dataset(data_path, seq_len, seed, tokenizer_path, text_field)
+
+
+def token_dataset(
+    path: str | Path,
+    seq_len: int,
+    seed: int = 0,
+    tokenizer_path: str | Path | None = None,
+    text_field: str = "text",
+    flag: str = "--data",
+) -> TokenDataset:
+    """Returns the packed tokens of `path`: a .bin token file (with sidecar) or a .npy, memory-mapped, or a
+    .txt/.jsonl/.parquet file or a directory of them, tokenized in memory with `tokenizer_path` (bytes by
+    default; unused by token files). `flag` names the option in errors."""
+    path = Path(path)
     if path.suffix in (".bin", ".npy"):
-        if tokenizer_path is not None:
-            raise ValueError(f"`--tokenizer` does not apply to the pre-tokenized {str(path)!r}")
-        tokens, starts, max_id = read_token_file(path)
+        tokens, starts, max_id = read_token_file(path, flag)
         return TokenDataset(tokens, starts, seq_len, seed, max_id)
     tokenizer = load_tokenizer(tokenizer_path)
     starts, chunks, total = [], [], 0
-    for ids in tokenize_documents(text_files(path), tokenizer, text_key):
+    for ids in tokenize_documents(text_files(path, flag), tokenizer, text_field):
         starts.append(total)
         chunks.append(np.asarray(ids, dtype=np.int64))
         total += len(ids)
     if total == 0:
-        raise ValueError(f"`--data` {str(path)!r} holds no text to tokenize")
+        raise ValueError(f"`{flag}` {str(path)!r} holds no text to tokenize")
     return TokenDataset(np.concatenate(chunks), np.asarray(starts, dtype=np.int64), seq_len, seed)
 
 

@@ -11,7 +11,9 @@ process training the same batches. Rank 0 alone writes the run directory's files
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import time
 from datetime import datetime
@@ -24,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import parallel
-from ..config import PRESETS, ModelConfig
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import GPUS
 from ..loss import IGNORE_INDEX, shift_labels
@@ -32,12 +33,13 @@ from ..model import Transformer
 from ..policy import ActivationPolicy
 from ..units import parse_size
 from . import checkpoint
-from .config import TrainConfig, read_config_file
-from .data import answer_counts, check_vocab, make_source
+from .config import TrainConfig, model_config
+from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def world_size() -> int:
@@ -46,26 +48,19 @@ def world_size() -> int:
 
 
 def build_model(cfg: TrainConfig, policy: ActivationPolicy, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Returns the model of `cfg.model` (preset, config file or Hugging Face folder) on `device` and `dtype`,
-    initialised from `cfg.seed` (the same on every rank)."""
+    """Returns the model of `cfg.model` (preset, config file or Hugging Face folder, with any context-extension
+    flags applied) on `device` and `dtype`, initialised from `cfg.seed` (the same on every rank)."""
     torch.manual_seed(cfg.seed)
-    path = Path(cfg.model)
-    if cfg.model in PRESETS:
-        model = Transformer(ModelConfig.preset(cfg.model), policy)
-    elif path.is_dir():
+    config = model_config(cfg)
+    if Path(cfg.model).is_dir():
         from ..hf import from_hf
 
         try:
-            model = from_hf(path, policy=policy)
+            model = from_hf(cfg.model, policy=policy, config=config)
         except FileNotFoundError as err:
             raise ValueError(str(err)) from None
-    elif path.is_file():
-        try:
-            model = Transformer(ModelConfig(**read_config_file(path)), policy)
-        except TypeError as err:
-            raise ValueError(f"model config {path}: {err}") from None
     else:
-        raise ValueError(f"`--model` {cfg.model!r} is neither a preset ({', '.join(PRESETS)}) nor a file or folder")
+        model = Transformer(config, policy)
     return model.to(device=device, dtype=dtype)
 
 
@@ -89,8 +84,10 @@ class Trainer:
         # a solved α is pinned to the checkpoint's (it decides which rows are recomputed); a given one wins
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
         self.model = self._build_model(pinned)
-        self.source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_key)
-        check_vocab(self.source, self.model.config.vocab_size, cfg.model)
+        self.source, self.held_out = self._sources()
+        for source in (self.source, self.held_out):
+            if source is not None:
+                check_vocab(source, self.model.config.vocab_size, cfg.model)
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
         self.optimizer = MasterAdamW(self.model, cfg, clip)
         self.step = 0
@@ -131,6 +128,22 @@ class Trainer:
         parallel.check_host_budget(model, cfg.batch_size // cfg.grad_accum // dp, cfg.seq_len // cfg.sp, dtype, budget)
         return parallel.parallelize(model, self.mesh, mixed_precision=cfg.dtype == "bfloat16")
 
+    def _sources(self) -> tuple[Source, Source | None]:
+        """Returns (training data, held-out data or None): the generated task holds out a stream of its own,
+        and file data `--eval-data` or a `--eval-split` of its documents."""
+        cfg = self.cfg
+        source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field)
+        if isinstance(source, RetrievalTask):
+            return source, source
+        if cfg.eval_data is not None:
+            held_out = token_dataset(cfg.eval_data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, "--eval-data")
+            return source, held_out
+        if cfg.eval_split:
+            return split_documents(source, cfg.eval_split, cfg.seed)
+        if self.rank == 0:
+            log.warning("no held-out evaluation: give `--eval-data` or `--eval-split` with `--data`")
+        return source, None
+
     def _agreed(self, path: Path) -> Path:
         """Returns rank 0's `path` on every rank (a run directory named after the time of day)."""
         if not self.mesh:
@@ -155,7 +168,7 @@ class Trainer:
                 record = self._train_step()
                 self._write(record)
                 yield record
-                if self._evaluates() and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
+                if self.held_out is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
                     record = {"step": self.step, **self.evaluate()}
                     self._write(record)
                     yield record
@@ -169,24 +182,32 @@ class Trainer:
         if self.log is not None:
             self.log.write(record)
 
-    def _evaluates(self) -> bool:
-        return hasattr(self.source, "eval_batches")  # the generated task has a held-out stream; files do not
-
     def evaluate(self) -> dict:
-        """Returns the held-out loss and answer accuracy of the generated task (never trained on); under
-        torchrun each rank scores its shard of every batch and the counts are summed over the ranks."""
-        batches = self.source.eval_batches(self.cfg.eval_batches, self.cfg.batch_size // self.cfg.grad_accum)
-        losses, counts = [], torch.zeros(2, dtype=torch.long, device=self.device)
+        """Returns the held-out loss, a mean over the target tokens of `--eval-batches` fixed batches never
+        trained on, and on the generated task the answer accuracy; under torchrun each rank scores its shard
+        of every batch and the counts are summed over the ranks."""
+        retrieval = isinstance(self.held_out, RetrievalTask)
+        batches = self.held_out.eval_batches(self.cfg.eval_batches, self.cfg.batch_size // self.cfg.grad_accum)
+        loss_sum, targets_seen = 0.0, 0
+        counts = torch.zeros(2, dtype=torch.long, device=self.device)
         with torch.no_grad():
             for ids, labels in batches:
+                count = int((shift_labels(labels) != IGNORE_INDEX).sum())  # over every rank's rows
+                if count == 0:
+                    continue
                 ids, targets = self._local(ids, labels)
-                losses.append(self.model(ids, targets=targets).item())  # the mean over every rank's tokens
-                counts += answer_counts(self.model, ids, targets)
-        if self.mesh:
-            dist.all_reduce(counts)
-        if counts[1] == 0:
-            raise ValueError("retrieval accuracy needs at least one labelled token")
-        return {"eval_loss": sum(losses) / len(losses), "eval_accuracy": int(counts[0]) / int(counts[1])}
+                loss_sum += self.model(ids, targets=targets).item() * count  # the mean over every rank's tokens
+                targets_seen += count
+                if retrieval:
+                    counts += answer_counts(self.model, ids, targets)
+        if targets_seen == 0:
+            raise ValueError("the held-out data has no target tokens (every document is one token long)")
+        record = {"eval_loss": loss_sum / targets_seen}
+        if retrieval:
+            if self.mesh:
+                dist.all_reduce(counts)
+            record["eval_accuracy"] = int(counts[0]) / int(counts[1])
+        return record
 
     def _local(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (input ids, shifted targets) of this rank's part of a global batch, on its device."""
@@ -246,6 +267,7 @@ class Trainer:
         (collective)."""
         state = {
             "config": self.cfg.to_dict(),
+            "model_config": dataclasses.asdict(self.model.config),  # export and eval need not find --model again
             "alphas": self.model.swap_stats().alphas or None,
             "rng": _rng_state(self.device),
             "data": {"next_step": self.step + 1},

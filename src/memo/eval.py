@@ -1,0 +1,405 @@
+"""Long-context evaluation of a trained model: pass-key retrieval and held-out loss by token position.
+
+Pass key (the "needle in a haystack" of Mohtashami & Jaggi's Landmark Attention paper): a prompt of exactly
+`length` tokens is filler text with one needle, "The pass key is 68231. Remember it.", at a relative depth,
+then "What is the pass key? The pass key is"; the model's greedy continuation is right when its first run of
+digits is the key. Filler sentences are drawn from a small built-in pool rather than from the tokenizer's
+vocabulary: they read as text to a pretrained model (random tokens are noise it never saw), every tokenizer
+(bytes or a tokenizer.json) spells them, and none holds a digit, so the key is the only number in the prompt.
+Every prompt is a pure function of (seed, length, depth, trial): a cell's prompts do not depend on which
+other cells were asked for.
+
+Decoding and the loss never build the s × V logits: only the last hidden row (decoding) or a chunk of rows
+(loss) is multiplied by the head weight. Everything runs under `torch.inference_mode`, so the layers take
+their no-grad path, without the activation store.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .hf import CONFIG_NAME, from_hf
+from .loss import IGNORE_INDEX, shift_labels
+from .model import Transformer
+from .train import checkpoint
+from .train.data import TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
+from .units import format_count
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_NAME = "tokenizer.json"
+FILLER = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+    "A river runs through the quiet valley.",
+    "The old bridge creaks in the wind.",
+    "Birds sing at the edge of the forest.",
+    "The baker opens the shop before dawn.",
+    "Clouds drift slowly over the hills.",
+    "A cat sleeps on the warm windowsill.",
+    "The library smells of paper and dust.",
+    "Rain taps gently on the roof.",
+    "The train leaves the station on time.",
+    "Children play in the park after school.",
+    "The lighthouse keeps watch over the bay.",
+    "Snow covers the mountain in winter.",
+    "The market is busy in the morning.",
+    "A gardener waters the roses.",
+    "The moon rises above the sea.",
+)
+NEEDLE = "The pass key is {key}. Remember it."
+QUESTION = "What is the pass key? The pass key is"
+
+Progress = Callable[[int], object]
+
+
+def _no_progress(n: int) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Loaded:
+    """A model ready to evaluate, the tokenizer that writes its prompts (and its tokenizer.json; None: bytes),
+    and where the model came from."""
+
+    model: Transformer
+    tokenizer: TextTokenizer
+    tokenizer_path: str | None
+    source: str
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: str | Path | None = None) -> Loaded:
+    """Returns the model in `path`: the newest checkpoint of a `memo train` run directory (its saved model
+    config and tokenizer), or a Hugging Face Llama folder (config.json + safetensors, its tokenizer.json if
+    there is one); `tokenizer` replaces theirs, and without any the byte tokenizer is used."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        model, saved_tokenizer, source = _load_run(path)
+    elif (path / CONFIG_NAME).is_file():
+        try:
+            model = from_hf(path, dtype=dtype)
+        except FileNotFoundError as err:
+            raise ValueError(str(err)) from None
+        found = path / TOKENIZER_NAME
+        saved_tokenizer, source = (found if found.is_file() else None), f"{path} (Hugging Face)"
+    else:
+        raise ValueError(
+            f"{path} is neither a `memo train` run directory (with checkpoints/) nor a Hugging Face folder "
+            f"(with {CONFIG_NAME})"
+        )
+    model = model.to(device=device, dtype=dtype).eval()
+    chosen = tokenizer or saved_tokenizer
+    tokenizer_path = str(chosen) if chosen else None
+    return Loaded(model, load_tokenizer(tokenizer_path), tokenizer_path, source)
+
+
+def _load_run(run_dir: Path) -> tuple[Transformer, str | None, str]:
+    """Returns (model, its tokenizer path, description) of the newest checkpoint: the weights the run computed
+    with (bf16 for a bf16 run; `memo export` writes its fp32 masters), read whole from either layout."""
+    if not checkpoint.list_checkpoints(run_dir):
+        raise ValueError(f"run {run_dir} has no checkpoint yet (looked in {checkpoint.checkpoint_dir(run_dir)})")
+    saved = checkpoint.load_latest(run_dir)
+    trained = saved.state["config"]
+    with torch.device("meta"):  # no random init of weights that are about to be replaced
+        model = Transformer(checkpoint.saved_model_config(saved.state, run_dir))
+    try:
+        model.load_state_dict(saved.model, assign=True)
+    except RuntimeError as err:
+        raise ValueError(f"checkpoint {saved.path} does not fit model {trained['model']!r}: {err}") from None
+    return model, trained.get("tokenizer"), f"{run_dir} (step {saved.step})"
+
+
+def check_length(model: torch.nn.Module, length: int) -> None:
+    """Raises ValueError when the model cannot run `length` tokens at all (a sliding window shorter than it).
+    Lengths past `max_position_embeddings` run: measuring how a model fares there is the point of the eval."""
+    model.config.check_length(length)
+
+
+# ------------------------------------------------------------------------------------------------------ pass key
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """One trial: the prompt (length,), its key, and the token index where the needle starts."""
+
+    ids: torch.Tensor
+    key: str
+    needle_at: int
+
+
+class PasskeyTask:
+    """Pass-key prompts for one tokenizer; the filler sentences and the question are tokenised once."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        # a tokenizer that starts every piece with a word boundary (sentencepiece's "▁") reads concatenated
+        # pieces with spaces between; others (bytes, byte-level BPE) need the space spelt out
+        self._space = "" if tokenizer.decode(tokenizer.encode("a") + tokenizer.encode("b")) == "a b" else " "
+        self.sentences = [np.asarray(self.encode(s), dtype=np.int64) for s in FILLER]
+        self.question = self.encode(QUESTION)
+
+    def encode(self, text: str) -> list[int]:
+        """Returns the ids of `text` as a piece of running text, so that pieces join with a space."""
+        return self.tokenizer.encode(self._space + text)
+
+    def key(self, length: int, depth: float, seed: int, trial: int) -> str:
+        return _key(_rng(length, depth, seed, trial))
+
+    def room(self, key: str, length: int) -> int:
+        """Returns how many filler tokens a prompt of `length` holds beside this key's needle and the question."""
+        return length - len(self.encode(NEEDLE.format(key=key))) - len(self.question)
+
+    def prompt(self, length: int, depth: float, seed: int, trial: int) -> PasskeyPrompt:
+        """Returns the prompt of exactly `length` tokens; the needle goes to the sentence boundary nearest
+        `depth` × filler tokens: depth 0 opens the prompt, depth 1 comes right before the question."""
+        rng = _rng(length, depth, seed, trial)
+        key = _key(rng)
+        room = self.room(key, length)
+        if room < 0:
+            raise ValueError(f"`--lengths` {length} cannot hold the needle and the question ({length - room} tokens)")
+        filler, bounds = self._filler(room, rng)
+        at = int(bounds[np.abs(bounds - depth * room).argmin()])
+        needle = self.encode(NEEDLE.format(key=key))
+        ids = np.concatenate((filler[:at], needle, filler[at:], self.question)).astype(np.int64)
+        return PasskeyPrompt(torch.from_numpy(ids), key, at)
+
+    def _filler(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (n random filler tokens, the sentence boundaries in them including 0 and n); the last
+        sentence is cut to fit."""
+        sizes = np.array([len(s) for s in self.sentences])
+        picks = rng.integers(0, len(self.sentences), size=n // sizes.min() + 1)
+        ends = np.cumsum(sizes[picks])
+        used = picks[: int(np.searchsorted(ends, n)) + 1]
+        tokens = np.concatenate([self.sentences[i] for i in used])[:n]
+        inner = ends[: len(used)]
+        return tokens, np.concatenate(([0], inner[inner < n], [n]))
+
+    def answer_tokens(self, key: str) -> int:
+        """Returns how many tokens to decode: the key as the tokenizer spells it after the question."""
+        return len(self.encode(key))
+
+    def read_key(self, ids: Sequence[int]) -> str:
+        """Returns the first run of digits in decoded `ids`; ids the tokenizer does not know end the answer."""
+        known = list(itertools.takewhile(lambda i: i < self.tokenizer.vocab_size, ids))
+        found = re.search(r"\d+", self.tokenizer.decode(known))
+        return found.group() if found else ""
+
+    def check(self, model: torch.nn.Module, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int):
+        """Raises ValueError, before any decoding, for depths outside [0, 1], lengths too short for the needle
+        and question or that the model cannot run, and token ids beyond the model's vocabulary."""
+        bad = [d for d in depths if not 0 <= d <= 1]
+        if bad:
+            raise ValueError(f"`--depths` must lie in [0, 1], got {bad[0]}")
+        if trials < 1:
+            raise ValueError(f"`--trials` must be positive, got {trials}")
+        for length in lengths:
+            check_length(model, length)
+            keys = [self.key(length, d, seed, t) for d in depths for t in range(trials)]
+            need = max((length - self.room(k, length) for k in keys), default=0)
+            if length < need:
+                raise ValueError(f"`--lengths` {length} cannot hold the needle and the question ({need} tokens)")
+        pieces = [*self.sentences, self.question, self.encode(NEEDLE.format(key="0123456789"))]
+        top = max(int(max(p)) for p in pieces)
+        if top >= model.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer ({self.tokenizer.name}) writes id {top} but the model's vocabulary has "
+                f"{model.config.vocab_size}: give the model's own tokenizer.json with `--tokenizer`"
+            )
+
+
+def _rng(length: int, depth: float, seed: int, trial: int) -> np.random.Generator:
+    return np.random.default_rng([seed, length, round(depth * 1_000_000), trial])
+
+
+def _key(rng: np.random.Generator) -> str:
+    return str(rng.integers(10_000, 100_000))  # five digits: chance of guessing is 1e-5
+
+
+@torch.inference_mode()
+def greedy_decode(model: torch.nn.Module, ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Returns the greedy continuation (b, n_tokens) of `ids` (b, s). Each step reruns the whole sequence (no
+    KV cache) and multiplies only its last hidden row by the head weight: (b, h) × (h, V), never s × V."""
+    start = ids.shape[1]
+    for _ in range(n_tokens):
+        last = model.hidden_states(ids)[:, -1]  # (b, h)
+        next_ids = (last @ model.head_weight.t()).argmax(dim=-1)  # (b,)
+        ids = torch.cat((ids, next_ids[:, None]), dim=1)
+    return ids[:, start:]
+
+
+@dataclass(frozen=True)
+class PasskeyCell:
+    """How many of the `trials` prompts of one (length, depth) were answered with the exact key."""
+
+    length: int
+    depth: float
+    trials: int
+    correct: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.trials
+
+    def as_dict(self) -> dict:
+        fields = {"length": self.length, "depth": self.depth, "trials": self.trials, "correct": self.correct}
+        return {**fields, "accuracy": self.accuracy}
+
+
+def passkey_accuracy(
+    model: torch.nn.Module,
+    tokenizer: TextTokenizer,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    seed: int = 0,
+    batch_size: int = 1,
+    progress: Progress = _no_progress,
+) -> list[PasskeyCell]:
+    """Returns the accuracy of every (length, depth) cell over `trials` greedy-decoded prompts, lengths outer;
+    `progress(n)` is called as each batch of n trials is scored."""
+    if batch_size < 1:
+        raise ValueError(f"`--batch-size` must be positive, got {batch_size}")
+    task = PasskeyTask(tokenizer)
+    task.check(model, lengths, depths, trials, seed)
+    device = model.head_weight.device
+    cells = []
+    for length, depth in itertools.product(lengths, depths):
+        correct = 0
+        for first in range(0, trials, batch_size):
+            prompts = [task.prompt(length, depth, seed, t) for t in range(first, min(first + batch_size, trials))]
+            correct += _score(model, task, prompts, device)
+            progress(len(prompts))
+        cells.append(PasskeyCell(length, depth, trials, correct))
+    return cells
+
+
+def _score(model: torch.nn.Module, task: PasskeyTask, prompts: list[PasskeyPrompt], device: torch.device) -> int:
+    """Returns how many prompts (decoded together) the model answers with their exact key."""
+    counts = [task.answer_tokens(p.key) for p in prompts]  # a BPE may spell keys in different numbers of tokens
+    out = greedy_decode(model, torch.stack([p.ids for p in prompts]).to(device), max(counts)).tolist()
+    return sum(task.read_key(row[:n]) == p.key for row, n, p in zip(out, counts, prompts))
+
+
+def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> None:
+    """Writes the needle-in-a-haystack heatmap as PNG: context length across, needle depth down, accuracy as
+    colour (with a colour bar), each cell's accuracy written in it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = list(dict.fromkeys(c.length for c in cells))
+    depths = list(dict.fromkeys(c.depth for c in cells))
+    accuracy = {(c.length, c.depth): c.accuracy for c in cells}
+    grid = np.array([[accuracy[n, d] for n in lengths] for d in depths])
+    fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(lengths)), [format_count(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- loss by position
+
+
+@dataclass(frozen=True)
+class BucketLoss:
+    """Mean next-token loss over the predicted tokens at positions [start, end) of their sequence."""
+
+    start: int
+    end: int
+    tokens: int
+    loss: float  # nan without tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    def as_dict(self) -> dict:
+        seen = self.tokens > 0  # JSON has no nan
+        fields = {"start": self.start, "end": self.end, "tokens": self.tokens}
+        return {**fields, "loss": self.loss if seen else None, "perplexity": self.perplexity if seen else None}
+
+
+def bucket_edges(length: int, size: int | None = None) -> list[int]:
+    """Returns the bucket boundaries over positions [0, length): every `size` tokens, or by default doubling
+    from 128 (what changes with context is a matter of orders of magnitude of distance)."""
+    if size is not None and size <= 0:
+        raise ValueError(f"`--bucket-size` must be positive, got {size}")
+    if size:
+        return [*range(0, length, size), length]
+    edges = [0, *itertools.takewhile(lambda e: e < length, (128 << i for i in itertools.count()))]
+    return edges + [length]
+
+
+def held_out_sequences(path: str | Path, tokenizer_path: str | None, length: int, vocab_size: int) -> TokenDataset:
+    """Returns a held-out file (.txt, .jsonl, .parquet, a folder of them, or a pre-tokenised .bin/.npy) packed
+    the way training packs data: documents concatenated and cut into sequences of `length` tokens, the last one
+    padded; ids beyond `vocab_size` are an error."""
+    data = token_dataset(path, length, tokenizer_path=tokenizer_path, flag="--ppl-file")
+    check_vocab(data, vocab_size)
+    return data
+
+
+@torch.inference_mode()
+def position_losses(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Returns the cross-entropy (b, s) float32 of each position t predicting targets[t] (0 where ignored),
+    from the hidden states times the head weight `model.loss_chunk_tokens` rows at a time."""
+    hidden = model.hidden_states(ids)  # (b, s, h)
+    losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    step = model.loss_chunk_tokens
+    for lo in range(0, ids.shape[1], step):
+        logits = (hidden[:, lo : lo + step] @ model.head_weight.t()).float()  # (b, chunk, V)
+        chunk = targets[:, lo : lo + step]
+        losses[:, lo : lo + step] = F.cross_entropy(
+            logits.transpose(1, 2), chunk, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+    return losses
+
+
+def perplexity_by_position(
+    model: torch.nn.Module, data: TokenDataset, bucket_size: int | None = None, progress: Progress = _no_progress
+) -> list[BucketLoss]:
+    """Returns the mean loss per position bucket over every sequence of `data`, one sequence at a time. A
+    token's position is its index in its sequence (the context it had); as in training, no loss is taken on a
+    document's first token, so none predicts across a boundary."""
+    check_length(model, data.seq_len)
+    edges = bucket_edges(data.seq_len, bucket_size)
+    bucket = torch.bucketize(torch.arange(1, data.seq_len + 1), torch.tensor(edges), right=True) - 1  # (s,)
+    sums = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    counts = torch.zeros(len(edges) - 1, dtype=torch.int64)
+    device = model.head_weight.device
+    for i in range(data.num_sequences):
+        ids, labels = data.sequence(i)
+        targets = shift_labels(labels[None])  # (1, s): position t predicts token t + 1
+        losses = position_losses(model, ids[None].to(device), targets.to(device))[0].cpu()
+        valid = targets[0] != IGNORE_INDEX
+        sums.index_add_(0, bucket[valid], losses[valid].double())
+        counts += torch.bincount(bucket[valid], minlength=len(counts))
+        progress(1)
+    return [
+        BucketLoss(lo, hi, int(n), float(s / n) if n else math.nan)
+        for lo, hi, s, n in zip(edges, edges[1:], sums.tolist(), counts.tolist())
+    ]

@@ -1,0 +1,264 @@
+"""memo.eval and `memo eval`: pass-key prompts, one-row greedy decoding, oracle and random scores, loss by
+position against full-logits cross-entropy, and the verb on a run directory and a Hugging Face folder."""
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memo import ModelConfig, Transformer, to_hf
+from memo.cli import main
+from memo.eval import (
+    FILLER,
+    NEEDLE,
+    QUESTION,
+    PasskeyTask,
+    bucket_edges,
+    greedy_decode,
+    held_out_sequences,
+    passkey_accuracy,
+    perplexity_by_position,
+)
+from memo.train.data import ByteTokenizer, HFTokenizer
+
+BYTES = ByteTokenizer()
+
+
+def _bpe_tokenizer(path, kind: str):
+    """Writes a small tokenizer.json trained on the task's own text: byte-level BPE (GPT-2/Llama 3 style, pieces
+    need a spelt-out space) or Metaspace (sentencepiece style, every piece starts a word)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if kind == "byte-level":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"])
+    tokenizer.train_from_iterator([*FILLER, NEEDLE.format(key="0123456789"), QUESTION], trainer)
+    tokenizer.save(str(path))
+    return HFTokenizer(path)
+
+
+# ------------------------------------------------------------------------------------------------------ prompts
+
+
+def test_the_needle_sits_at_the_requested_depth_of_a_prompt_of_exactly_the_length():
+    task = PasskeyTask(BYTES)
+    longest_sentence = max(len(s) for s in task.sentences)
+    for depth in (0, 0.5, 1):
+        p = task.prompt(512, depth, seed=3, trial=1)
+        needle = task.encode(NEEDLE.format(key=p.key))
+        room = 512 - len(needle) - len(task.question)
+        assert p.ids.shape == (512,) and len(p.key) == 5
+        assert p.ids[p.needle_at : p.needle_at + len(needle)].tolist() == needle
+        assert p.ids[-len(task.question) :].tolist() == task.question
+        expected = {0: 0, 1: room}.get(depth, room / 2)
+        assert abs(p.needle_at - expected) <= (longest_sentence / 2 if depth == 0.5 else 0)
+    text = BYTES.decode(task.prompt(512, 0.5, seed=3, trial=1).ids.tolist())
+    assert re.search(r"\w\. The pass key is \d{5}\. Remember it\. \w", text)  # between two whole sentences
+    assert not re.search(r"\d", text.replace(re.search(r"\d{5}", text).group(), ""))  # the key is the only number
+
+
+def test_prompts_are_a_function_of_seed_length_depth_and_trial():
+    task = PasskeyTask(BYTES)
+    same = [task.prompt(300, 0.25, seed=0, trial=2).ids for _ in range(2)]
+    assert torch.equal(*same)
+    assert not torch.equal(same[0], task.prompt(300, 0.25, seed=1, trial=2).ids)
+    assert not torch.equal(same[0], task.prompt(300, 0.25, seed=0, trial=3).ids)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_a_tokenizer_json_writes_the_prompt_as_running_text(tmp_path, kind):
+    task = PasskeyTask(_bpe_tokenizer(tmp_path / "tokenizer.json", kind))
+    p = task.prompt(200, 0.5, seed=0, trial=0)
+    text = task.tokenizer.decode(p.ids.tolist())
+    assert len(p.ids) == 200
+    assert f". The pass key is {p.key}. Remember it. " in text and text.endswith(" " + QUESTION)
+    assert task.read_key(task.encode(p.key)) == p.key
+
+
+# ----------------------------------------------------------------------------------------------------- decoding
+
+
+_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.matmul, torch.ops.aten.linear}
+
+
+class _HeadProducts(TorchDispatchMode):
+    """Records the shape of every matrix product whose last dimension is the vocabulary (under inference mode
+    composite ops such as matmul and linear reach the dispatcher whole)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.shapes = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _PRODUCTS and out.shape[-1] == self.vocab:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_greedy_decoding_multiplies_one_row_per_step_by_the_head_and_matches_full_logits():
+    model = Transformer(ModelConfig.preset("tiny", vocab_size=263)).eval()  # 263: no other dimension has it
+    ids = torch.randint(0, 263, (2, 40))
+    with _HeadProducts(263) as spy:
+        out = greedy_decode(model, ids, 3)
+    assert spy.shapes == [(2, 263)] * 3  # never (s x V)
+    expected = ids
+    with torch.no_grad():
+        for _ in range(3):
+            expected = torch.cat((expected, model(expected)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(out, expected[:, 40:])
+
+
+class _Oracle(torch.nn.Module):
+    """Bytes model whose last hidden row is the one-hot of the next byte of the right answer (or of one digit
+    off): with the identity as head, greedy decoding must read it back."""
+
+    def __init__(self, wrong: bool = False):
+        super().__init__()
+        self.config = ModelConfig.preset("tiny")  # bytes: vocabulary 256
+        self.head_weight = torch.eye(256)
+        self.wrong = wrong
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.zeros(*ids.shape, 256)
+        for row, seq in enumerate(ids.tolist()):
+            text = BYTES.decode(seq)
+            key = re.search(r"pass key is (\d+)\. Remember", text).group(1)
+            key = key[:-1] + str((int(key[-1]) + 1) % 10) if self.wrong else key
+            answer, written = " " + key + ".", text.rsplit(QUESTION, 1)[1]
+            hidden[row, -1, ord(answer[len(written)])] = 1.0
+        return hidden
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_an_oracle_scores_100_percent_and_one_digit_off_scores_0(wrong):
+    cells = passkey_accuracy(_Oracle(wrong), BYTES, [128, 300], [0, 0.5, 1], trials=3, seed=5, batch_size=2)
+    assert [(c.length, c.depth, c.trials) for c in cells][:2] == [(128, 0, 3), (128, 0.5, 3)] and len(cells) == 6
+    assert {c.accuracy for c in cells} == ({0.0} if wrong else {1.0})
+
+
+def test_a_random_model_scores_chance():
+    model = Transformer(ModelConfig.preset("tiny")).eval()
+    cells = passkey_accuracy(model, BYTES, [128], [0, 1], trials=4)
+    assert sum(c.correct for c in cells) == 0  # a five-digit key: chance is 1e-5
+
+
+def test_bad_depths_short_lengths_and_lengths_past_a_sliding_window_fail_before_decoding():
+    model = _Oracle()
+    with pytest.raises(ValueError, match=r"`--depths` must lie in \[0, 1\], got 1.5"):
+        passkey_accuracy(model, BYTES, [256], [0, 1.5], trials=1)
+    with pytest.raises(ValueError, match="`--lengths` 40 cannot hold the needle and the question"):
+        passkey_accuracy(model, BYTES, [256, 40], [0], trials=1)
+    model.config = dataclasses.replace(model.config, sliding_window=200)
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        passkey_accuracy(model, BYTES, [128, 256], [0], trials=1)
+
+
+# ---------------------------------------------------------------------------------------------- loss by position
+
+
+def test_bucket_edges_double_from_128_or_step_by_the_given_size():
+    assert bucket_edges(1000) == [0, 128, 256, 512, 1000]
+    assert bucket_edges(100) == [0, 100]
+    assert bucket_edges(256, 64) == [0, 64, 128, 192, 256]
+    assert bucket_edges(100, 64) == [0, 64, 100]
+
+
+def test_loss_by_position_equals_full_logits_cross_entropy(tmp_path):
+    docs = ["The grass is green and the sky is blue. " * 2, "Here we go.", "There and back again, " * 3]
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    model = Transformer(ModelConfig.preset("tiny")).eval()
+    model.loss_chunk_tokens = 5  # many chunks, one of them short
+    data = held_out_sequences(path, None, 48, vocab_size=256)
+    buckets = perplexity_by_position(model, data, bucket_size=16)
+
+    tokens = [b for d in docs for b in d.encode()]
+    starts = set(np.cumsum([0] + [len(d.encode()) for d in docs[:-1]]).tolist())
+    losses = {(lo, hi): [] for lo, hi in [(0, 16), (16, 32), (32, 48)]}
+    for first in range(0, len(tokens), 48):
+        ids = torch.tensor(tokens[first : first + 48])
+        with torch.no_grad():
+            per_token = F.cross_entropy(model(ids[None])[0, :-1], ids[1:], reduction="none")  # full s x V logits
+        for j, loss in enumerate(per_token.tolist(), start=1):  # j: the predicted token's position
+            if first + j not in starts:
+                losses[next(k for k in losses if k[0] <= j < k[1])].append(loss)
+    assert [(b.start, b.end, b.tokens) for b in buckets] == [(lo, hi, len(v)) for (lo, hi), v in losses.items()]
+    for b, v in zip(buckets, losses.values()):
+        assert b.loss == pytest.approx(sum(v) / len(v), rel=1e-5)
+        assert b.perplexity == pytest.approx(math.exp(b.loss))
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    argv = ["train", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--out", str(out)]
+    assert main([*argv, "--json"]) == 0
+    return out
+
+
+def test_eval_of_a_run_directory_prints_passkey_and_loss_json(run_dir, tmp_path, capsys):
+    (tmp_path / "held.txt").write_text("There and back again. " * 30)
+    capsys.readouterr()
+    argv = ["eval", str(run_dir), "--lengths", "256", "--depths", "0,1", "--trials", "2", "--json"]
+    assert main([*argv, "--ppl-file", str(tmp_path / "held.txt")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == f"{run_dir} (step 1)" and report["tokenizer"] == "bytes"
+    assert [(c["length"], c["depth"], c["trials"]) for c in report["passkey"]] == [(256, 0.0, 2), (256, 1.0, 2)]
+    assert all(0 <= c["accuracy"] <= 1 for c in report["passkey"])
+    ppl = report["perplexity"]
+    assert ppl["sequences"] == 3 and [b["end"] for b in ppl["buckets"]] == [128, 256]
+    assert sum(b["tokens"] for b in ppl["buckets"]) == 22 * 30 - 3  # every token but each sequence's first
+
+
+def test_eval_of_a_hugging_face_folder_reads_its_tokenizer_and_draws_the_heatmap(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.LlamaConfig(vocab_size=320, num_key_value_heads=2, **shape)
+    folder = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    _bpe_tokenizer(folder / "tokenizer.json", "byte-level")
+    plot = tmp_path / "needle.png"
+    argv = ["eval", str(folder), "--lengths", "128,256", "--depths", "0,0.5,1", "--trials", "1", "--plot", str(plot)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"tokenizer {folder / 'tokenizer.json'}" in out
+    assert "| depth | 128 | 256 |" in out and "| 0.50 |" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--depths", "0,2"], r"`--depths` must lie in \[0, 1\], got 2.0"),
+        (["--lengths", "32"], "`--lengths` 32 cannot hold the needle and the question"),
+        (["--trials", "0"], "nothing to evaluate"),
+        (["--ppl-file", "missing.txt"], "`--ppl-file` file 'missing.txt' does not exist"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):
+    to_hf(Transformer(ModelConfig.preset("tiny")), tmp_path / "hf")
+    assert main(["eval", str(tmp_path / "hf"), "--lengths", "128", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and len(err.splitlines()) == 1
+
+
+def test_a_path_that_is_neither_a_run_nor_a_hugging_face_folder_is_an_error(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "is neither a `memo train` run directory" in capsys.readouterr().err
