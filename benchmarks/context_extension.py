@@ -14,6 +14,8 @@ five digits from the needle) at the short length and the question is whether it 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import time
@@ -39,23 +41,32 @@ name: small-llama
 """
 
 
-def write_documents(path: Path, length: int, count: int, seed: int) -> None:
-    """Writes `count` pass-key documents of exactly `length` byte tokens (prompt + answer) as JSONL."""
+def write_documents(path: Path, length: int, count: int, seed: int, asks: int = 3) -> None:
+    """Writes `count` pass-key documents of exactly `length` byte tokens as JSONL: a prompt as `memo eval`
+    builds it, its answer, and the question answered `asks - 1` more times (the copy is the only thing to
+    learn in a document whose filler and key are otherwise noise: more answers, a stronger signal)."""
     task = PasskeyTask(ByteTokenizer())
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
         for trial in range(count):
             key = task.key(length, 0.0, seed, trial)
-            answer = task.encode(key)
-            prompt = task.prompt(length - len(answer), float(rng.uniform()), seed, trial)
-            text = bytes(prompt.ids.tolist() + task.encode(prompt.key)).decode()
-            f.write(json.dumps({"text": text}) + "\n")
+            tail = (task.encode(key) + task.question) * (asks - 1) + task.encode(key)
+            prompt = task.prompt(length - len(tail), float(rng.uniform()), seed, trial)
+            tail = (task.encode(prompt.key) + task.question) * (asks - 1) + task.encode(prompt.key)
+            f.write(json.dumps({"text": bytes(prompt.ids.tolist() + tail).decode()}) + "\n")
 
 
-def run(*argv: str) -> None:
+def run(*argv: str, log: Path | None = None) -> str:
+    """Runs `memo ARGV` in this process; returns what it printed (also written to `log`)."""
     print("$ memo " + " ".join(argv), file=sys.stderr, flush=True)
-    if memo(list(argv)) != 0:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = memo(list(argv))
+    if log is not None:
+        log.write_text(out.getvalue())
+    if status != 0:
         raise SystemExit(f"memo {argv[0]} failed")
+    return out.getvalue()
 
 
 def main(argv=None) -> int:
@@ -65,55 +76,62 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    short, long = (128, 512) if args.quick else (256, 1024)
-    steps, tune_steps, trials = (20, 5, 1) if args.quick else (600, 150, 8)
+    short, long = (256, 512) if args.quick else (256, 1024)
+    steps, tune_steps, trials = (20, 5, 1) if args.quick else (1500, 200, 8)
     (work / "model.yaml").write_text(MODEL)
     write_documents(work / "short.jsonl", short, 100 if args.quick else 4000, seed=1)
     write_documents(work / "long.jsonl", long, 25 if args.quick else 1000, seed=2)
+    write_documents(work / "held-out.jsonl", 2 * long, 4 if args.quick else 16, seed=3, asks=1)
     start = time.time()
     common = ["--warmup-steps", "20", "--eval-every", "1000000", "--json"]
     run("train", "--model", str(work / "model.yaml"), "--data", str(work / "short.jsonl"), "--seq-len", str(short),
         "--batch-size", "16", "--steps", str(steps), "--lr", "3e-3", "--min-lr", "3e-4", "--out", str(work / "base"),
-        *common)  # fmt: skip
+        *common, log=work / "base.log")  # fmt: skip
     run("export", str(work / "base"), "--hf", str(work / "base-hf"))
     variants = {
         "fine-tuned at 4x, plain RoPE": [],
         "fine-tuned at 4x, YaRN x4": ["--rope-scaling", "yarn", "--rope-factor", "4"],
     }
-    lengths = f"{short // 2},{short},{2 * short},{long}"
-    results = {"trained at short length": _eval(work / "base-hf", lengths, trials, work / "base-eval")}
+    lengths = ",".join(str(n) for n in sorted({short, 2 * short, long, 2 * long}))
+    held_out = work / "held-out.jsonl"
+    results = {"trained at short length": _eval(work / "base-hf", lengths, trials, held_out, work / "base-eval")}
     for name, flags in variants.items():
         tag = "yarn" if flags else "plain"
         run("train", "--model", str(work / "base-hf"), *flags, "--data", str(work / "long.jsonl"),
             "--seq-len", str(long), "--batch-size", "4", "--steps", str(tune_steps), "--lr", "1e-3", "--min-lr",
-            "1e-4", "--out", str(work / tag), *common)  # fmt: skip
+            "1e-4", "--out", str(work / tag), *common, log=work / f"{tag}.log")  # fmt: skip
         run("export", str(work / tag), "--hf", str(work / f"{tag}-hf"))
-        results[name] = _eval(work / f"{tag}-hf", lengths, trials, work / f"{tag}-eval")
+        results[name] = _eval(work / f"{tag}-hf", lengths, trials, held_out, work / f"{tag}-eval")
     print(f"# pass-key accuracy by prompt length ({trials} trials x 5 depths per cell), {time.time() - start:.0f} s")
-    print("| model | " + " | ".join(lengths.split(",")) + " |")
-    print("|---|" + "---:|" * len(lengths.split(",")))
-    for name, by_length in results.items():
-        print(f"| {name} | " + " | ".join(f"{a:.0%}" for a in by_length.values()) + " |")
+    _table({name: accuracy for name, (accuracy, _) in results.items()}, "{:.0%}")
+    print(f"\n# held-out loss by token position ({held_out.name}: pass-key documents of {2 * long} tokens)")
+    _table({name: losses for name, (_, losses) in results.items()}, "{:.3f}")
     return 0
 
 
-def _eval(model: Path, lengths: str, trials: int, out: Path) -> dict[int, float]:
-    """Returns pass-key accuracy per length over all depths, from `memo eval --json` written to `out`.json."""
-    import contextlib
-    import io
+def _table(rows: dict[str, dict], cell: str) -> None:
+    columns = list(next(iter(rows.values())))
+    print("| model | " + " | ".join(map(str, columns)) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for name, values in rows.items():
+        print(f"| {name} | " + " | ".join(cell.format(values[c]) for c in columns) + " |")
 
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        run("eval", str(model), "--lengths", lengths, "--depths", "0,0.25,0.5,0.75,1", "--trials", str(trials),
-            "--json", "--plot", str(out.with_suffix(".png")))  # fmt: skip
-    report = json.loads(buffer.getvalue())
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+
+def _eval(model: Path, lengths: str, trials: int, held_out: Path, out: Path) -> tuple[dict, dict]:
+    """Returns (pass-key accuracy per length over all depths, held-out loss per position bucket), from
+    `memo eval --json` (kept in `out`.json, its heatmap in `out`.png)."""
+    printed = run("eval", str(model), "--lengths", lengths, "--depths", "0,0.25,0.5,0.75,1", "--trials", str(trials),
+                  "--ppl-file", str(held_out), "--json", "--plot", str(out.with_suffix(".png")),
+                  log=out.with_suffix(".json"))  # fmt: skip
+    report = json.loads(printed)
     by_length: dict[int, list[int]] = {}
     for cell in report["passkey"]:
         hits = by_length.setdefault(cell["length"], [0, 0])
         hits[0] += cell["correct"]
         hits[1] += cell["trials"]
-    return {length: correct / total for length, (correct, total) in by_length.items()}
+    accuracy = {length: correct / total for length, (correct, total) in by_length.items()}
+    losses = {f"[{b['start']}, {b['end']})": b["loss"] for b in report["perplexity"]["buckets"]}
+    return accuracy, losses
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from .train import checkpoint
 from .train.config import TrainConfig, read_config_file
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
+from .train.signals import Interrupted, StopRequest
 from .units import format_bytes, format_count, parse_size
 
 
@@ -95,7 +97,16 @@ def _relaunch(cfg: TrainConfig, argv: list[str]) -> int:
     """Runs the same `memo train` under torchrun with `cfg.nproc` ranks on this machine; returns its exit code."""
     cfg.check_world(cfg.nproc)  # before starting processes that would each fail
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}"]
-    return subprocess.call([*command, "-m", "memo", *_without_nproc(argv)])
+    with subprocess.Popen([*command, "-m", "memo", *_without_nproc(argv)]) as launcher:
+        # Ctrl-C reaches every process of the terminal's group: the ranks finish their step and save together;
+        # this process only waits for them (and passes SIGTERM on: preemption of the job's first process)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        forward = signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))
+        try:
+            return launcher.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, forward)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -113,26 +124,38 @@ def _train(trainer: Trainer, as_json: bool) -> int:
     cfg, quiet = trainer.cfg, trainer.rank != 0
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=as_json or quiet)
     history, evals = [], []
-    for record in trainer.records():
-        if quiet:
-            continue
-        if as_json:
-            print(json.dumps(record), flush=True)
-        if "eval_loss" in record:
-            evals.append(record)
-            continue
-        history.append(record)
-        bar.set_postfix(
-            loss=f"{record['loss']:.3f}",
-            tok_s=f"{record['tokens_per_s']:.0f}",
-            mem=_memory_label(record),
-            refresh=False,
-        )
-        bar.update()
+    try:
+        with StopRequest() as stop:
+            for record in trainer.records(stop):
+                _show(record, quiet, as_json, bar, history, evals)
+    except Interrupted as stopped:
+        bar.close()
+        if not quiet:
+            print(str(stopped), file=sys.stderr)
+        return stopped.exit_code
     bar.close()
     if not as_json and history:
         _print_summary(cfg, trainer, history, evals)
     return 0
+
+
+def _show(record: dict, quiet: bool, as_json: bool, bar, history: list, evals: list) -> None:
+    """Prints a step's record (JSON) or moves the progress bar; keeps it for the summary (rank 0 only)."""
+    if quiet:
+        return
+    if as_json:
+        print(json.dumps(record), flush=True)
+    if "eval_loss" in record:
+        evals.append(record)
+        return
+    history.append(record)
+    bar.set_postfix(
+        loss=f"{record['loss']:.3f}",
+        tok_s=f"{record['tokens_per_s']:.0f}",
+        mem=_memory_label(record),
+        refresh=False,
+    )
+    bar.update()
 
 
 def _memory_label(record: dict) -> str:
@@ -562,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: rank 0 says why
             print(f"memo {args.verb}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (or one outside training): stop now, files are written atomically
+        print(f"memo {args.verb}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

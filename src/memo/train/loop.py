@@ -37,6 +37,7 @@ from .config import TrainConfig, model_config
 from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
+from .signals import Interrupted, StopRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
@@ -160,8 +161,9 @@ class Trainer:
             dist.barrier()
             dist.destroy_process_group()
 
-    def records(self) -> Iterator[dict]:
-        """Trains; yields each step's record, then (at evaluation steps) an evaluation record."""
+    def records(self, stop: StopRequest | None = None) -> Iterator[dict]:
+        """Trains; yields each step's record, then (at evaluation steps) an evaluation record. When `stop` has
+        caught a signal, the run ends after the current step with a checkpoint (`signals.Interrupted`)."""
         try:
             while self.step < self.cfg.steps:
                 self.step += 1
@@ -172,11 +174,22 @@ class Trainer:
                     record = {"step": self.step, **self.evaluate()}
                     self._write(record)
                     yield record
+                saved = None
                 if self.step == self.cfg.steps or (self.cfg.save_every and self.step % self.cfg.save_every == 0):
-                    self.save()
+                    saved = self.save()
+                signum = self._agreed_signal(stop)
+                if signum and self.step < self.cfg.steps:
+                    raise Interrupted(signum, self.step, saved or self.save(), self.run_dir)
         finally:
             if self.log is not None:
                 self.log.close()
+
+    def _agreed_signal(self, stop: StopRequest | None) -> int:
+        """Returns the signal any rank caught (0: none), the same on every rank, so that all save together."""
+        caught = torch.tensor([(stop.signum or 0) if stop else 0], device=self.device)
+        if self.mesh:
+            dist.all_reduce(caught, op=dist.ReduceOp.MAX)
+        return int(caught)
 
     def _write(self, record: dict) -> None:
         if self.log is not None:
