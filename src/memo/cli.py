@@ -430,7 +430,8 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser(
         "eval",
         help="long-context evaluation: pass-key retrieval by length and depth, loss by position",
-        description="Evaluate the newest checkpoint of a `memo train` run, or a Hugging Face Llama folder: "
+        description="Evaluate the newest checkpoint of a `memo train` run, or a Hugging Face folder (Llama, "
+        "Mistral, Qwen2, Qwen3): "
         "pass-key (needle-in-a-haystack) accuracy per prompt length and needle depth, by greedy decoding; with "
         "--ppl-file, the loss of a held-out text by token position. Prompts are generated from --seed.",
     )
