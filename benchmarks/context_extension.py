@@ -18,6 +18,7 @@ import contextlib
 import io
 import json
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -56,6 +57,21 @@ def write_documents(path: Path, length: int, count: int, seed: int, asks: int = 
             f.write(json.dumps({"text": bytes(prompt.ids.tolist() + tail).decode()}) + "\n")
 
 
+def write_corpus(work: Path, length: int, passkeys: int) -> tuple[Path, Path]:
+    """Returns (training folder, held-out folder): Python's standard-library sources as text documents (the
+    text this machine has; the last 16 files by name held out) and, for training, `passkeys` pass-key
+    documents of `length` tokens."""
+    train, held_out = work / "train", work / "held-out"
+    for folder in (train, held_out):
+        folder.mkdir(exist_ok=True)
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    for i, source in enumerate(sources):
+        text = source.read_bytes().decode("ascii", errors="ignore")  # bytes tokenizer: keep it one byte a char
+        ((held_out if i >= len(sources) - 16 else train) / f"{source.stem}.txt").write_text(text)
+    write_documents(train / "passkey.jsonl", length, passkeys, seed=1)
+    return train, held_out
+
+
 def run(*argv: str, log: Path | None = None) -> str:
     """Runs `memo ARGV` in this process; returns what it printed (also written to `log`)."""
     print("$ memo " + " ".join(argv), file=sys.stderr, flush=True)
@@ -79,12 +95,10 @@ def main(argv=None) -> int:
     short, long = (256, 512) if args.quick else (256, 1024)
     steps, tune_steps, trials = (20, 5, 1) if args.quick else (1500, 200, 8)
     (work / "model.yaml").write_text(MODEL)
-    write_documents(work / "short.jsonl", short, 100 if args.quick else 4000, seed=1)
-    write_documents(work / "long.jsonl", long, 25 if args.quick else 1000, seed=2)
-    write_documents(work / "held-out.jsonl", 2 * long, 4 if args.quick else 16, seed=3, asks=1)
+    train, held_out = write_corpus(work, short, 200 if args.quick else 3000)
     start = time.time()
     common = ["--warmup-steps", "20", "--eval-every", "1000000", "--json"]
-    run("train", "--model", str(work / "model.yaml"), "--data", str(work / "short.jsonl"), "--seq-len", str(short),
+    run("train", "--model", str(work / "model.yaml"), "--data", str(train), "--seq-len", str(short),
         "--batch-size", "16", "--steps", str(steps), "--lr", "3e-3", "--min-lr", "3e-4", "--out", str(work / "base"),
         *common, log=work / "base.log")  # fmt: skip
     run("export", str(work / "base"), "--hf", str(work / "base-hf"))
@@ -93,18 +107,17 @@ def main(argv=None) -> int:
         "fine-tuned at 4x, YaRN x4": ["--rope-scaling", "yarn", "--rope-factor", "4"],
     }
     lengths = ",".join(str(n) for n in sorted({short, 2 * short, long, 2 * long}))
-    held_out = work / "held-out.jsonl"
     results = {"trained at short length": _eval(work / "base-hf", lengths, trials, held_out, work / "base-eval")}
     for name, flags in variants.items():
         tag = "yarn" if flags else "plain"
-        run("train", "--model", str(work / "base-hf"), *flags, "--data", str(work / "long.jsonl"),
+        run("train", "--model", str(work / "base-hf"), *flags, "--data", str(train),
             "--seq-len", str(long), "--batch-size", "4", "--steps", str(tune_steps), "--lr", "1e-3", "--min-lr",
             "1e-4", "--out", str(work / tag), *common, log=work / f"{tag}.log")  # fmt: skip
         run("export", str(work / tag), "--hf", str(work / f"{tag}-hf"))
         results[name] = _eval(work / f"{tag}-hf", lengths, trials, held_out, work / f"{tag}-eval")
     print(f"# pass-key accuracy by prompt length ({trials} trials x 5 depths per cell), {time.time() - start:.0f} s")
     _table({name: accuracy for name, (accuracy, _) in results.items()}, "{:.0%}")
-    print(f"\n# held-out loss by token position ({held_out.name}: pass-key documents of {2 * long} tokens)")
+    print(f"\n# held-out loss by token position (unseen Python standard-library files, {2 * long}-token sequences)")
     _table({name: losses for name, (_, losses) in results.items()}, "{:.3f}")
     return 0
 
