@@ -61,3 +61,29 @@ def test_mfu_counts_the_full_attention_matrix_and_the_causal_variant_halves_it()
     attention = 3 * cfg.n_layers * 4 * 1024 * cfg.n_heads * cfg.head_dim
     assert full == strategies.model_flops_per_token(cfg, 1024)
     assert full - causal == pytest.approx(attention / 2)
+
+
+@pytest.mark.slow
+def test_context_extension_demo_runs_every_verb_end_to_end(tmp_path, capsys):
+    import context_extension
+
+    assert context_extension.main(["--quick", "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for row in ("trained at short length", "fine-tuned at 4x, plain RoPE", "fine-tuned at 4x, YaRN x4"):
+        assert out.count(f"| {row} |") == 2  # the pass-key table and the loss-by-position table
+    assert json.loads((tmp_path / "yarn-hf" / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+
+
+@pytest.mark.slow
+def test_hf_parity_table_has_a_row_per_family_and_rope_type(capsys):
+    pytest.importorskip("transformers")
+    import hf_parity
+
+    assert hf_parity.main(["--strategy", "full", "--seq", "80"]) == 0
+    rows = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.split(" ")[1:2] and line.split(" ")[1] in hf_parity.FAMILIES
+    ]
+    assert len(rows) == len(hf_parity.FAMILIES) * len(hf_parity.ROPES)
+    assert all(float(cell) < 1e-3 for row in rows for cell in row.strip("| ").split(" | ")[2:])
