@@ -87,3 +87,11 @@ def test_hf_parity_table_has_a_row_per_family_and_rope_type(capsys):
     ]
     assert len(rows) == len(hf_parity.FAMILIES) * len(hf_parity.ROPES)
     assert all(float(cell) < 1e-3 for row in rows for cell in row.strip("| ").split(" | ")[2:])
+
+
+def test_default_run_script_prints_the_readme_summary(tmp_path, capsys):
+    import default_run
+
+    assert default_run.main(["--out", str(tmp_path / "run"), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model tiny  strategy memo" in out and "held-out loss" in out and "Held-out accuracy by step:" in out
