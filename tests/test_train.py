@@ -368,3 +368,15 @@ def test_rope_theta_on_a_preset_changes_only_the_base_frequency():
     assert extended == ModelConfig.preset("tiny", rope_theta=1e6)
     dynamic = model_config(TrainConfig(model="tiny", rope_scaling="dynamic", rope_factor=2.0, seq_len=64))
     assert dynamic.rope_scaling.type == "dynamic" and dynamic.max_position_embeddings == 64
+
+
+def test_alpha_per_layer_from_the_command_line_and_a_config_file(tmp_path, capsys):
+    assert main(["train", "--alpha", "0.1,0.5,0.9,0.3", "--strategy", "memo", *SMALL, "--steps", "1",
+                 "--out", str(tmp_path / "a"), "--json"]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["alpha"] == [0.1, 0.5, 0.9, 0.3]
+    assert _records(capsys)[0]["alphas"] == [0.1, 0.5, 1.0, 1.0]  # the last two layers stay on the device
+    assert TrainConfig.from_dict({"alpha": [0.2, 0.4, 0.6, 0.8]}).alpha == (0.2, 0.4, 0.6, 0.8)
+    with pytest.raises(SystemExit):  # an argparse usage error, in the user's words
+        main(["train", "--alpha", "0.1,x", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert "`--alpha` must be a number in [0, 1], one per layer" in err and "_alpha" not in err

@@ -25,7 +25,7 @@ from .plan.plot import plot_plan
 from .plan.problem import read_csv, write_csv
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
-from .train.config import TrainConfig, read_config_file
+from .train.config import TrainConfig, alpha_value, read_config_file
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
 from .train.signals import Interrupted, StopRequest
@@ -59,13 +59,24 @@ def _add_field(p, f) -> None:
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
-    kind = {"alpha": _alpha, "seq_len": parse_size}.get(f.name) or f.metadata.get("kind")
+    kind = {"alpha": _cli_type(alpha_value, "alpha"), "seq_len": _cli_type(parse_size, "size")}.get(f.name)
+    kind = kind or f.metadata.get("kind")
     kind = kind or (type(f.default) if f.default is not None else str)
     p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text)
 
 
-def _alpha(text: str) -> float | None:
-    return None if text == "auto" else float(text)
+def _cli_type(parse, name: str):
+    """Returns `parse` for argparse: its ValueError becomes the usage error, and messages name `name`, not the
+    function (argparse would say "invalid parse_size value")."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = name
+    return convert
 
 
 def _run_train(args) -> int:
@@ -231,7 +242,9 @@ def _estimate_parser(sub) -> None:
         "matrix (memo-method.md section 7).",
     )
     p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
-    p.add_argument("--seq", type=parse_size, default=None, help="tokens per sequence, e.g. 512K or 1M")
+    p.add_argument(
+        "--seq", type=_cli_type(parse_size, "size"), default=None, help="tokens per sequence, e.g. 512K or 1M"
+    )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", required=True, help="GPU name: " + ", ".join(GPUS))
     p.add_argument("--gpu-file", default=None, help="JSON file with more GPU specs (fields as in cost/hardware.py)")
@@ -370,7 +383,7 @@ def _plan_parser(sub) -> None:
         "with PyTorch's caching allocator replaying the same trace.",
     )
     p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
-    p.add_argument("--seq", type=parse_size, required=True, help="tokens per sequence, e.g. 512K")
+    p.add_argument("--seq", type=_cli_type(parse_size, "size"), required=True, help="tokens per sequence, e.g. 512K")
     p.add_argument("--batch", type=int, default=1, help="sequences per GPU (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="sequence/tensor-parallel GPUs: each traces seq/tp tokens")
     p.add_argument("--policy", default="memo", choices=STRATEGIES, help="activation strategy (default: %(default)s)")
@@ -454,7 +467,11 @@ def _eval_parser(sub) -> None:
     p.add_argument(
         "--ppl-file", help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)"
     )
-    p.add_argument("--bucket-size", type=parse_size, help="positions per loss bucket (default: doubling from 128)")
+    p.add_argument(
+        "--bucket-size",
+        type=_cli_type(parse_size, "size"),
+        help="positions per loss bucket (default: doubling from 128)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="(default: %(default)s)")
     p.add_argument("--plot", help="write the pass-key heatmap (length x depth) to this PNG")

@@ -40,7 +40,7 @@ class ActivationPolicy:
         if self.alpha is not None and self.strategy != "memo":
             raise ValueError(f"`--alpha` applies only to strategy 'memo', not {self.strategy!r}")
         if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
-            raise ValueError(f"`host_budget_bytes` must be positive, got {self.host_budget_bytes}")
+            raise ValueError(f"`--host-budget` must be positive, got {self.host_budget_bytes} bytes")
 
     def layer_alphas(self, n_layers: int) -> list[float] | None:
         """Returns α for each layer, or None when α is to be solved."""

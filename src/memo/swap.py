@@ -162,7 +162,7 @@ class HostPool:
         if nbytes > cap:
             raise ValueError(
                 f"the pinned host pool needs {format_bytes(nbytes)} but the host budget is {format_bytes(cap)}; "
-                "lower `--alpha`, keep more layers on device, or raise `host_budget_bytes`"
+                "lower `--alpha`, keep more layers on device, or raise `--host-budget`"
             )
         self.cap, self.nbytes = cap, nbytes
         self.host = dev.HostBuffer(nbytes, device)

@@ -36,7 +36,9 @@ class TrainConfig:
     # model and memory
     model: str = _f("tiny", f"preset ({', '.join(PRESETS)}), a model config file, or a Hugging Face checkpoint dir")
     strategy: str = _f("memo", "none (keep all), full (recompute layers), memo (token-wise swap)", choices=STRATEGIES)
-    alpha: float | None = _f(0.5, "memo: fraction of tokens offloaded in [0, 1]; 'auto' solves it (§3)")
+    alpha: float | tuple[float, ...] | None = _f(
+        0.5, "memo: fraction of tokens offloaded in [0, 1], or one per layer (0.2,0.5,...); 'auto' solves it (§3)"
+    )
     host_budget: str | None = _f(
         None,
         "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
@@ -245,6 +247,8 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
     sizes such as 128K, and a number written as text (YAML reads 3e-4 as text) is read as a number."""
     if name == "alpha" and value in (None, "auto"):
         return None
+    if name == "alpha" and isinstance(value, (list, tuple, str)):  # one α per layer: a list, or "0.2,0.5,..."
+        return alpha_value(value) if isinstance(value, str) else _alpha_list(value, origin)
     if value is None:
         return None
     expected = kind or (type(default) if default is not None else (float if name == "alpha" else str))
@@ -262,6 +266,23 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ValueError(f"{origin}: `{name}` must be {expected.__name__}, got {value!r}")
     return value
+
+
+def alpha_value(text: str) -> float | tuple[float, ...] | None:
+    """Returns `--alpha` as written: 'auto' (None: solve it), one number, or one per layer separated by commas."""
+    if text == "auto":
+        return None
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"`--alpha` must be a number in [0, 1], one per layer (0.2,0.5,...), or auto; got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def _alpha_list(values, origin: str) -> tuple[float, ...]:
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{origin}: `alpha` per layer must be numbers, got {list(values)!r}")
+    return tuple(float(v) for v in values)
 
 
 def read_config_file(path: str | Path) -> dict:
