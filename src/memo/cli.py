@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from .config import PRESETS, ModelConfig
 from .cost.calibrate import calibrate
 from .cost.estimate import SYSTEMS, estimate, max_seq
 from .cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
+from .cost.memory import training_lower_bound
 from .cost.sweep import default_lengths, plot_sweep, sweep
 from .plan.bilevel import plan
 from .plan.dsa import solve
@@ -29,7 +31,9 @@ from .train.config import TrainConfig, alpha_value, read_config_file
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
 from .train.signals import Interrupted, StopRequest
-from .units import format_bytes, format_count, parse_size
+from .units import format_bytes, format_count, parse_length, parse_size
+
+PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` traces (a trace takes seconds per million)
 
 
 def _train_parser(sub) -> None:
@@ -133,6 +137,11 @@ def _without_nproc(argv: list[str]) -> list[str]:
 def _train(trainer: Trainer, as_json: bool) -> int:
     """Trains; rank 0 prints (the records of every rank are the same)."""
     cfg, quiet = trainer.cfg, trainer.rank != 0
+    if trainer.step >= cfg.steps:  # a finished run resumed again (a requeued job): nothing to do, and no error
+        if not quiet:
+            done = f"{trainer.run_dir} is already complete at step {trainer.step}"
+            print(f"memo train: {done}: nothing to train (give a larger `--steps` to go on)", file=sys.stderr)
+        return 0
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=as_json or quiet)
     history, evals = [], []
     try:
@@ -144,6 +153,11 @@ def _train(trainer: Trainer, as_json: bool) -> int:
         if not quiet:
             print(str(stopped), file=sys.stderr)
         return stopped.exit_code
+    except ValueError:  # the error goes on a line of its own; a start that failed leaves no run folder
+        bar.close()
+        if not history:
+            trainer.discard()
+        raise
     bar.close()
     if not as_json and history:
         _print_summary(cfg, trainer, history, evals)
@@ -243,7 +257,7 @@ def _estimate_parser(sub) -> None:
     )
     p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
     p.add_argument(
-        "--seq", type=_cli_type(parse_size, "size"), default=None, help="tokens per sequence, e.g. 512K or 1M"
+        "--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence, e.g. 512K or 1M"
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", required=True, help="GPU name: " + ", ".join(GPUS))
@@ -264,6 +278,8 @@ def _run_estimate(args) -> int:
     eff = efficiency_from_calibration(_read_json(args.calibration), spec) if args.calibration else Efficiency()
     cfg = ModelConfig.preset(args.model)
     systems = args.system or list(SYSTEMS)
+    if args.plot and not args.sweep:
+        raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
     if args.sweep:
         results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff)
         if args.plot:
@@ -374,6 +390,23 @@ def _run_dsa(args) -> int:
     return 0
 
 
+def _check_plan_length(cfg: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int) -> None:
+    """Refuses steps no listed GPU holds, or too long to trace in seconds: the plan traces every token."""
+    if tokens * batch > PLAN_MAX_TOKENS:
+        raise ValueError(
+            f"`--seq` / `--tp` x `--batch` is {format_count(tokens * batch)} tokens per GPU; the plan traces each "
+            f"of them, at most {format_count(PLAN_MAX_TOKENS)}: raise `--tp` or lower `--seq`"
+        )
+    largest = max(GPUS.values(), key=lambda g: g.hbm_bytes)
+    need = training_lower_bound(cfg, tokens * batch, policy, torch.bfloat16)["activations"]
+    if need > largest.hbm_bytes:
+        raise ValueError(
+            f"`--seq` {format_count(tokens)} per GPU needs at least {format_bytes(need)} of activations with "
+            f"`--policy {policy.strategy}`, more than the largest listed GPU ({largest.name}, "
+            f"{format_bytes(largest.hbm_bytes)}): raise `--tp` or lower `--seq`"
+        )
+
+
 def _plan_parser(sub) -> None:
     p = sub.add_parser(
         "plan",
@@ -383,7 +416,9 @@ def _plan_parser(sub) -> None:
         "with PyTorch's caching allocator replaying the same trace.",
     )
     p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
-    p.add_argument("--seq", type=_cli_type(parse_size, "size"), required=True, help="tokens per sequence, e.g. 512K")
+    p.add_argument(
+        "--seq", type=_cli_type(parse_length, "length"), required=True, help="tokens per sequence, e.g. 512K"
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per GPU (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="sequence/tensor-parallel GPUs: each traces seq/tp tokens")
     p.add_argument("--policy", default="memo", choices=STRATEGIES, help="activation strategy (default: %(default)s)")
@@ -401,6 +436,7 @@ def _run_plan(args) -> int:
         raise ValueError(f"`--batch` must be positive, got {args.batch}")
     cfg = ModelConfig.preset(args.model)
     policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
+    _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)
     result = plan(cfg, policy, args.seq // args.tp, args.batch, args.time_limit)
     report = {
         "load": result.load,
@@ -481,7 +517,7 @@ def _eval_parser(sub) -> None:
 
 def _size_list(text: str) -> list[int]:
     try:
-        return [parse_size(t) for t in text.split(",")]
+        return [parse_length(t) for t in text.split(",")]
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -576,8 +612,15 @@ def _read_json(path: str) -> dict:
         raise ValueError(f"cannot read {path}: {err}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line on stderr and exit 2, like every other bad input (`--help` shows usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memo", description="MEMO: fine-grained activation memory management for long-context training"
     )
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -597,15 +640,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    rank0 = os.environ.get("RANK", "0") == "0"
+    warnings = logging.StreamHandler(sys.stderr)  # the library's warnings, one line each (rank 0's only)
+    warnings.setFormatter(logging.Formatter(f"memo {args.verb}: warning: %(message)s"))
+    warnings.setLevel(logging.WARNING if rank0 else logging.CRITICAL + 1)
+    logging.getLogger("memo").addHandler(warnings)
     try:
         return args.run(args)
     except ValueError as err:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: rank 0 says why
+        if rank0:  # under torchrun every rank fails alike: rank 0 says why
             print(f"memo {args.verb}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine, not the input (a full disk while saving): one line, exit 1
+        if rank0:
+            print(f"memo {args.verb}: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside training): stop now, files are written atomically
         print(f"memo {args.verb}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger("memo").removeHandler(warnings)
 
 
 if __name__ == "__main__":

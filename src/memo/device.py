@@ -142,3 +142,32 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_device(name: str) -> torch.device:
+    """Returns `torch.device(name)` once this machine is known to have it; ValueError naming `--device` if not."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"`--device` {name!r} is not a torch device; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cpu":
+        return device
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        raise ValueError(f"`--device {name}`: this machine has no {device.type} device; use `--device cpu`")
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"`--device {name}`: this machine has {count} {device.type} device(s), {device.type}:0 to {count - 1}"
+        )
+    return device
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Returns the memory a run on `device` can still take: free device memory on CUDA, available host memory
+    on CPU; None where unknown."""
+    if device.type == "cpu":
+        return available_host_bytes()
+    if is_cuda(device):
+        return torch.cuda.mem_get_info(device)[0]
+    return None

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from .units import format_bytes
+
 Strategy = Literal["none", "full", "memo"]
 STRATEGIES = ("none", "full", "memo")
 
@@ -90,8 +92,9 @@ def solve_alpha(p: AlphaProblem) -> float:
     fixed = p.input_bytes + p.attention_bytes
     if p.offloaded_layers * fixed > p.host_budget:
         raise ValueError(
-            f"host memory cannot hold the offload: {p.offloaded_layers} layers x {fixed} bytes of input and "
-            f"attention output need {p.offloaded_layers * fixed} bytes at alpha=0, budget is {p.host_budget}"
+            f"host memory cannot hold the offload: {p.offloaded_layers} layers x {format_bytes(fixed)} of input and "
+            f"attention output need {format_bytes(p.offloaded_layers * fixed)} at alpha=0, "
+            f"budget is {format_bytes(p.host_budget)}"
         )
     if p.other_bytes == 0 or p.offloaded_layers == 0:
         return 1.0

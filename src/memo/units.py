@@ -19,11 +19,11 @@ def parse_size(text: str | int) -> int:
 
 def format_bytes(n: float) -> str:
     """Returns `n` bytes in binary units, e.g. '1.50GiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024:
             return f"{int(n)}B" if unit == "B" else f"{n:.2f}{unit}"
         n /= 1024
-    return f"{n:.2f}TiB"
+    return f"{n:.2f}PiB"
 
 
 def format_count(n: int) -> str:
@@ -32,3 +32,11 @@ def format_count(n: int) -> str:
         if n >= _SUFFIX[suffix] and n % _SUFFIX[suffix] == 0:
             return f"{n // _SUFFIX[suffix]}{suffix}"
     return str(n)
+
+
+def parse_length(text: str | int) -> int:
+    """Returns a positive token count read by `parse_size` (a length of 0 or less is an error)."""
+    n = parse_size(text)
+    if n <= 0:
+        raise ValueError(f"must be a positive number of tokens, e.g. 512K, got {text!r}")
+    return n

@@ -31,7 +31,7 @@ from .memory import (
     host_bytes_per_gpu,
     persistent_activation_bytes,
     skeletal_bytes,
-    traced_transient_peak,
+    transient_peak,
 )
 
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
@@ -179,7 +179,7 @@ def _device_bytes(c: ModelConfig, tokens: int, system: str, gpus: int, tp: int, 
         states = params * BYTES_PER_PARAM / gpus + 2 * 2 * layer_params
     strategy = STRATEGY[system]
     persistent = persistent_activation_bytes(c, tokens, strategy)
-    transient = traced_transient_peak(c, tokens, strategy)
+    transient = transient_peak(c, tokens, strategy)
     total = int(states + persistent + transient + DEVICE_RESERVE)
     return {
         "model_states": int(states),

@@ -15,16 +15,25 @@ renamed into place (by rank 0, after every rank has written), so a crash mid-sav
 checkpoint untouched and no half checkpoint visible. Nothing is loaded through pickle: DCP's default
 format keeps its `.metadata` as a pickle, the Hugging Face reader rebuilds it from the safetensors headers.
 
+`state.json` also lists every file of the checkpoint with its size and SHA-256 (`files`). Loading verifies the
+newest checkpoint (safetensors headers that describe the file, sizes, checksums; only the first two for checkpoints
+saved before checksums) and falls back to the newest intact one with a warning: a file damaged on disk or in a copy
+costs the steps since the previous checkpoint, never the run. SHA-256 rather than BLAKE2: CPUs with SHA extensions
+(x86 since about 2019, ARMv8) hash it as fast or faster through OpenSSL, and `sha256sum` checks a file by hand.
+
 `export` writes the newest checkpoint's weights as one `model.safetensors` of whole tensors (for inference), or as
 a Hugging Face checkpoint folder that transformers loads (`memo.hf.save_hf`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -41,6 +50,9 @@ from .config import TrainConfig, model_config
 
 PREFIX = "step-"
 PARTS = ("model", "optimizer")
+CHECKSUM = "sha256"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,14 +118,32 @@ def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, ke
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}"
     _remove_leftovers(root)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "model.safetensors"))
-    save_file({k: v.detach().contiguous().cpu() for k, v in optimizer.items()}, str(tmp / "optimizer.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
-    _fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "model.safetensors"))
+        save_file({k: v.detach().contiguous().cpu() for k, v in optimizer.items()}, str(tmp / "optimizer.safetensors"))
+        _write_state(tmp, state, step)
+    except OSError as err:
+        raise _save_failed(run_dir, final, tmp, err) from None
     _publish(tmp, final)
     _prune(run_dir, keep)
     return final
+
+
+def _write_state(tmp: Path, state: dict, step: int) -> None:
+    """Writes state.json, with the size and checksum of every file written before it, and flushes the folder."""
+    files = _manifest(tmp)
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "files": files}, indent=1))
+    _fsync_tree(tmp)
+
+
+def _save_failed(run_dir: Path, final: Path, tmp: Path, err: OSError) -> OSError:
+    """Returns the one-line error of a save that failed (a full disk, say), after deleting its partial files."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    found = list_checkpoints(run_dir)
+    kept = f"{found[-1].name} is intact" if found else "no earlier checkpoint"
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    return OSError(f"cannot save checkpoint {final.name} in {final.parent}: {reason} ({kept})")
 
 
 def _remove_leftovers(root: Path) -> None:
@@ -156,8 +186,10 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
         writer = HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
         dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
     if rank0:  # DCP's save ends once every rank's files are written
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
-        _fsync_tree(tmp)
+        try:
+            _write_state(tmp, state, step)
+        except OSError as err:
+            raise _save_failed(run_dir, final, tmp, err) from None
         _publish(tmp, final)
         _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
@@ -174,16 +206,116 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load_latest(run_dir: Path) -> Checkpoint:
-    """Returns the newest checkpoint of `run_dir`; a clear error when there is none or it cannot be read."""
+    """Returns the newest intact checkpoint of `run_dir`, warning (once per process) about newer damaged ones; a
+    clear error when there is none, or none intact."""
     found = list_checkpoints(run_dir)
     if not found:
-        raise ValueError(f"no checkpoint in {run_dir} to resume from (looked in {checkpoint_dir(run_dir)})")
-    path = found[-1]
+        raise ValueError(f"run {run_dir} has no checkpoint yet (looked in {checkpoint_dir(run_dir)})")
+    damaged, fresh = [], False
+    for path in reversed(found):
+        reason, new = _verdict(path)
+        fresh |= new
+        if reason is None:
+            state = json.loads((path / "state.json").read_text())
+            if damaged and fresh:
+                log.warning("%s; falling back to %s", _damage_line(damaged), path.name)
+            return Checkpoint(state["step"], state, path)
+        damaged.append(f"{path.name} ({reason})")
+    raise ValueError(f"every checkpoint in {checkpoint_dir(run_dir)} is damaged: {', '.join(damaged)}")
+
+
+def _damage_line(damaged: list[str]) -> str:
+    if len(damaged) == 1:
+        return f"checkpoint {damaged[0].replace(' (', ' is damaged (', 1)}"
+    return f"checkpoints {', '.join(damaged)} are damaged"
+
+
+_verdicts: dict[tuple, str | None] = {}  # verifying reads every byte: once per process for files unchanged since
+
+
+def _verdict(path: Path) -> tuple[str | None, bool]:
+    """Returns (why the checkpoint at `path` is damaged, None if intact; whether this is the first look at it)."""
+    key = (str(path.resolve()), *((str(p), s.st_size, s.st_mtime_ns) for p, s in _stats(path)))
+    if key in _verdicts:
+        return _verdicts[key], False
+    _verdicts[key] = damage(path)
+    return _verdicts[key], True
+
+
+def _stats(folder: Path) -> list[tuple[Path, os.stat_result]]:
+    return sorted((p, p.stat()) for p in folder.rglob("*") if p.is_file())
+
+
+def damage(path: Path) -> str | None:
+    """Returns why the checkpoint at `path` cannot be trusted (`FILE: problem`, the first found), or None when it
+    is intact: state.json readable, every file it lists present with its size and checksum, every safetensors
+    header readable and describing the file's length. Checkpoints saved before checksums list no files: those
+    of their layout are checked by headers and sizes."""
     try:
         state = json.loads((path / "state.json").read_text())
-        return Checkpoint(state["step"], state, path)
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"checkpoint {path} cannot be read: {err}") from None
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"state.json: {err}"
+    files = state.get("files") or {name: None for name in _expected_files(path)}
+    for name, saved in files.items():
+        problem = _file_problem(path / name, saved)
+        if problem:
+            return f"{name}: {problem}"
+    listed = [(name, saved[CHECKSUM]) for name, saved in files.items() if saved and CHECKSUM in saved]
+    digests = _digests([path / name for name, _ in listed])
+    return next((f"{name}: checksum mismatch" for (name, want), got in zip(listed, digests) if got != want), None)
+
+
+def _expected_files(path: Path) -> list[str]:
+    """Returns the tensor files a checkpoint without a file list holds: its two safetensors files, or every
+    safetensors file of its DCP folders."""
+    if not (path / "model").is_dir():
+        return [f"{part}.safetensors" for part in PARTS]
+    return sorted(p.relative_to(path).as_posix() for part in PARTS for p in (path / part).rglob("*.safetensors"))
+
+
+def _file_problem(path: Path, saved: dict | None) -> str | None:
+    """Returns what is wrong with one file's presence, size or safetensors header, or None."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if saved and size != saved["bytes"]:
+        return f"{size} bytes, saved as {saved['bytes']}"
+    if path.suffix != ".safetensors":
+        return None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 <= length <= size - 8:
+            return "header cut off"
+        try:
+            header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "header unreadable"
+    if 8 + length + end != size:
+        return f"{size} bytes, its header describes {8 + length + end}"
+    return None
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    """Returns the size and checksum of every file under `folder`, by path relative to it."""
+    files = [p for p, _ in _stats(folder)]
+    digests = _digests(files)
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, CHECKSUM: d} for p, d in zip(files, digests)}
+
+
+def _digests(files: list[Path]) -> list[str]:
+    """Returns the checksums of `files`, hashed in parallel (hashlib lets go of the GIL for large buffers)."""
+    if not files:
+        return []
+    with ThreadPoolExecutor(min(len(files), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(_digest, files))
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, CHECKSUM).hexdigest()
 
 
 def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Path:
@@ -191,6 +323,8 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
     where: as whole tensors with memo's names in one safetensors file (default `RUN_DIR/export/model.safetensors`),
     or, given `hf`, as a Hugging Face checkpoint folder there (`memo.hf.save_hf`) with the run's model config,
     trained length and tokenizer. Either is written atomically."""
+    if not list_checkpoints(run_dir):
+        raise ValueError(f"run {run_dir} has no checkpoint to export yet (looked in {checkpoint_dir(run_dir)})")
     saved = load_latest(run_dir)
     weights = saved.model
     masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from datetime import datetime
 from functools import partial
@@ -25,13 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import device as dev
 from .. import parallel
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import GPUS
+from ..cost.memory import training_lower_bound
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..policy import ActivationPolicy
-from ..units import parse_size
+from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
 from .config import TrainConfig, model_config
 from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
@@ -82,6 +85,7 @@ class Trainer:
         if not resume and checkpoint.list_checkpoints(self.run_dir):
             raise ValueError(f"{self.run_dir} already holds a run: `--resume {self.run_dir}` or another `--out`")
         self.device = self._device()
+        check_memory(cfg, self.device, self.mesh)
         # a solved α is pinned to the checkpoint's (it decides which rows are recomputed); a given one wins
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
         self.model = self._build_model(pinned)
@@ -95,7 +99,9 @@ class Trainer:
         if saved:
             self._restore(saved)
         self.log = None
+        self.created = []  # directories this run made, deepest first: a start that fails removes them
         if self.rank == 0:
+            self.created = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
             self.run_dir.mkdir(parents=True, exist_ok=True)
             _write_json(self.run_dir / "config.json", cfg.to_dict())
             self.log = MetricsLog(self.run_dir, cfg.tensorboard, resume_after=self.step)
@@ -105,9 +111,9 @@ class Trainer:
     def _device(self) -> torch.device:
         """Returns `--device`, or under torchrun this rank's GPU (cuda:LOCAL_RANK) or the CPU, as the mesh is."""
         if not self.mesh:
-            return torch.device(self.cfg.device)
+            return dev.check_device(self.cfg.device)
         kind = self.mesh.device_type
-        if torch.device(self.cfg.device).type != kind:
+        if dev.check_device(self.cfg.device).type != kind:
             raise ValueError(
                 f"`--device {self.cfg.device}`: distributed runs use {kind} on this machine (one GPU per rank when "
                 "CUDA is available); give `--device cuda`, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPUs"
@@ -154,6 +160,18 @@ class Trainer:
         text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
         dist.broadcast(text, src=0)
         return Path(bytes(text.cpu().tolist()).rstrip(b"\0").decode())
+
+    def discard(self) -> None:
+        """Removes the run directory (and `runs/`) if this run made them: a start that failed before its first
+        step leaves nothing behind."""
+        if self.log is not None:
+            self.log.close()
+        for path in self.created:
+            if path == self.run_dir:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        self.created = []
 
     def close(self) -> None:
         """Ends the process group a distributed Trainer started (after every rank arrives)."""
@@ -319,15 +337,51 @@ class Trainer:
         self.optimizer.load_state_tensors(state)
 
 
+def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None) -> None:
+    """Raises ValueError when the run cannot fit: a lower bound of the memory one rank needs (model states,
+    the strategy's skeletal activations, memo's host pool; no tracing) against what `device` has free, and the
+    host pool against the host budget. Seconds at any length, before any folder, model or progress bar."""
+    config = model_config(cfg)
+    world = mesh.size() if mesh else 1
+    dp = world // cfg.sp
+    tokens = max(cfg.batch_size // cfg.grad_accum // dp, 1) * (cfg.seq_len // cfg.sp)
+    need = training_lower_bound(config, tokens, cfg.policy(), DTYPES[cfg.dtype], shards=world)
+    free = dev.free_memory_bytes(device)
+    on_device = need["states"] + need["activations"] + (need["host_pool"] if device.type == "cpu" else 0)
+    ranks = parallel.local_ranks() if mesh and device.type == "cpu" else 1  # ranks on one host share its memory
+    what = f"`--seq-len` {format_count(cfg.seq_len)} with `--batch-size` {cfg.batch_size} (model {config.name})"
+    if free is not None and on_device * ranks > free:
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in need.items() if v)
+        raise ValueError(
+            f"{what} needs at least {format_bytes(on_device * ranks)} on {device} ({parts}"
+            f"{f' per rank, x{ranks}' if ranks > 1 else ''}), {format_bytes(free)} available; "
+            "lower `--seq-len` or `--batch-size`"
+        )
+    if mesh is None and need["host_pool"]:
+        budget = parse_size(cfg.host_budget) if cfg.host_budget else int(0.8 * dev.available_host_bytes())
+        if need["host_pool"] > budget:
+            raise ValueError(
+                f"{what}: memo's host pool needs at least {format_bytes(need['host_pool'])}, the host budget is "
+                f"{format_bytes(budget)}; lower `--alpha` or `--seq-len`, or raise `--host-budget`"
+            )
+
+
 def _record_launch(cfg: TrainConfig) -> TrainConfig:
     """Returns `cfg` with `nproc` set to the ranks torchrun started on this node, as the run really ran."""
     return TrainConfig.from_dict({**cfg.to_dict(), "nproc": parallel.local_ranks()})
 
 
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
-    """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied."""
+    """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied; an error when
+    its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing)."""
     saved = checkpoint.load_latest(Path(run_dir))
-    return TrainConfig.from_dict({**saved.state["config"], **overrides, "out": str(run_dir)}, f"{run_dir}")
+    cfg = TrainConfig.from_dict({**saved.state["config"], **overrides, "out": str(run_dir)}, f"{run_dir}")
+    if cfg.steps < saved.step:  # a target behind the checkpoint: most likely meant as steps to add
+        raise ValueError(
+            f"`--steps {cfg.steps}` is not past the checkpoint's step {saved.step}: nothing to train; "
+            "give a larger `--steps`"
+        )
+    return cfg
 
 
 def _new_run_dir() -> Path:

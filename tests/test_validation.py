@@ -1,0 +1,147 @@
+"""Bad or absurd input fails at once with one line on stderr (exit 2), before any run folder, model or trace."""
+
+import pytest
+import torch
+
+from memo.cli import main
+from memo.config import ModelConfig
+from memo.cost import memory
+from memo.cost.memory import training_lower_bound, transient_peak
+from memo.policy import ActivationPolicy
+from memo.train import loop
+
+ESTIMATE_7B = ["estimate", "--model", "gpt-7b", "--gpus", "8", "--gpu", "H200"]
+
+
+def run(argv: list[str]) -> int:
+    """Returns `memo argv`'s exit code, whether argparse or the verb refused the input."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def assert_one_line_error(capsys, argv: list[str], message: str) -> str:
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+    return err
+
+
+@pytest.fixture
+def empty_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "tpu9"], "`--device` 'tpu9' is not a torch device"),
+        (["--device", "cuda"], "`--device cuda`: this machine has no cuda device"),
+        (["--device", "mps"], "`--device mps`: this machine has no mps device"),
+        (["--seq-len", "1T"], "`--seq-len` 1T with `--batch-size` 8 (model tiny) needs at least"),
+        (["--seq-len", "0"], "`--seq-len` must be positive"),
+        (["--seq-len", "-4"], "argument --seq-len"),
+        (["--seq-len", "lots"], "argument --seq-len"),
+        (["--seq-len", "16K", "--host-budget", "1M"], "memo's host pool needs at least"),
+    ],
+)
+def test_bad_train_start_is_one_line_and_leaves_no_run_folder(capsys, empty_cwd, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert_one_line_error(capsys, ["train", "--steps", "1", *argv], message)
+    assert list(empty_cwd.iterdir()) == []
+
+
+def test_a_gpu_index_past_the_machines_gpus_names_device(capsys, empty_cwd, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert_one_line_error(capsys, ["train", "--device", "cuda:7"], "`--device cuda:7`: this machine has 1 cuda")
+    assert list(empty_cwd.iterdir()) == []
+
+
+def test_memory_error_names_the_numbers_and_the_device(capsys, empty_cwd):
+    err = assert_one_line_error(capsys, ["train", "--model", "gpt-7b", "--seq-len", "1M"], "needs at least")
+    assert "on cpu (states " in err and "available; lower `--seq-len` or `--batch-size`" in err
+
+
+def test_an_error_in_the_first_step_closes_the_bar_and_removes_the_run_folder(capsys, empty_cwd, monkeypatch):
+    def fail(self):
+        raise ValueError("first step failed")
+
+    monkeypatch.setattr(loop.Trainer, "_train_step", fail)
+    assert run(["train", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("\nmemo train: error: first step failed\n")  # a line of its own, after the closed bar
+    assert "Traceback" not in err
+    assert list(empty_cwd.iterdir()) == []
+
+
+def test_an_existing_out_folder_is_kept_when_the_start_fails(capsys, empty_cwd, monkeypatch):
+    monkeypatch.setattr(loop.Trainer, "_train_step", lambda self: (_ for _ in ()).throw(ValueError("no")))
+    (empty_cwd / "mine").mkdir()
+    (empty_cwd / "mine" / "notes.txt").write_text("keep")
+    assert run(["train", "--out", "mine"]) == 2
+    assert (empty_cwd / "mine" / "notes.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "--model", "tiny", "--gpus", "1", "--gpu", "H200", "--seq"],
+        ["plan", "--model", "tiny", "--seq"],
+        ["eval", "some_run", "--lengths"],
+    ],
+)
+def test_non_positive_or_unreadable_lengths_are_one_line_errors(capsys, argv, value):
+    assert_one_line_error(capsys, [*argv, value], "error: argument --")
+
+
+def test_plan_refuses_a_length_no_gpu_holds_before_tracing(capsys, monkeypatch):
+    monkeypatch.setattr("memo.cli.plan", lambda *a, **k: pytest.fail("traced"))
+    assert_one_line_error(capsys, ["plan", "--model", "tiny", "--seq", "1T"], "the plan traces each of them")
+    assert_one_line_error(capsys, ["plan", "--model", "gpt-7b", "--seq", "4M"], "more than the largest listed GPU")
+
+
+def test_estimate_plot_without_sweep_is_an_error(capsys, tmp_path):
+    argv = ["estimate", "--model", "tiny", "--seq", "4K", "--gpus", "1", "--gpu", "H200", "--plot", "x.png"]
+    assert_one_line_error(capsys, argv, "`--plot` draws the `--sweep`")
+
+
+@pytest.mark.parametrize("seq", ["128M", "1T"])
+def test_estimate_at_absurd_lengths_traces_at_most_the_capped_length(capsys, monkeypatch, seq):
+    traced = []
+    real = memory.traced_transient_peak.__wrapped__
+
+    def spy(c, tokens, strategy, loss_chunk_tokens=4096):
+        traced.append(tokens)
+        return real(c, tokens, strategy, loss_chunk_tokens)
+
+    monkeypatch.setattr(memory, "traced_transient_peak", spy)
+    assert main([*ESTIMATE_7B, "--seq", seq, "--system", "memo", "--system", "megatron"]) == 0
+    out = capsys.readouterr().out
+    assert "| memo | no |" in out and "bytes" not in out  # the why-not column is in human units
+    assert traced and max(traced) <= memory.TRACE_TOKENS
+
+
+@pytest.mark.parametrize("strategy", ["memo", "full", "none"])
+def test_transient_peak_extrapolated_in_tokens_equals_the_traced_one(monkeypatch, strategy):
+    cfg = ModelConfig.preset("tiny-gpt")
+    monkeypatch.setattr(memory, "TRACE_TOKENS", 32 * 1024)  # tiny-gpt is linear in tokens from 16K on
+    for tokens in (48 * 1024, 100 * 1024):
+        assert transient_peak(cfg, tokens, strategy) == memory.traced_transient_peak(cfg, tokens, strategy)
+
+
+def test_training_lower_bound_counts_states_and_skeletal_tensors():
+    cfg = ModelConfig.preset("gpt-7b")
+    tokens, layer = 1 << 16, sum(memory.skeletal_bytes(cfg, 1 << 16).values())
+    none = training_lower_bound(cfg, tokens, ActivationPolicy("none"), torch.bfloat16)
+    assert none["states"] == cfg.num_parameters() * (2 + 2 + 8 + 4)  # bf16 weights, grads; m, v, fp32 masters
+    assert none["activations"] == cfg.n_layers * layer and none["host_pool"] == 0
+    memo = training_lower_bound(cfg, tokens, ActivationPolicy("memo", alpha=0.0), torch.bfloat16)
+    b = memory.skeletal_bytes(cfg, tokens)
+    assert memo["activations"] == 2 * layer
+    assert memo["host_pool"] == (cfg.n_layers - 2) * (b["input"] + b["attention"])
