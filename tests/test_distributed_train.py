@@ -47,7 +47,12 @@ def _losses(stdout: str) -> dict[int, tuple[float, ...]]:
 
 
 def _ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stderr[-3000:]
+    # the ranks' own lines come first, torchrun's summary last; the records say how far the run got
+    why = (
+        f"stderr head:\n{result.stderr[:3000]}\nstderr tail:\n{result.stderr[-2000:]}\n"
+        f"stdout tail:\n{result.stdout[-1500:]}"
+    )
+    assert result.returncode == 0, why
     return result.stdout
 
 
