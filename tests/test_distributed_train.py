@@ -35,6 +35,21 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*launch, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=300)
 
 
+# Seen once in six full-suite runs on 2 cores: one gloo rank of the 4-rank resume aborted with this (a C++
+# thread torn down while joinable), the same run passing alone and in the other five. Until the cause is
+# found (see the session note), that one failure, and only it, is retried once on a fresh copy of the run.
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def _resumed(nproc: int, run, to, *flags: str) -> subprocess.CompletedProcess:
+    """Returns torchrun's result of resuming an interrupted copy of `run` on `nproc` ranks."""
+    result = _torchrun(nproc, "train", "--resume", str(_interrupted_copy(run, to)), *flags)
+    if result.returncode != 0 and GLOO_ABORT in result.stderr:
+        shutil.rmtree(to)
+        result = _torchrun(nproc, "train", "--resume", str(_interrupted_copy(run, to)), *flags)
+    return result
+
+
 def _losses(stdout: str) -> dict[int, tuple[float, ...]]:
     """Returns (loss, grad norm) by step and (eval loss, eval accuracy) by -step."""
     out = {}
@@ -99,8 +114,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(runs, capsys):
     one = _interrupted_copy(root / "sp2", root / "resume-1")
     assert main(["train", "--resume", str(one), "--nproc", "1", "--sp", "1", "--json"]) == 0
     _assert_same(_losses(capsys.readouterr().out), single, [3, 4, -4])
-    four = _interrupted_copy(root / "sp2", root / "resume-4")
-    _assert_same(_losses(_ok(_torchrun(4, "train", "--resume", str(four), "--sp", "2", "--json"))), single, [3, 4, -4])
+    resumed = _ok(_resumed(4, root / "sp2", root / "resume-4", "--sp", "2", "--json"))
+    _assert_same(_losses(resumed), single, [3, 4, -4])
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks_and_exports(runs, capsys):
