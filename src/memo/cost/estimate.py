@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..policy import AlphaProblem, solve_alpha
+from ..policy import ActivationPolicy, AlphaProblem, solve_alpha
 from .flops import layer_forward_flops, linear_params_per_layer, model_flops_per_token
 from .hardware import Efficiency, GPUSpec
 from .memory import (
@@ -110,7 +110,7 @@ def estimate(
     t = _compute_seconds(c, seq, tokens, gpu, eff)
     why, alphas, host = "", None, 0
     if STRATEGY[system] == "memo":
-        offloaded = list(range(c.n_layers if system == "offload-all" else max(c.n_layers - 2, 0)))
+        offloaded = _layout_policy(system).offloaded_layers(c.n_layers)
         if system == "offload-all":
             alphas = [1.0] * c.n_layers
         else:
@@ -200,15 +200,17 @@ def _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu: GPUSpec, eff: E
     elif system == "memo":
         local = 1 - c.ffn_hidden_size * c.hidden_size / linear_params_per_layer(c)  # all but w_down
         kept = alphas or [0.0] * n  # no feasible α: time it as α = 0 (the estimate already says it does not fit)
-        recompute = [(1 - kept[i]) * t["matmul"] * local if i < n - 2 else 0.0 for i in range(n)]
+        reloaded = set(_layout_policy(system).reloaded_layers(n))
+        recompute = [(1 - kept[i]) * t["matmul"] * local if i in reloaded else 0.0 for i in range(n)]
     copy = [0.0] * n
     if STRATEGY[system] == "memo" and alphas:
         b = skeletal_bytes(c, tokens)
-        offloaded = range(n if system == "offload-all" else n - 2)
+        policy = _layout_policy(system)
+        reloaded = set(policy.reloaded_layers(n))
         bw = _host_bandwidth(gpu, eff)
-        for i in offloaded:
+        for i in policy.offloaded_layers(n):
             seconds = (b["input"] + b["attention"] + alphas[i] * b["other"]) / bw
-            prefetch = max(0.0, seconds - (bwd + recompute[i])) if i < n - 2 else 0.0  # the last two stay
+            prefetch = max(0.0, seconds - (bwd + recompute[i])) if i in reloaded else 0.0
             copy[i] = max(0.0, seconds - fwd) + prefetch
     comm = n * _layer_comm_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu, eff, fwd, bwd, t)
     head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
@@ -218,6 +220,11 @@ def _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu: GPUSpec, eff: E
         "exposed_copy": sum(copy),
         "communication": comm,
     }
+
+
+def _layout_policy(system: str) -> ActivationPolicy:
+    """Returns which layers a memo-style system offloads and reloads, as the swap engine decides it."""
+    return ActivationPolicy("memo", offload_last_layers=system == "offload-all")
 
 
 def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
