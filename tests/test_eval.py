@@ -250,6 +250,7 @@ def test_eval_of_a_hugging_face_folder_reads_its_tokenizer_and_draws_the_heatmap
         (["--lengths", "32"], "`--lengths` 32 cannot hold the needle and the question"),
         (["--trials", "0"], "nothing to evaluate"),
         (["--ppl-file", "missing.txt"], "`--ppl-file` file 'missing.txt' does not exist"),
+        (["--device", "tpu9"], "`--device` 'tpu9' is not a torch device"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):

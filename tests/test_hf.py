@@ -546,15 +546,15 @@ def test_memo_export_hf_of_a_run_it_cannot_convert_exits_2_with_one_line(tmp_pat
 
 
 def test_export_finds_the_tokenizer_that_tokenized_a_runs_token_file(tmp_path):
-    from memo.train.checkpoint import _run_tokenizer
+    from memo.train.checkpoint import run_tokenizer
 
     tokens = tmp_path / "tokens.bin"
     (tmp_path / "tokens.json").write_text(json.dumps({"tokenizer": "/data/tokenizer.json"}))
-    assert _run_tokenizer({"data": str(tokens), "tokenizer": None}) == "/data/tokenizer.json"
-    assert _run_tokenizer({"data": str(tokens), "tokenizer": "given.json"}) == "given.json"
+    assert run_tokenizer({"data": str(tokens), "tokenizer": None}) == "/data/tokenizer.json"
+    assert run_tokenizer({"data": str(tokens), "tokenizer": "given.json"}) == "given.json"
     (tmp_path / "tokens.json").write_text(json.dumps({"tokenizer": "bytes"}))
-    assert _run_tokenizer({"data": str(tokens), "tokenizer": None}) is None
-    assert _run_tokenizer({"data": None, "tokenizer": None}) is None
+    assert run_tokenizer({"data": str(tokens), "tokenizer": None}) is None
+    assert run_tokenizer({"data": None, "tokenizer": None}) is None
 
 
 # ---- both config layouts, and what memo cannot run ------------------------------------------------------

@@ -21,6 +21,9 @@ from .cost.estimate import SYSTEMS, estimate, max_seq
 from .cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
 from .cost.memory import training_lower_bound
 from .cost.sweep import default_lengths, plot_sweep, sweep
+from .device import check_device
+from .eval import DTYPES as EVAL_DTYPES
+from .eval import PasskeyTask, held_out_sequences, load, passkey_accuracy, perplexity_by_position, plot_passkey
 from .plan.bilevel import plan
 from .plan.dsa import solve
 from .plan.plot import plot_plan
@@ -474,8 +477,6 @@ def _run_plan(args) -> int:
 
 
 def _eval_parser(sub) -> None:
-    from .eval import DTYPES
-
     p = sub.add_parser(
         "eval",
         help="long-context evaluation: pass-key retrieval by length and depth, loss by position",
@@ -489,11 +490,14 @@ def _eval_parser(sub) -> None:
         "--tokenizer", help="Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)"
     )
     p.add_argument(
-        "--lengths", type=_size_list, default=[1024, 4096, 16384], help="prompt lengths in tokens (default: 1K,4K,16K)"
+        "--lengths",
+        type=_cli_type(_lengths, "lengths"),
+        default=[1024, 4096, 16384],
+        help="prompt lengths in tokens (default: 1K,4K,16K)",
     )
     p.add_argument(
         "--depths",
-        type=_float_list,
+        type=_cli_type(_numbers, "depths"),
         default=[0.0, 0.25, 0.5, 0.75, 1.0],
         help="needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question (default: 0,0.25,0.5,0.75,1)",
     )
@@ -509,42 +513,29 @@ def _eval_parser(sub) -> None:
         help="positions per loss bucket (default: doubling from 128)",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=list(EVAL_DTYPES), help="(default: %(default)s)")
     p.add_argument("--plot", help="write the pass-key heatmap (length x depth) to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=_run_eval)
 
 
-def _size_list(text: str) -> list[int]:
-    try:
-        return [parse_length(t) for t in text.split(",")]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def _lengths(text: str) -> list[int]:
+    return [parse_length(t) for t in text.split(",")]
 
 
-def _float_list(text: str) -> list[float]:
+def _numbers(text: str) -> list[float]:
     try:
         return [float(t) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+        raise ValueError(f"expected numbers separated by commas, got {text!r}") from None
 
 
 def _run_eval(args) -> int:
-    from .eval import (
-        DTYPES,
-        PasskeyTask,
-        held_out_sequences,
-        load,
-        passkey_accuracy,
-        perplexity_by_position,
-        plot_passkey,
-    )
-
     if args.trials == 0 and not args.ppl_file:
         raise ValueError("nothing to evaluate: `--trials 0` and no `--ppl-file`")
     if args.plot and args.trials == 0:
         raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
-    loaded = load(args.path, torch.device(args.device), DTYPES[args.dtype], args.tokenizer)
+    loaded = load(args.path, check_device(args.device), EVAL_DTYPES[args.dtype], args.tokenizer)
     report = {"model": loaded.source, "tokenizer": loaded.tokenizer.name, "device": args.device, "dtype": args.dtype}
     model, tokenizer = loaded.model, loaded.tokenizer
     limit = model.config.max_position_embeddings

@@ -110,8 +110,6 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: 
 def _load_run(run_dir: Path) -> tuple[Transformer, str | None, str]:
     """Returns (model, its tokenizer path, description) of the newest checkpoint: the weights the run computed
     with (bf16 for a bf16 run; `memo export` writes its fp32 masters), read whole from either layout."""
-    if not checkpoint.list_checkpoints(run_dir):
-        raise ValueError(f"run {run_dir} has no checkpoint yet (looked in {checkpoint.checkpoint_dir(run_dir)})")
     saved = checkpoint.load_latest(run_dir)
     trained = saved.state["config"]
     with torch.device("meta"):  # no random init of weights that are about to be replaced
@@ -120,7 +118,7 @@ def _load_run(run_dir: Path) -> tuple[Transformer, str | None, str]:
         model.load_state_dict(saved.model, assign=True)
     except RuntimeError as err:
         raise ValueError(f"checkpoint {saved.path} does not fit model {trained['model']!r}: {err}") from None
-    return model, trained.get("tokenizer"), f"{run_dir} (step {saved.step})"
+    return model, checkpoint.run_tokenizer(trained), f"{run_dir} (step {saved.step})"
 
 
 def check_length(model: torch.nn.Module, length: int) -> None:

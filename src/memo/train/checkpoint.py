@@ -332,7 +332,7 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
     config = saved.state.get("config", {})
     if hf is not None:
         model = saved_model_config(saved.state, run_dir)
-        return save_hf(model, weights, Path(hf), config.get("seq_len"), _run_tokenizer(config))
+        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config))
     out = Path(out) if out else Path(run_dir) / "export" / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
@@ -352,7 +352,7 @@ def saved_model_config(state: dict, run_dir: Path) -> ModelConfig:
     return model_config(TrainConfig.from_dict(state.get("config", {}), origin=f"{run_dir} state.json"))
 
 
-def _run_tokenizer(config: dict) -> str | None:
+def run_tokenizer(config: dict) -> str | None:
     """Returns the HF tokenizer.json a run trained with: its `--tokenizer`, else the one that tokenized its .bin
     data (named in the data's sidecar JSON); None for the bytes tokenizer."""
     if config.get("tokenizer"):
