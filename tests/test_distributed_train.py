@@ -31,6 +31,19 @@ def _memo(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=300)
 
 
+def _two_nodes(port: int, *args: str) -> subprocess.CompletedProcess:
+    """Runs `memo` as nodes 0 and 1 of a two-node run over 127.0.0.1:`port` (one rank each); returns node 0's
+    result with node 1's stdout and stderr after its own."""
+    launch = [sys.executable, "-m", "memo", *args, "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    launch += ["--master-port", str(port)]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    other = subprocess.Popen([*launch, "--node-rank", "1"], **pipes, env=ENV)
+    first = subprocess.run([*launch, "--node-rank", "0"], capture_output=True, text=True, env=ENV, timeout=300)
+    out, err = other.communicate(timeout=300)
+    code = first.returncode or other.returncode
+    return subprocess.CompletedProcess(launch, code, first.stdout + out, first.stderr + err)
+
+
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run([*launch, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=300)
@@ -80,25 +93,37 @@ def _assert_same(got: dict, want: dict, steps) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One process, sp=2 on two ranks (through `--nproc`), and sp=2 × dp=2 on four ranks, 4 steps each."""
+def runs(tmp_path_factory, free_port):
+    """One process, sp=2 on two ranks (through `--nproc`), sp=2 × dp=2 on four ranks (torchrun), and sp=2 over
+    two nodes of one rank each, 4 steps each."""
     root = tmp_path_factory.mktemp("runs")
     single = root / "single"
     result = _memo("train", *COMMON, "--steps", "4", "--out", str(single))
     sp2 = _memo("train", *COMMON, "--steps", "4", "--nproc", "2", "--sp", "2", "--out", str(root / "sp2"))
     dp2sp2 = _torchrun(4, "train", *COMMON, "--steps", "4", "--sp", "2", "--out", str(root / "dp2sp2"))
-    return root, _losses(_ok(result)), _losses(_ok(sp2)), _losses(_ok(dp2sp2))
+    nodes = _two_nodes(free_port(), "train", *COMMON, "--steps", "4", "--sp", "2", "--out", str(root / "nodes"))
+    return root, _losses(_ok(result)), _losses(_ok(sp2)), _losses(_ok(dp2sp2)), _losses(_ok(nodes))
 
 
 def test_sp_and_dp_x_sp_training_gives_the_losses_of_one_process(runs):
-    root, single, sp2, dp2sp2 = runs
+    root, single, sp2, dp2sp2, nodes = runs
     steps = [1, 2, 3, 4, -2, -4]
     _assert_same(sp2, single, steps)
     _assert_same(dp2sp2, single, steps)
+    _assert_same(nodes, single, steps)  # node 1's rank prints nothing: each record once
     config = json.loads((root / "sp2" / "config.json").read_text())
     assert (config["sp"], config["nproc"]) == (2, 2)  # what the run really ran on
     metrics = [json.loads(line) for line in (root / "sp2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if "loss" in r] == [1, 2, 3, 4]  # rank 0 alone writes
+    config = json.loads((root / "nodes" / "config.json").read_text())
+    assert (config["nnodes"], config["nproc"]) == (2, 1)
+
+
+def test_a_two_node_checkpoint_resumes_on_one_process(runs, capsys):
+    root, single, *_ = runs
+    one = _interrupted_copy(root / "nodes", root / "nodes-on-1")
+    assert main(["train", "--resume", str(one), "--sp", "1", "--json"]) == 0  # where it ran is not kept
+    _assert_same(_losses(capsys.readouterr().out), single, [3, 4, -4])
 
 
 def _interrupted_copy(run, to):
@@ -109,7 +134,7 @@ def _interrupted_copy(run, to):
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(runs, capsys):
-    root, single, _, _ = runs
+    root, single, *_ = runs
     saved = checkpoint.load_latest(root / "sp2")
     assert saved.sharded and sorted(p.name for p in saved.path.iterdir()) == ["model", "optimizer", "state.json"]
     assert not list(saved.path.rglob("*.metadata")) and not list(saved.path.rglob("*.pt"))  # no pickle
@@ -121,7 +146,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(runs, capsys):
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks_and_exports(runs, capsys):
-    root, single, _, _ = runs
+    root, single, *_ = runs
     two = root / "resume-2"
     resumed = _ok(_resumed(_memo, root / "single", two, "--nproc", "2", "--sp", "2", "--json"))
     _assert_same(_losses(resumed), single, [3, 4, -4])

@@ -6,7 +6,6 @@ All checkpoints are tiny random ones made with transformers' config classes and 
 import dataclasses
 import json
 import os
-import socket
 import stat
 from datetime import timedelta
 
@@ -294,13 +293,10 @@ def _sp_rank(rank: int, port: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_sequence_parallel_sp2_matches_transformers(tmp_path):
+def test_sequence_parallel_sp2_matches_transformers(tmp_path, free_port):
     for family, rope, _ in SP_CASES:  # 4 layers: memo rebuilds only the layers whose buffer is reused
         _saved(tmp_path / f"{family}-{rope}", family, rope, num_hidden_layers=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_sp_rank, args=(port, str(tmp_path)), nprocs=2)
+    mp.spawn(_sp_rank, args=(free_port(), str(tmp_path)), nprocs=2)
 
 
 # ---- export ---------------------------------------------------------------------------------------------

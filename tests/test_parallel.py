@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -41,12 +40,6 @@ POLICIES = {
 # row-sliced matmuls may block differently: float32 rounding, nothing more.
 TOL = dict(rtol=1e-5, atol=1e-6)
 BATCH, SEQ = 2, 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _models(preset: str, policy: ActivationPolicy) -> tuple[Transformer, Transformer]:
@@ -173,8 +166,8 @@ def _run(rank: int, world: int, port: int, layouts: list[tuple[int, int]]) -> No
     [(2, [(1, 2), (2, 1)]), (4, [(2, 2), (1, 4)])],
     ids=["world2-sp2-dp2", "world4-sp2xdp2-sp4"],
 )
-def test_parallel_layouts_match_one_process_loss_and_gradients(world, layouts):
-    mp.spawn(_run, args=(world, _free_port(), layouts), nprocs=world)
+def test_parallel_layouts_match_one_process_loss_and_gradients(world, layouts, free_port):
+    mp.spawn(_run, args=(world, free_port(), layouts), nprocs=world)
 
 
 def test_shard_holds_contiguous_tokens_and_rows_and_refuses_uneven_splits():

@@ -7,9 +7,8 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -24,13 +23,11 @@ from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device
 from .eval import DTYPES as EVAL_DTYPES
 from .eval import PasskeyTask, held_out_sequences, load, passkey_accuracy, perplexity_by_position, plot_passkey
-from .plan.bilevel import plan
-from .plan.dsa import solve
-from .plan.plot import plot_plan
-from .plan.problem import read_csv, write_csv
+from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
 from .train.config import TrainConfig, alpha_value, read_config_file
+from .train.launch import launch
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
 from .train.signals import Interrupted, StopRequest
@@ -42,13 +39,14 @@ PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` traces (a trace takes se
 def _train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
-        allow_abbrev=False,  # whole flags only: `--nproc` is taken out of the arguments torchrun passes on
+        allow_abbrev=False,  # whole flags only: a shortened flag in a run script must not change meaning later
         help="train a model (default: `tiny` on the generated long-range retrieval task)",
         description=(
             "Train with MEMO's activation memory management. Every field can come from --config FILE "
             "(YAML, TOML or JSON) and be overridden by its flag; --resume RUN_DIR continues a run exactly, on "
-            "any number of ranks. Distributed: `torchrun --nproc-per-node N -m memo train ...`, or `--nproc N` "
-            "(which relaunches under torchrun); ranks form a dp x sp mesh with `--sp` ranks per sequence."
+            "any number of ranks. Distributed: `--nproc N` ranks on this machine (and `--nnodes`, `--node-rank`, "
+            "`--master-addr` on each of several), or `torchrun ... -m memo train`; ranks form a dp x sp mesh with "
+            "`--sp` ranks per sequence."
         ),
     )
     p.add_argument("--config", help="YAML/TOML/JSON file of the fields below")
@@ -98,43 +96,20 @@ def _run_train(args) -> int:
         if values.get("alpha") is not None and values.get("strategy", TrainConfig.strategy) != "memo":
             ActivationPolicy(values.get("strategy"), alpha=values["alpha"])  # raises the clear error
         cfg, resume = TrainConfig.from_dict(values, args.config or "flags"), False
-    if cfg.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _relaunch(cfg, args.argv)
+    if (cfg.nproc > 1 or cfg.nnodes > 1) and "LOCAL_RANK" not in os.environ:
+        return launch(cfg, args.argv)
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume)
-        return _train(trainer, args.json)
-    finally:
+        code = _train(trainer, args.json)
+    except BaseException:
         if trainer is not None:
-            trainer.close()
-        elif torch.distributed.is_initialized():  # a rank that failed to start: the others fail the same way
+            trainer.abandon()
+        elif torch.distributed.is_initialized():  # a rank that failed to start
             torch.distributed.destroy_process_group()
-
-
-def _relaunch(cfg: TrainConfig, argv: list[str]) -> int:
-    """Runs the same `memo train` under torchrun with `cfg.nproc` ranks on this machine; returns its exit code."""
-    cfg.check_world(cfg.nproc)  # before starting processes that would each fail
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}"]
-    with subprocess.Popen([*command, "-m", "memo", *_without_nproc(argv)]) as launcher:
-        # Ctrl-C reaches every process of the terminal's group: the ranks finish their step and save together;
-        # this process only waits for them (and passes SIGTERM on: preemption of the job's first process)
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        forward = signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))
-        try:
-            return launcher.wait()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-            signal.signal(signal.SIGTERM, forward)
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    """Returns `argv` less `--nproc N`: torchrun would take `--nproc` for its own `--nproc-per-node`."""
-    out, skip = [], False
-    for arg in argv:
-        if not skip and not arg.startswith("--nproc"):
-            out.append(arg)
-        skip = arg == "--nproc"
-    return out
+        raise
+    trainer.close()
+    return code
 
 
 def _train(trainer: Trainer, as_json: bool) -> int:
@@ -378,6 +353,9 @@ def _dsa_parser(sub) -> None:
 def _run_dsa(args) -> int:
     if not args.time_limit > 0:
         raise ValueError(f"`--time-limit` must be positive, got {args.time_limit}")
+    from .plan.dsa import solve  # the planner (numba) loads with the verbs that plan: a fifth of a second
+    from .plan.problem import read_csv, write_csv
+
     problem = read_csv(args.file)
     solution = solve(problem, args.time_limit)
     if args.out:
@@ -437,6 +415,9 @@ def _run_plan(args) -> int:
         raise ValueError(f"`--tp` ({args.tp}) must be positive and divide `--seq` ({args.seq})")
     if args.batch <= 0:
         raise ValueError(f"`--batch` must be positive, got {args.batch}")
+    from .plan.bilevel import plan
+    from .plan.plot import plot_plan
+
     cfg = ModelConfig.preset(args.model)
     policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
     _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)
@@ -623,11 +604,14 @@ def build_parser() -> argparse.ArgumentParser:
     _dsa_parser(sub)
     _plan_parser(sub)
     _eval_parser(sub)
+    for verb in sub.choices.values():
+        verb.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its line")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `memo <verb>`; returns the exit code. Bad input exits 2 with one line on stderr."""
+    """Runs `memo <verb>`; returns the exit code. Expected failures (bad input 2, the machine's I/O 1, Ctrl-C 130)
+    are one line on stderr, with the traceback only under `--debug`; any other exception is a bug: traceback."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -638,19 +622,30 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("memo").addHandler(warnings)
     try:
         return args.run(args)
-    except ValueError as err:
-        if rank0:  # under torchrun every rank fails alike: rank 0 says why
-            print(f"memo {args.verb}: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # the machine, not the input (a full disk while saving): one line, exit 1
-        if rank0:
-            print(f"memo {args.verb}: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # a second Ctrl-C (or one outside training): stop now, files are written atomically
-        print(f"memo {args.verb}: interrupted", file=sys.stderr)
-        return 130
+    except (ValueError, OSError, KeyboardInterrupt) as err:
+        code = 2 if isinstance(err, ValueError) else 1 if isinstance(err, OSError) else 130
+        line = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
+        if _first_to_fail(line, code):  # under a distributed launch: once, from the rank that failed first
+            print(f"memo {args.verb}: {line}", file=sys.stderr)
+            if args.debug:
+                traceback.print_exc()
+        return code
+    except Exception as err:
+        cause = faults.awaited_failure() if "LOCAL_RANK" in os.environ else None
+        if cause is not None:  # a peer died first (a lost connection here is its echo): end with its code, quietly
+            return cause["code"]
+        _first_to_fail(f"error: {type(err).__name__}: {err}", 1)  # a bug: the other ranks end, this one shows where
+        raise
     finally:
         logging.getLogger("memo").removeHandler(warnings)
+
+
+def _first_to_fail(line: str, code: int) -> bool:
+    """Under a distributed launch, reports this rank's failure to every rank (which then end) and returns whether
+    it is the run's first, the one to print; outside one, True."""
+    if "LOCAL_RANK" not in os.environ:
+        return True
+    return faults.report(faults.connect(timeout=2.0), line, code, int(os.environ.get("RANK", "0")))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .figures import pyplot
 from .hf import CONFIG_NAME, from_hf
 from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
@@ -295,11 +296,7 @@ def _score(model: torch.nn.Module, task: PasskeyTask, prompts: list[PasskeyPromp
 def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> None:
     """Writes the needle-in-a-haystack heatmap as PNG: context length across, needle depth down, accuracy as
     colour (with a colour bar), each cell's accuracy written in it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = list(dict.fromkeys(c.length for c in cells))
     depths = list(dict.fromkeys(c.depth for c in cells))
     accuracy = {(c.length, c.depth): c.accuracy for c in cells}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -10,9 +11,11 @@ from torch import nn
 from .config import ModelConfig
 from .layer import DecoderLayer
 from .loss import TokenReduction, shift_labels, target_cross_entropy
-from .plan.arena import Arena
 from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
+
+if TYPE_CHECKING:
+    from .plan.arena import Arena
 
 
 class Transformer(nn.Module):
@@ -79,6 +82,8 @@ class Transformer(nn.Module):
         proves at run time that no two live planned tensors overlap."""
         if any(layer.seq_parallel is not None for layer in self.layers):
             raise ValueError("the planned arena does not support sequence parallelism (`--sp` > 1)")
+        from .plan.arena import Arena  # the planner (numba, HiGHS) loads only for runs that use it
+
         arena = Arena(time_limit, debug)
         for layer in self.layers:
             layer.arena = arena

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ModelConfig
+from ..figures import pyplot
 from ..units import format_count
 from .estimate import SYSTEMS, Estimate, estimate
 from .hardware import Efficiency, GPUSpec
@@ -33,11 +34,7 @@ def sweep(
 
 def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str) -> None:
     """Writes MFU against sequence length (log scale), one line per system; lengths that do not fit are not drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for system, estimates in results.items():
         fitting = [e for e in estimates if e.fits]

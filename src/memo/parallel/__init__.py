@@ -21,7 +21,6 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .fsdp import apply_fsdp, clip_grad_norm, full_gradients
 from .host import check_host_budget, host_budget_per_rank, local_ranks, offload_bytes
 from .loss import GlobalTokenMean
 from .mesh import Shard, flat_mesh, init_mesh, shard_batch, shard_of, shard_sequence
@@ -48,6 +47,15 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str):
+    """Loads FSDP (and DTensor, which pulls in sympy: half a second) on first use, not with every command."""
+    if name in ("apply_fsdp", "clip_grad_norm", "full_gradients"):
+        from . import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool | None = None) -> nn.Module:
     """Returns `model` (a memo.Transformer, built the same on every rank) made to train on `mesh`: Ulysses over
     "sp", the loss a mean over the tokens of all ranks, parameters sharded over dp×sp. `mixed_precision`
@@ -57,5 +65,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool | None
     apply_ulysses(model.layers, mesh["sp"].get_group())
     flat = flat_mesh(mesh)
     model.token_reduction = GlobalTokenMean(flat.get_group())
+    from .fsdp import apply_fsdp
+
     apply_fsdp(model, flat, mesh.device_type == "cuda" if mixed_precision is None else mixed_precision)
     return model

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..figures import pyplot
 from .bilevel import Plan
 
 GiB = 2**30
@@ -13,10 +14,7 @@ GiB = 2**30
 
 def plot_plan(plan: Plan, path: str | Path, title: str) -> None:
     """Writes a PNG: the level-2 arena (left) and simulated caching-allocator memory over the step (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
 

@@ -40,9 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from ..config import ModelConfig
 from ..hf import save_hf
@@ -53,6 +51,14 @@ PARTS = ("model", "optimizer")
 CHECKSUM = "sha256"
 
 log = logging.getLogger(__name__)
+
+
+def _dcp():
+    """Returns torch.distributed.checkpoint, imported on first use: a seventh of a second of every command's
+    start, needed only by sharded checkpoints and loading."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
 
 
 @dataclass
@@ -90,10 +96,10 @@ class Checkpoint:
         cast to their dtypes; collective under a process group: every rank reads only the slices it holds."""
         with warnings.catch_warnings():  # one process: DCP notes that it runs without a process group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=self._reader(part))
+            _dcp().load(targets, storage_reader=self._reader(part))
 
-    def _reader(self, part: str) -> HuggingFaceStorageReader:
-        return HuggingFaceStorageReader(str(self.path / part if self.sharded else self.path))
+    def _reader(self, part: str):
+        return _dcp().HuggingFaceStorageReader(str(self.path / part if self.sharded else self.path))
 
     def _whole(self, part: str) -> dict[str, torch.Tensor]:
         try:
@@ -183,8 +189,8 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
         tmp.mkdir()
     dist.barrier()
     for part, tensors in zip(PARTS, (model, optimizer)):
-        writer = HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
-        dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
+        writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
+        _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
     if rank0:  # DCP's save ends once every rank's files are written
         try:
             _write_state(tmp, state, step)

@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 ROPE_SCALINGS = ("linear", "yarn", "llama3", "dynamic")
 RENAMED = {"text_key": "text_field"}  # old field names, so that runs saved before a rename still resume
+LAUNCH = ("nnodes", "node_rank", "master_addr", "master_port")  # where a run ran, not what: not kept on resume
 
 
 def _f(default, help: str, **kwargs):
@@ -77,7 +78,13 @@ class TrainConfig:
     dtype: str = _f("float32", "bfloat16: bf16 compute with fp32 master weights and optimizer state", choices=DTYPES)
     # distributed (torchrun: WORLD_SIZE ranks = dp x sp)
     sp: int = _f(1, "sequence-parallel ranks per sequence (Ulysses); data-parallel ranks dp = world size / sp")
-    nproc: int = _f(1, "processes on this machine: `memo train` relaunches itself under torchrun (one per GPU)")
+    nproc: int = _f(1, "ranks on this machine (one per GPU): `memo train` starts them itself")
+    nnodes: int = _f(1, "machines in the run: start the same `memo train` on each, with its own --node-rank")
+    node_rank: int = _f(0, "this machine's place in [0, --nnodes); node 0 serves the rendezvous")
+    master_addr: str = _f("127.0.0.1", "address of node 0 that every node reaches (--nnodes > 1)")
+    master_port: int | None = _f(
+        None, "node 0's rendezvous port (default: 29500 with --nnodes > 1, else any free port)", kind=int
+    )
     # run directory
     out: str | None = _f(None, "run directory (default: runs/<date-time>)")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
@@ -92,7 +99,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "keep_checkpoints", "eval_every", "eval_batches")
-        positive += ("sp", "nproc")
+        positive += ("sp", "nproc", "nnodes")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
@@ -115,6 +122,10 @@ class TrainConfig:
                 raise ValueError(
                     f"`--{_flag(f.name)}` must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"`--node-rank` must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 1 << 16:
+            raise ValueError(f"`--master-port` must be in [1, 65535], got {self.master_port}")
         if self.seq_len % self.sp:
             raise ValueError(f"`--seq-len` {self.seq_len} is not a multiple of `--sp` {self.sp}")
         if self.arena and self.sp > 1:

@@ -33,10 +33,11 @@ from ..cost.hardware import GPUS
 from ..cost.memory import training_lower_bound
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
+from ..parallel import faults
 from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
-from .config import TrainConfig, model_config
+from .config import LAUNCH, TrainConfig, model_config
 from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
@@ -76,6 +77,7 @@ class Trainer:
         world = world_size()
         cfg.check_world(world)
         self.mesh: DeviceMesh | None = parallel.init_mesh(cfg.sp) if world > 1 else None
+        self.watch = faults.FaultWatch(faults.connect() if self.mesh else None).start()  # another rank's failure
         self.rank = dist.get_rank() if self.mesh else 0
         if self.mesh:
             cfg = _record_launch(cfg)
@@ -174,9 +176,18 @@ class Trainer:
         self.created = []
 
     def close(self) -> None:
-        """Ends the process group a distributed Trainer started (after every rank arrives)."""
+        """Ends the process group a distributed Trainer started, after every rank arrives (the fault watch runs
+        until then: a rank that fails on its way still ends the others)."""
         if self.mesh and dist.is_initialized():
             dist.barrier()
+            self.watch.stop()
+            dist.destroy_process_group()
+
+    def abandon(self) -> None:
+        """Ends the process group after this rank failed: no barrier, the others may never arrive (the fault
+        watch of each ends it once the failure is reported)."""
+        self.watch.stop()
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     def records(self, stop: StopRequest | None = None) -> Iterator[dict]:
@@ -367,15 +378,18 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
 
 
 def _record_launch(cfg: TrainConfig) -> TrainConfig:
-    """Returns `cfg` with `nproc` set to the ranks torchrun started on this node, as the run really ran."""
-    return TrainConfig.from_dict({**cfg.to_dict(), "nproc": parallel.local_ranks()})
+    """Returns `cfg` with `nproc` and `nnodes` set to the ranks started on this node and the nodes, as the run
+    really ran (under plain torchrun too)."""
+    ranks = parallel.local_ranks()
+    return TrainConfig.from_dict({**cfg.to_dict(), "nproc": ranks, "nnodes": world_size() // ranks})
 
 
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied; an error when
     its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing)."""
     saved = checkpoint.load_latest(Path(run_dir))
-    cfg = TrainConfig.from_dict({**saved.state["config"], **overrides, "out": str(run_dir)}, f"{run_dir}")
+    kept = {k: v for k, v in saved.state["config"].items() if k not in LAUNCH}  # a 2-node run resumes on one
+    cfg = TrainConfig.from_dict({**kept, **overrides, "out": str(run_dir)}, f"{run_dir}")
     if cfg.steps < saved.step:  # a target behind the checkpoint: most likely meant as steps to add
         raise ValueError(
             f"`--steps {cfg.steps}` is not past the checkpoint's step {saved.step}: nothing to train; "

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .metrics import read_metrics  # noqa: E402
+from ..figures import pyplot
+from .metrics import read_metrics
 
 GIB = 1 << 30
 
@@ -23,6 +19,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{run_dir}: no training records in metrics.jsonl")
     evals = [r for r in records if "eval_loss" in r]
     x = [r["step"] for r in steps]
+    plt = pyplot()
     fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
     ax_loss.plot(x, [r["loss"] for r in steps], lw=1, label="train")
     if evals:

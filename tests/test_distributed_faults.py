@@ -1,0 +1,134 @@
+"""Faults of a distributed `memo train` (real launches, gloo on CPU): a failure injected on rank 1 of 2 ends every
+rank within seconds, on one node or across two, with that rank's one line (or the launcher's, for a rank killed
+outright) and its exit code; Ctrl-C to the terminal's process group saves on every rank, a second one stops at
+once. Without the fault watch the surviving rank would wait in its collective for gloo's 30-minute timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from memo.train import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["train", "--seq-len", "64", "--batch-size", "2", "--eval-every", "1000", "--json"]
+RUN += ["--schedule", "constant", "--warmup-steps", "0"]  # a resumed run follows the long run's schedule
+# a sitecustomize (imported by every Python started with it on the path) that makes rank 1 fail at step 2
+INJECT = """
+import os
+if os.environ.get("RANK") == "1":
+    import signal
+    from memo.train import loop
+    step = loop.Trainer._train_step
+    def failing(self):
+        if self.step == 2:
+            if os.environ["FAULT"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("injected fault on rank 1")
+        return step(self)
+    loop.Trainer._train_step = failing
+"""
+SECONDS = 90  # a run that ends on a fault; it would hang for 30 minutes without the watch
+
+
+def _env(tmp_path: Path, fault: str | None = None) -> dict[str, str]:
+    paths = [str(ROOT / "src")]
+    if fault:
+        (tmp_path / "sitecustomize.py").write_text(INJECT)
+        paths.append(str(tmp_path))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "FAULT": fault or "", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _memo(env: dict, *args: str, **popen) -> subprocess.Popen:
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "memo", *args], env=env, **out, **popen)
+
+
+def _errors(stderr: str) -> list[str]:
+    assert "Traceback" not in stderr, stderr
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(
+    "fault, code, line",
+    [("raise", 2, "memo train: error: injected fault on rank 1"), ("kill", 137, "rank 1 was killed by SIGKILL")],
+)
+def test_a_failure_on_rank_1_of_2_ends_both_ranks_with_its_message(tmp_path, fault, code, line):
+    start = time.monotonic()
+    launcher = _memo(_env(tmp_path, fault), *RUN, "--steps", "50", "--nproc", "2", "--out", str(tmp_path / "run"))
+    out, err = launcher.communicate(timeout=SECONDS)
+    assert launcher.returncode == code, err
+    assert _errors(err) == [line if fault == "raise" else f"memo train: error: {line}"]
+    assert [json.loads(r)["step"] for r in out.splitlines()] == [1]
+    assert time.monotonic() - start < SECONDS
+
+
+def test_a_failure_on_the_second_node_ends_the_first(tmp_path, free_port):
+    env = _env(tmp_path, "raise")
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    args = [*RUN, "--steps", "50", "--out", str(tmp_path / "run"), *nodes]
+    second = _memo(env, *args, "--node-rank", "1")
+    first = _memo(env, *args, "--node-rank", "0")
+    out, err = first.communicate(timeout=SECONDS)
+    _, second_err = second.communicate(timeout=SECONDS)
+    assert (first.returncode, second.returncode) == (2, 2)
+    assert _errors(err) == []  # the failing rank says why, once
+    assert _errors(second_err) == ["memo train: error: injected fault on rank 1"]
+    assert [json.loads(r)["step"] for r in out.splitlines()] == [1]
+
+
+def _logged(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    return sum('"loss"' in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, stdout.splitlines()) if "loss" in r}
+
+
+def _ctrl_c(env: dict, run: Path, presses: int) -> tuple[subprocess.Popen, str, str]:
+    """Starts a long two-rank run in a process group of its own, and once 3 steps are logged presses Ctrl-C as a
+    terminal does (SIGINT to the whole group) `presses` times."""
+    launcher = _memo(env, *RUN, "--steps", "100000", "--nproc", "2", "--save-every", "1", "--out", str(run),
+                     start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + SECONDS
+    while _logged(run) < 3 and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for _ in range(presses):
+        os.killpg(launcher.pid, signal.SIGINT)
+        time.sleep(0.2)
+    out, err = launcher.communicate(timeout=SECONDS)
+    return launcher, out, err
+
+
+def test_ctrl_c_saves_on_every_rank_and_the_run_resumes_to_the_same_losses(tmp_path):
+    env, run = _env(tmp_path), tmp_path / "run"
+    launcher, _, err = _ctrl_c(env, run, presses=1)
+    assert launcher.returncode == 130, err
+    last = _logged(run)
+    assert f"after step {last}; checkpoint" in err and "Traceback" not in err
+    saved = checkpoint.load_latest(run)
+    assert saved.sharded and saved.step == last
+
+    resumed = _memo(env, "train", "--resume", str(run), "--steps", str(last + 2), "--json")
+    straight = _memo(env, *RUN, "--steps", str(last + 2), "--out", str(tmp_path / "straight"))
+    losses = [_losses(p.communicate(timeout=SECONDS)[0]) for p in (resumed, straight)]
+    assert sorted(losses[0]) == [last + 1, last + 2]
+    for step in losses[0]:
+        torch.testing.assert_close(losses[0][step], losses[1][step], rtol=1e-5, atol=0)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_leaves_the_checkpoints_whole(tmp_path):
+    run = tmp_path / "run"
+    launcher, _, err = _ctrl_c(_env(tmp_path), run, presses=2)
+    assert launcher.returncode == 130, err
+    saved = checkpoint.load_latest(run)  # verified: the newest whole checkpoint
+    assert saved.step >= 3 and not list((run / "checkpoints").glob("*.tmp*"))
