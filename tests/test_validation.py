@@ -46,6 +46,9 @@ def empty_cwd(tmp_path, monkeypatch):
         (["--seq-len", "-4"], "argument --seq-len"),
         (["--seq-len", "lots"], "argument --seq-len"),
         (["--seq-len", "16K", "--host-budget", "1M"], "memo's host pool needs at least"),
+        (["--nnodes", "2", "--node-rank", "2"], "`--node-rank` must be in [0, --nnodes 2), got 2"),
+        (["--master-port", "70000"], "`--master-port` must be in [1, 65535], got 70000"),
+        (["--nproc", "2", "--model", "nosuch"], "`--model` 'nosuch' is neither a preset"),  # before any rank starts
     ],
 )
 def test_bad_train_start_is_one_line_and_leaves_no_run_folder(capsys, empty_cwd, monkeypatch, argv, message):
@@ -53,6 +56,12 @@ def test_bad_train_start_is_one_line_and_leaves_no_run_folder(capsys, empty_cwd,
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert_one_line_error(capsys, ["train", "--steps", "1", *argv], message)
     assert list(empty_cwd.iterdir()) == []
+
+
+def test_debug_adds_the_traceback_to_the_line(capsys):
+    assert run([*ESTIMATE_7B[:-1], "nosuch", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memo estimate: error: ") and "Traceback (most recent call last)" in err
 
 
 def test_a_gpu_index_past_the_machines_gpus_names_device(capsys, empty_cwd, monkeypatch):
@@ -101,7 +110,7 @@ def test_non_positive_or_unreadable_lengths_are_one_line_errors(capsys, argv, va
 
 
 def test_plan_refuses_a_length_no_gpu_holds_before_tracing(capsys, monkeypatch):
-    monkeypatch.setattr("memo.cli.plan", lambda *a, **k: pytest.fail("traced"))
+    monkeypatch.setattr("memo.plan.bilevel.plan", lambda *a, **k: pytest.fail("traced"))
     assert_one_line_error(capsys, ["plan", "--model", "tiny", "--seq", "1T"], "the plan traces each of them")
     assert_one_line_error(capsys, ["plan", "--model", "gpt-7b", "--seq", "4M"], "more than the largest listed GPU")
 

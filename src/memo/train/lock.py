@@ -1,0 +1,51 @@
+"""One trainer per run folder: an OS lock on RUN_DIR/.lock, held for the trainer's whole life.
+
+On clusters a requeued job may start while its first attempt still runs; two trainers in one folder replace
+each other's metrics and remove each other's temporary checkpoints. `flock` is released by the kernel when
+the process ends however it ends, so a crash leaves no stale lock to clean up by hand. The file says who
+holds it (pid and host) for the second trainer's one-line error.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+NAME = ".lock"
+
+
+class RunLock:
+    """Holds the lock on `run_dir` (which must exist) until `release()` or the process ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / NAME
+        self._file = self.path.open("a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(self.path)
+            self._file.close()
+            raise ValueError(
+                f"{run_dir} is in use by another `memo train` ({holder}): wait for it to end or stop it, or give "
+                "another `--out`"
+            ) from None
+        self._file.truncate(0)
+        self._file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def _holder(path: Path) -> str:
+    """Returns "pid N on host H" from the lock file (its holder wrote it), or what is known."""
+    try:
+        who = json.loads(path.read_text())
+        return f"pid {who['pid']} on host {who['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its holder did not say who it is yet"
