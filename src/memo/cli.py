@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import traceback
@@ -23,6 +24,7 @@ from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device
 from .eval import DTYPES as EVAL_DTYPES
 from .eval import PasskeyTask, held_out_sequences, load, passkey_accuracy, perplexity_by_position, plot_passkey
+from .files import read_json_object, write_text
 from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
@@ -67,6 +69,7 @@ def _add_field(p, f) -> None:
     kind = {"alpha": _cli_type(alpha_value, "alpha"), "seq_len": _cli_type(parse_size, "size")}.get(f.name)
     kind = kind or f.metadata.get("kind")
     kind = kind or (type(f.default) if f.default is not None else str)
+    kind = NUMBER if kind is float else kind
     p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text)
 
 
@@ -82,6 +85,27 @@ def _cli_type(parse, name: str):
 
     convert.__name__ = name
     return convert
+
+
+def _finite(text: str) -> float:
+    """Returns a float flag's value: nan and inf are not settings."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
+NUMBER = _cli_type(_finite, "number")
+
+
+def _path(text: str) -> str:
+    """Returns a path flag's value: an empty one would silently mean the current folder."""
+    if not text.strip():
+        raise ValueError("an empty path")
+    return text
+
+
+PATH = _cli_type(_path, "path")
 
 
 def _run_train(args) -> int:
@@ -151,6 +175,9 @@ def _show(record: dict, quiet: bool, as_json: bool, bar, history: list, evals: l
     if "eval_loss" in record:
         evals.append(record)
         return
+    if "skipped" in record:  # its warning is printed; the bar moves on
+        bar.update()
+        return
     history.append(record)
     bar.set_postfix(
         loss=f"{record['loss']:.3f}",
@@ -201,10 +228,10 @@ def _export_parser(sub) -> None:
         "transformers' AutoModelForCausalLM.from_pretrained(DIR) loads: config.json (Llama, Mistral, Qwen2 or "
         "Qwen3, with the RoPE and length trained at), generation_config.json, weights and the run's tokenizer.",
     )
-    p.add_argument("run_dir", help="a run directory written by `memo train`")
+    p.add_argument("run_dir", type=PATH, help="a run directory written by `memo train`")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--out", help="safetensors path (default: RUN_DIR/export/model.safetensors)")
-    where.add_argument("--hf", metavar="DIR", help="write a Hugging Face checkpoint folder to DIR instead")
+    where.add_argument("--out", type=PATH, help="safetensors path (default: RUN_DIR/export/model.safetensors)")
+    where.add_argument("--hf", type=PATH, metavar="DIR", help="write a Hugging Face checkpoint folder to DIR instead")
     p.set_defaults(run=_run_export)
 
 
@@ -215,8 +242,8 @@ def _run_export(args) -> int:
 
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="plot a run's loss, throughput and memory to PNG")
-    p.add_argument("run_dir", help="a run directory written by `memo train`")
-    p.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
+    p.add_argument("run_dir", type=PATH, help="a run directory written by `memo train`")
+    p.add_argument("--out", type=PATH, help="PNG path (default: RUN_DIR/report.png)")
     p.set_defaults(run=_run_report)
 
 
@@ -239,13 +266,15 @@ def _estimate_parser(sub) -> None:
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", required=True, help="GPU name: " + ", ".join(GPUS))
-    p.add_argument("--gpu-file", default=None, help="JSON file with more GPU specs (fields as in cost/hardware.py)")
+    p.add_argument(
+        "--gpu-file", type=PATH, default=None, help="JSON file with more GPU specs (fields as in cost/hardware.py)"
+    )
     p.add_argument("--system", action="append", choices=SYSTEMS, help="system(s) to estimate (default: all)")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel GPUs per sequence (default: all GPUs)")
-    p.add_argument("--calibration", default=None, help="JSON written by `memo calibrate` on this GPU type")
+    p.add_argument("--calibration", type=PATH, default=None, help="JSON written by `memo calibrate` on this GPU type")
     p.add_argument("--max-seq", action="store_true", help="search the longest sequence that fits, per system")
     p.add_argument("--sweep", action="store_true", help="MFU against sequence length (32K..4M) for all systems")
-    p.add_argument("--plot", default=None, help="with --sweep: write the MFU plot to this PNG")
+    p.add_argument("--plot", type=PATH, default=None, help="with --sweep: write the MFU plot to this PNG")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_run_estimate)
 
@@ -253,7 +282,7 @@ def _estimate_parser(sub) -> None:
 def _run_estimate(args) -> int:
     gpus = load_gpus(args.gpu_file) if args.gpu_file else GPUS
     spec = gpu(args.gpu, gpus)
-    eff = efficiency_from_calibration(_read_json(args.calibration), spec) if args.calibration else Efficiency()
+    eff = efficiency_from_calibration(read_json_object(args.calibration), spec) if args.calibration else Efficiency()
     cfg = ModelConfig.preset(args.model)
     systems = args.system or list(SYSTEMS)
     if args.plot and not args.sweep:
@@ -317,15 +346,15 @@ def _calibrate_parser(sub) -> None:
         "bandwidth (pinned on CUDA); pass the JSON to `memo estimate --calibration`.",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
-    p.add_argument("--out", default=None, help="write the measurements to this JSON file")
+    p.add_argument("--out", type=PATH, default=None, help="write the measurements to this JSON file")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
     p.set_defaults(run=_run_calibrate)
 
 
 def _run_calibrate(args) -> int:
-    result = calibrate(torch.device(args.device))
+    result = calibrate(check_device(args.device))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_text(args.out, json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result))
     else:
@@ -343,9 +372,9 @@ def _dsa_parser(sub) -> None:
         description="Place buffers with half-open lifetimes at offsets so that buffers live at the "
         "same time never overlap, minimising the peak; prints peak, LOAD lower bound, gap and proof.",
     )
-    p.add_argument("file", help="CSV with header id,lower,upper,size")
-    p.add_argument("--time-limit", type=float, default=30.0, help="seconds (default: %(default)s)")
-    p.add_argument("--out", default=None, help="write the placement as CSV with an offset column")
+    p.add_argument("file", type=PATH, help="CSV with header id,lower,upper,size")
+    p.add_argument("--time-limit", type=NUMBER, default=30.0, help="seconds (default: %(default)s)")
+    p.add_argument("--out", type=PATH, default=None, help="write the placement as CSV with an offset column")
     p.add_argument("--json", action="store_true", help="print JSON: peak, lower_bound, gap, optimal, seconds, method")
     p.set_defaults(run=_run_dsa)
 
@@ -403,9 +432,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per GPU (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="sequence/tensor-parallel GPUs: each traces seq/tp tokens")
     p.add_argument("--policy", default="memo", choices=STRATEGIES, help="activation strategy (default: %(default)s)")
-    p.add_argument("--alpha", type=float, default=0.5, help="memo alpha (default: %(default)s)")
-    p.add_argument("--time-limit", type=float, default=20.0, help="solver seconds (default: %(default)s)")
-    p.add_argument("--plot", default=None, help="write the plan and allocator curves to this PNG")
+    p.add_argument("--alpha", type=NUMBER, default=0.5, help="memo alpha (default: %(default)s)")
+    p.add_argument("--time-limit", type=NUMBER, default=20.0, help="solver seconds (default: %(default)s)")
+    p.add_argument("--plot", type=PATH, default=None, help="write the plan and allocator curves to this PNG")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_run_plan)
 
@@ -418,6 +447,8 @@ def _run_plan(args) -> int:
     from .plan.bilevel import plan
     from .plan.plot import plot_plan
 
+    if not args.time_limit > 0:
+        raise ValueError(f"`--time-limit` must be positive, got {args.time_limit}")
     cfg = ModelConfig.preset(args.model)
     policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
     _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)
@@ -466,9 +497,13 @@ def _eval_parser(sub) -> None:
         "pass-key (needle-in-a-haystack) accuracy per prompt length and needle depth, by greedy decoding; with "
         "--ppl-file, the loss of a held-out text by token position. Prompts are generated from --seed.",
     )
-    p.add_argument("path", help="a `memo train` run directory, or a Hugging Face folder (config.json + safetensors)")
     p.add_argument(
-        "--tokenizer", help="Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)"
+        "path", type=PATH, help="a `memo train` run directory, or a Hugging Face folder (config.json + safetensors)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=PATH,
+        help="Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)",
     )
     p.add_argument(
         "--lengths",
@@ -486,7 +521,9 @@ def _eval_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of keys and filler (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: %(default)s)")
     p.add_argument(
-        "--ppl-file", help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)"
+        "--ppl-file",
+        type=PATH,
+        help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)",
     )
     p.add_argument(
         "--bucket-size",
@@ -495,7 +532,7 @@ def _eval_parser(sub) -> None:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=list(EVAL_DTYPES), help="(default: %(default)s)")
-    p.add_argument("--plot", help="write the pass-key heatmap (length x depth) to this PNG")
+    p.add_argument("--plot", type=PATH, help="write the pass-key heatmap (length x depth) to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=_run_eval)
 
@@ -577,13 +614,6 @@ def _print_eval(report: dict, seed: int) -> None:
             print(f"| [{format_count(b['start'])}, {format_count(b['end'])}) | {b['tokens']} | {loss} | {perplexity} |")
 
 
-def _read_json(path: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {path}: {err}") from None
-
-
 class _Parser(argparse.ArgumentParser):
     """Bad arguments are one line on stderr and exit 2, like every other bad input (`--help` shows usage)."""
 
@@ -610,8 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `memo <verb>`; returns the exit code. Expected failures (bad input 2, the machine's I/O 1, Ctrl-C 130)
-    are one line on stderr, with the traceback only under `--debug`; any other exception is a bug: traceback."""
+    """Runs `memo <verb>`; returns the exit code. Expected failures (bad input, a file or device that cannot be
+    used: 2; Ctrl-C: 130) are one line on stderr, with the traceback only under `--debug`; any other exception
+    is a bug: its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -623,8 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, OSError, KeyboardInterrupt) as err:
-        code = 2 if isinstance(err, ValueError) else 1 if isinstance(err, OSError) else 130
-        line = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
+        code = 130 if isinstance(err, KeyboardInterrupt) else 2
+        line = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {_message(err)}"
         if _first_to_fail(line, code):  # under a distributed launch: once, from the rank that failed first
             print(f"memo {args.verb}: {line}", file=sys.stderr)
             if args.debug:
@@ -638,6 +669,14 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         logging.getLogger("memo").removeHandler(warnings)
+
+
+def _message(err: Exception) -> str:
+    """Returns an error's line; an OSError's names the file and the reason without Python's [Errno N]."""
+    if isinstance(err, OSError) and err.strerror:
+        where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f)
+        return f"{where}: {err.strerror}" if where else err.strerror
+    return str(err)
 
 
 def _first_to_fail(line: str, code: int) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .figures import pyplot
+from .figures import pyplot, save
 from .hf import CONFIG_NAME, from_hf
 from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
@@ -312,8 +312,7 @@ def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> 
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 # ---------------------------------------------------------------------------------------------- loss by position

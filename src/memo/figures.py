@@ -3,6 +3,10 @@ a fifth of a second of every command's start."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .files import atomic_output
+
 
 def pyplot():
     """Returns matplotlib.pyplot on the Agg backend (no display needed: runs on servers and in CI)."""
@@ -12,3 +16,12 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path: str | Path, dpi: int = 110) -> None:
+    """Writes `fig` to `path` atomically (a failed save leaves no half picture) and frees it."""
+    try:
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=dpi)
+    finally:
+        pyplot().close(fig)

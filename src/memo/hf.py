@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig, RopeScaling
+from .files import read_json_object
 from .model import Transformer
 from .policy import ActivationPolicy
 
@@ -357,7 +358,7 @@ def special_token_ids(tokenizer: str | os.PathLike) -> dict[str, int | None]:
     named = {}
     for side in reversed(TOKENIZER_NAMES[1:]):  # tokenizer_config.json wins
         if (path.parent / side).is_file():
-            named.update(json.loads((path.parent / side).read_text()))
+            named.update(read_json_object(path.parent / side))
     ids = {}
     for key, usual in _SPECIAL_TOKENS.items():
         if key in named:
@@ -380,7 +381,10 @@ def _weight_files(path: Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if not index.is_file():
         raise FileNotFoundError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME} (only safetensors load)")
-    files = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: expected a `weight_map` object of tensor name: file")
+    files = {name: path / file for name, file in weight_map.items()}
     for file in set(files.values()):
         if not file.is_file():
             raise FileNotFoundError(f"{INDEX_NAME} names a shard that is missing: {file}")
@@ -425,7 +429,7 @@ def from_hf(
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
-    config = config or config_from_hf(json.loads(config_file.read_text()), name=path.name or "custom")
+    config = config or config_from_hf(read_json_object(config_file), name=path.name or "custom")
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(config, policy)
     shapes = {name: p.shape for name, p in model.state_dict().items()}
@@ -473,6 +477,8 @@ def save_hf(
     a 0755 folder under the usual umask 022), not safetensors' 0600.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file: a Hugging Face checkpoint is a folder, give a folder path")
     _check_weights(config, weights)
     token_ids = special_token_ids(tokenizer) if tokenizer is not None else {}
     dtype = weights["embed.weight"].dtype

@@ -14,7 +14,10 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), flags=re.IGNORECASE)
     if not m:
         raise ValueError(f"cannot read size {text!r}; use a number with an optional K/M/G/T suffix, e.g. 512K")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
 
 
 def format_bytes(n: float) -> str:

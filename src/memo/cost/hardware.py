@@ -9,9 +9,10 @@ designs. Achieved fractions of these peaks are `Efficiency` parameters, measured
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..files import read_json_object
 
 GB, TB = 10**9, 10**12
 GiB, TiB = 2**30, 2**40
@@ -128,13 +129,12 @@ def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Efficiency:
 def load_gpus(path: str | Path) -> dict[str, GPUSpec]:
     """Returns the built-in GPUs plus those in a JSON file: {"NAME": {field: value, ...}, ...}."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read GPU file {path}: {err}") from None
+    data = read_json_object(path)
     gpus = dict(GPUS)
     fields = {f.name for f in dataclasses.fields(GPUSpec)}
     for name, spec in data.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"GPU {name!r} in {path}: expected an object of fields, got {spec!r}")
         unknown = set(spec) - fields
         if unknown:
             raise ValueError(f"GPU {name!r} in {path}: unknown fields {sorted(unknown)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ModelConfig
-from ..figures import pyplot
+from ..figures import pyplot, save
 from ..units import format_count
 from .estimate import SYSTEMS, Estimate, estimate
 from .hardware import Efficiency, GPUSpec
@@ -48,5 +48,4 @@ def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)

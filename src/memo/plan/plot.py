@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..figures import pyplot
+from ..figures import pyplot, save
 from .bilevel import Plan
 
 GiB = 2**30
@@ -49,5 +49,4 @@ def plot_plan(plan: Plan, path: str | Path, title: str) -> None:
     right.legend(loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

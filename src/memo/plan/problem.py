@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_output
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -79,7 +81,7 @@ def read_csv(path: str | Path) -> Problem:
 
 def write_csv(problem: Problem, path: str | Path, offsets: np.ndarray | None = None) -> None:
     """Writes the problem (with an `offset` column when a placement is given) in MiniMalloc's CSV format."""
-    with Path(path).open("w", newline="") as f:
+    with atomic_output(path) as tmp, tmp.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "lower", "upper", "size"] + (["offset"] if offsets is not None else []))
         for i, name in enumerate(problem.ids):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
+from ..files import atomic_output
 from ..hf import save_hf
 from .config import TrainConfig, model_config
 
@@ -203,11 +204,16 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Returns the complete checkpoints of a run, oldest first (temporary folders are never listed)."""
+    """Returns the complete checkpoints of a run, oldest first (temporary folders and anything not named
+    step-N, such as a user's copy "step-5-backup", are never listed)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists()
+    ]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
@@ -339,15 +345,14 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
     if hf is not None:
         model = saved_model_config(saved.state, run_dir)
         return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config))
-    out = Path(out) if out else Path(run_dir) / "export" / "model.safetensors"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    if out is None:
+        out = Path(run_dir) / "export" / "model.safetensors"
+        out.parent.mkdir(exist_ok=True)
     metadata = {"step": str(saved.step), "model": str(config.get("model", ""))}
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
-    _chmod_as_new(tmp)
-    _fsync(tmp)
-    os.replace(tmp, out)
-    return out
+    with atomic_output(out) as tmp:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
+        _chmod_as_new(tmp)
+    return Path(out)
 
 
 def saved_model_config(state: dict, run_dir: Path) -> ModelConfig:

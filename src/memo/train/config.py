@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..config import PRESETS, ModelConfig, RopeScaling
+from ..files import read_json_object
 from ..policy import STRATEGIES, ActivationPolicy
 from ..units import parse_size
 
@@ -73,6 +74,9 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "max global gradient norm")
+    skip_nonfinite: int = _f(
+        0, "steps whose loss or gradient norm is nan/inf that are skipped (no update) before the run stops"
+    )
     seed: int = _f(0, "seed for weights and data")
     device: str = _f("cpu", "torch device, e.g. cpu or cuda (distributed: cuda:LOCAL_RANK on CUDA machines)")
     dtype: str = _f("float32", "bfloat16: bf16 compute with fp32 master weights and optimizer state", choices=DTYPES)
@@ -98,12 +102,18 @@ class TrainConfig:
     tensorboard: bool = _f(False, "also write TensorBoard events (needs the `tensorboard` package)")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"`--{_flag(f.name)}` must be a finite number, got {value}")
+            if isinstance(value, str) and not value.strip():  # "" would mean the current folder, silently
+                raise ValueError(f"`--{_flag(f.name)}` must not be empty")
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "keep_checkpoints", "eval_every", "eval_batches")
         positive += ("sp", "nproc", "nnodes")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_every", "weight_decay"):
+        for name in ("warmup_steps", "save_every", "weight_decay", "skip_nonfinite"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`--{_flag(name)}` must not be negative, got {getattr(self, name)}")
         for name in ("lr", "grad_clip"):
@@ -221,7 +231,7 @@ def named_model_config(model: str) -> ModelConfig:
     if path.is_dir():
         if not (path / CONFIG_NAME).is_file():
             raise ValueError(f"`--model` folder {model!r} has no {CONFIG_NAME} (a Hugging Face checkpoint folder)")
-        return config_from_hf(json.loads((path / CONFIG_NAME).read_text()), name=path.name)
+        return config_from_hf(read_json_object(path / CONFIG_NAME), name=path.name)
     if path.is_file():
         try:
             return ModelConfig(**read_config_file(path))
@@ -261,6 +271,8 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
     if name == "alpha" and isinstance(value, (list, tuple, str)):  # one α per layer: a list, or "0.2,0.5,..."
         return alpha_value(value) if isinstance(value, str) else _alpha_list(value, origin)
     if value is None:
+        if default is not None:  # a null in a config file where the field needs a value
+            raise ValueError(f"{origin}: `{name}` needs a value, got null (leave it out for {default!r})")
         return None
     expected = kind or (type(default) if default is not None else (float if name == "alpha" else str))
     if name == "seq_len" and isinstance(value, str):

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from ..files import atomic_output, read_json_object, write_text
 from ..loss import shift_labels
 
 log = logging.getLogger(__name__)
@@ -354,17 +355,17 @@ def write_token_file(
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     starts: list[int] = []
     num_tokens = max_id = 0
-    with open(out, "wb") as f:
+    with atomic_output(out) as tmp, open(tmp, "wb") as f:
         for ids in tokenize_documents(text_files(data), tokenizer, text_field):
             starts.append(num_tokens)
             array = np.asarray(ids, dtype=np.int64)
             max_id = max(max_id, int(array.max()))
             f.write(array.astype(dtype).tobytes())
             num_tokens += len(ids)
-    if num_tokens == 0:
-        out.unlink()
-        raise ValueError(f"`--data` {str(data)!r} holds no text to tokenize")
-    np.save(_doc_starts_path(out), np.asarray(starts, dtype=np.int64))
+        if num_tokens == 0:
+            raise ValueError(f"`--data` {str(data)!r} holds no text to tokenize")
+    with atomic_output(_doc_starts_path(out)) as tmp:
+        np.save(tmp, np.asarray(starts, dtype=np.int64))
     sidecar = {
         "format": TOKEN_FILE_FORMAT,
         "dtype": np.dtype(dtype).name,
@@ -374,7 +375,7 @@ def write_token_file(
         "vocab_size": tokenizer.vocab_size,
         "tokenizer": tokenizer.name,
     }
-    _sidecar(out).write_text(json.dumps(sidecar, indent=2) + "\n")
+    write_text(_sidecar(out), json.dumps(sidecar, indent=2) + "\n")
     log.info("wrote %d tokens in %d documents to %s", num_tokens, len(starts), out)
     return sidecar
 
@@ -390,31 +391,64 @@ def read_token_file(path: str | Path, flag: str = "--data") -> tuple[np.ndarray,
         raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
     docs_path = _doc_starts_path(path)
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        tokens = _load_npy(path)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ValueError(f"{path}: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
-        max_id = int(tokens.max()) if len(tokens) else 0
-        if len(tokens) and int(tokens.min()) < 0:
-            raise ValueError(f"{path}: token ids must be non-negative")
     else:
         sidecar_path = _sidecar(path)
-        if not sidecar_path.is_file():
-            raise ValueError(
-                f"{path}: a .bin token file needs its sidecar {sidecar_path.name} (see `write_token_file`)"
-            )
-        sidecar = json.loads(sidecar_path.read_text())
-        if sidecar.get("format") != TOKEN_FILE_FORMAT:
-            raise ValueError(f"{sidecar_path}: format is {sidecar.get('format')!r}, expected {TOKEN_FILE_FORMAT!r}")
+        sidecar = _read_sidecar(sidecar_path)
         if path.stat().st_size != sidecar["num_tokens"] * np.dtype(sidecar["dtype"]).itemsize:
             raise ValueError(
-                f"{path}: size does not match {sidecar['num_tokens']} {sidecar['dtype']} tokens in its sidecar"
+                f"{path}: size does not match `num_tokens` {sidecar['num_tokens']} x `dtype` {sidecar['dtype']} of "
+                f"its sidecar {sidecar_path.name}"
             )
         tokens = np.memmap(path, dtype=sidecar["dtype"], mode="r") if sidecar["num_tokens"] else np.zeros(0, np.uint16)
-        max_id = sidecar["max_token_id"]
     if len(tokens) == 0:
         raise ValueError(f"{path}: token file is empty")
-    starts = np.load(docs_path, mmap_mode="r") if docs_path.is_file() else np.zeros(1, dtype=np.int64)
+    max_id = int(tokens.max())  # the ids the file really holds, not what a sidecar says (checked against it)
+    if int(tokens.min()) < 0:
+        raise ValueError(f"{path}: token ids must be non-negative")
+    if path.suffix != ".npy" and sidecar.get("max_token_id", max_id) != max_id:
+        raise ValueError(
+            f"{sidecar_path}: `max_token_id` is {sidecar['max_token_id']} but {path.name} holds ids up to {max_id}: "
+            "the sidecar does not describe this file"
+        )
+    starts = _doc_starts(docs_path, len(tokens)) if docs_path.is_file() else np.zeros(1, dtype=np.int64)
     return tokens, starts, max_id
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable .npy array ({err})") from None
+
+
+def _read_sidecar(path: Path) -> dict:
+    """Returns a .bin file's sidecar, its fields checked (format, an integer dtype, num_tokens)."""
+    if not path.is_file():
+        raise ValueError(f"a .bin token file needs its sidecar {path} (see `write_token_file`)")
+    sidecar = read_json_object(path)
+    if sidecar.get("format") != TOKEN_FILE_FORMAT:
+        raise ValueError(f"{path}: `format` is {sidecar.get('format')!r}, expected {TOKEN_FILE_FORMAT!r}")
+    if sidecar.get("dtype") not in ("uint16", "uint32", "int32", "int64"):
+        raise ValueError(f"{path}: `dtype` is {sidecar.get('dtype')!r}, expected uint16, uint32, int32 or int64")
+    count = sidecar.get("num_tokens")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"{path}: `num_tokens` must be a count, got {count!r}")
+    return sidecar
+
+
+def _doc_starts(path: Path, n_tokens: int) -> np.ndarray:
+    """Returns the document starts of `<stem>.docs.npy`, checked: 1-D integers from 0, increasing, in the file."""
+    starts = _load_npy(path)
+    ok = starts.ndim == 1 and starts.dtype.kind in "iu" and len(starts) and starts[0] == 0
+    if not (ok and bool(np.all(np.diff(starts) > 0)) and int(starts[-1]) < n_tokens):
+        raise ValueError(
+            f"{path}: document starts must be a 1-D integer array from 0, increasing and below the "
+            f"{n_tokens} tokens of its token file"
+        )
+    return starts
 
 
 # ------------------------------------------------------------------------------------------------------- packing

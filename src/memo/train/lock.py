@@ -3,7 +3,7 @@
 On clusters a requeued job may start while its first attempt still runs; two trainers in one folder replace
 each other's metrics and remove each other's temporary checkpoints. `flock` is released by the kernel when
 the process ends however it ends, so a crash leaves no stale lock to clean up by hand. The file says who
-holds it (pid and host) for the second trainer's one-line error.
+holds it (pid and host) for the second trainer's one-line error, and goes when the trainer ends.
 """
 
 from __future__ import annotations
@@ -22,24 +22,38 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / NAME
-        self._file = self.path.open("a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(self.path)
-            self._file.close()
-            raise ValueError(
-                f"{run_dir} is in use by another `memo train` ({holder}): wait for it to end or stop it, or give "
-                "another `--out`"
-            ) from None
+        while True:
+            self._file = self.path.open("a+")
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(self.path)
+                self._file.close()
+                raise ValueError(
+                    f"{run_dir} is in use by another `memo train` ({holder}): wait for it to end or stop it, or "
+                    "give another `--out`"
+                ) from None
+            if _same_file(self._file, self.path):
+                break
+            self._file.close()  # its holder removed it as we opened it: lock the file there now
         self._file.truncate(0)
         self._file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
         self._file.flush()
 
     def release(self) -> None:
+        """Removes the lock file, then unlocks (whoever opened it meanwhile sees it gone and opens anew)."""
         if not self._file.closed:
+            self.path.unlink(missing_ok=True)
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
+
+
+def _same_file(file, path: Path) -> bool:
+    """Returns whether `path` still names the open `file` (not removed or replaced since it was opened)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _holder(path: Path) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -31,6 +32,7 @@ from .. import parallel
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import GPUS
 from ..cost.memory import training_lower_bound
+from ..files import write_text
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..parallel import faults
@@ -39,6 +41,7 @@ from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
 from .config import LAUNCH, TrainConfig, model_config
 from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
+from .lock import RunLock
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
 from .signals import Interrupted, StopRequest
@@ -83,6 +86,21 @@ class Trainer:
             cfg = _record_launch(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.out) if cfg.out else self._agreed(_new_run_dir())
+        # one trainer per folder: rank 0 locks an existing one before reading its checkpoints, a new one once made
+        self.lock = RunLock(self.run_dir) if self.rank == 0 and self.run_dir.is_dir() else None
+        self.log = None
+        self.created = []  # directories this run made, deepest first: a start that fails removes them
+        try:
+            self._start(resume)
+        except BaseException:
+            self.discard()
+            raise
+        self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
+        self.peak_flops = _peak_flops(self.device)
+
+    def _start(self, resume: bool) -> None:
+        """Reads the checkpoint to resume, builds model, data and optimizer, and (rank 0) writes the run folder."""
+        cfg = self.cfg
         saved = checkpoint.load_latest(self.run_dir) if resume else None
         if not resume and checkpoint.list_checkpoints(self.run_dir):
             raise ValueError(f"{self.run_dir} already holds a run: `--resume {self.run_dir}` or another `--out`")
@@ -98,17 +116,15 @@ class Trainer:
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
         self.optimizer = MasterAdamW(self.model, cfg, clip)
         self.step = 0
+        self.skipped = 0  # steps whose loss or gradient norm was not finite (`--skip-nonfinite`)
         if saved:
             self._restore(saved)
-        self.log = None
-        self.created = []  # directories this run made, deepest first: a start that fails removes them
         if self.rank == 0:
             self.created = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(self.run_dir / "config.json", cfg.to_dict())
+            self.lock = self.lock or RunLock(self.run_dir)
+            write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
             self.log = MetricsLog(self.run_dir, cfg.tensorboard, resume_after=self.step)
-        self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
-        self.peak_flops = _peak_flops(self.device)
 
     def _device(self) -> torch.device:
         """Returns `--device`, or under torchrun this rank's GPU (cuda:LOCAL_RANK) or the CPU, as the mesh is."""
@@ -164,10 +180,11 @@ class Trainer:
         return Path(bytes(text.cpu().tolist()).rstrip(b"\0").decode())
 
     def discard(self) -> None:
-        """Removes the run directory (and `runs/`) if this run made them: a start that failed before its first
-        step leaves nothing behind."""
+        """Removes the run directory (and `runs/`) if this run made them, and unlocks it: a start that failed
+        before its first step leaves nothing behind."""
         if self.log is not None:
             self.log.close()
+        self._unlock()
         for path in self.created:
             if path == self.run_dir:
                 shutil.rmtree(path, ignore_errors=True)
@@ -178,6 +195,7 @@ class Trainer:
     def close(self) -> None:
         """Ends the process group a distributed Trainer started, after every rank arrives (the fault watch runs
         until then: a rank that fails on its way still ends the others)."""
+        self._unlock()
         if self.mesh and dist.is_initialized():
             dist.barrier()
             self.watch.stop()
@@ -186,9 +204,14 @@ class Trainer:
     def abandon(self) -> None:
         """Ends the process group after this rank failed: no barrier, the others may never arrive (the fault
         watch of each ends it once the failure is reported)."""
+        self._unlock()
         self.watch.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def records(self, stop: StopRequest | None = None) -> Iterator[dict]:
         """Trains; yields each step's record, then (at evaluation steps) an evaluation record. When `stop` has
@@ -197,6 +220,8 @@ class Trainer:
             while self.step < self.cfg.steps:
                 self.step += 1
                 record = self._train_step()
+                if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                    record = self._skip(record)
                 self._write(record)
                 yield record
                 if self.held_out is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
@@ -212,6 +237,28 @@ class Trainer:
         finally:
             if self.log is not None:
                 self.log.close()
+            self._unlock()  # the run's files are written: another trainer may take the folder
+
+    def _skip(self, record: dict) -> dict:
+        """Returns the record of a step whose loss or gradient norm is not finite (the weights were not updated),
+        or raises ValueError once more than `--skip-nonfinite` steps were: the last checkpoint stays the last
+        finite state."""
+        what, value = (
+            ("loss", record["loss"]) if not math.isfinite(record["loss"]) else ("gradient norm", record["grad_norm"])
+        )
+        self.skipped += 1
+        allowed = self.cfg.skip_nonfinite
+        if self.skipped > allowed:
+            newest = checkpoint.list_checkpoints(self.run_dir)
+            kept = f"the newest checkpoint, {newest[-1].name}, is untouched" if newest else "no checkpoint was written"
+            skipped = f" after skipping {allowed} such step(s)" if allowed else ""
+            raise ValueError(
+                f"step {self.step}: the {what} is {value}{skipped}; stopped without updating the weights, {kept}; "
+                "lower `--lr` or raise `--skip-nonfinite`"
+            )
+        if self.rank == 0:
+            log.warning(f"step {self.step}: the {what} is {value}: skipped ({self.skipped} of {allowed})")
+        return {"step": self.step, "skipped": what, "skipped_steps": self.skipped}
 
     def _agreed_signal(self, stop: StopRequest | None) -> int:
         """Returns the signal any rank caught (0: none), the same on every rank, so that all save together."""
@@ -278,8 +325,12 @@ class Trainer:
             loss.backward()
             total += loss.detach().float()
         lr = learning_rate(cfg, self.step)
-        grad_norm = self.optimizer.step(lr, cfg.grad_clip)
-        loss_value = total.item()  # synchronises the device: the step is done
+        loss_value = total.item()  # synchronises the device; the same value on every rank
+        if math.isfinite(loss_value):
+            grad_norm = self.optimizer.step(lr, cfg.grad_clip)  # a norm that is not finite updates nothing
+        else:
+            self.optimizer.discard()
+            grad_norm = math.nan
         seconds = time.perf_counter() - start
         tokens = cfg.batch_size * cfg.seq_len  # over all ranks
         flops = self.flops_per_token * tokens / seconds
@@ -313,6 +364,7 @@ class Trainer:
             "alphas": self.model.swap_stats().alphas or None,
             "rng": _rng_state(self.device),
             "data": {"next_step": self.step + 1},
+            "skipped_steps": self.skipped,
         }
         save = checkpoint.save_sharded if self.mesh else checkpoint.save
         tensors = self.model.state_dict(), self.optimizer.state_tensors()
@@ -326,6 +378,7 @@ class Trainer:
             raise ValueError(f"checkpoint {saved.path} does not fit this model: {err}") from None
         _set_rng_state(saved.state["rng"], self.device)
         self.step = saved.step
+        self.skipped = saved.state.get("skipped_steps", 0)
 
     def _load_into(self, saved: checkpoint.Checkpoint) -> None:
         """Reads the checkpoint into this rank's parameters and optimizer state (only the slices it holds).
@@ -387,6 +440,8 @@ def _record_launch(cfg: TrainConfig) -> TrainConfig:
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied; an error when
     its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing)."""
+    if Path(run_dir).is_dir():
+        RunLock(Path(run_dir)).release()  # a run still in progress is the error, not its missing checkpoint
     saved = checkpoint.load_latest(Path(run_dir))
     kept = {k: v for k, v in saved.state["config"].items() if k not in LAUNCH}  # a 2-node run resumes on one
     cfg = TrainConfig.from_dict({**kept, **overrides, "out": str(run_dir)}, f"{run_dir}")
@@ -429,9 +484,3 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
-
-
-def _write_json(path: Path, value) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -49,13 +52,20 @@ def _tensorboard_writer(run_dir: Path):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Returns the records of a metrics.jsonl (a torn last line, from a crash, is skipped)."""
+    """Returns the records of a metrics.jsonl; lines that are not a record (a torn last line from a crash, an
+    edit, a foreign line) are skipped and named in a warning, never a crash."""
     if not Path(path).exists():
         return []
-    records = []
-    for line in Path(path).read_text().splitlines():
+    records, skipped = [], []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif line.strip():
+            skipped.append(str(number))
+    if skipped:
+        log.warning("%s: skipped line(s) %s, not metrics records", path, ", ".join(skipped[:10]))
     return records

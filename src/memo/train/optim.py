@@ -51,22 +51,31 @@ class MasterAdamW:
         self.clip_grad_norm = clip_grad_norm or (lambda max_norm: torch.nn.utils.clip_grad_norm_(self.master, max_norm))
 
     def step(self, lr: float, grad_clip: float) -> float:
-        """Clips the global gradient norm, updates the masters, copies them to the model; returns the norm."""
+        """Clips the global gradient norm, updates the masters, copies them to the model; returns the norm. A
+        norm that is not finite (nan, inf) updates nothing: the weights and moments stay those of the last
+        good step."""
         if self.separate:
             for m, p in zip(self.master, self.params):
                 m.grad = None if p.grad is None else p.grad.float()
         norm = float(self.clip_grad_norm(grad_clip))
+        if not math.isfinite(norm):
+            self.discard()
+            return norm
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
-        self.adamw.zero_grad(set_to_none=True)
-        for p in self.params:
-            p.grad = None
+        self.discard()
         if self.separate:
             with torch.no_grad():
                 for m, p in zip(self.master, self.params):
                     p.copy_(m)
         return norm
+
+    def discard(self) -> None:
+        """Drops the gradients (after an update, or instead of one)."""
+        self.adamw.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Returns every tensor of the optimizer state (moments, step counts, masters) by a flat name."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..figures import pyplot
+from ..figures import pyplot, save
 from .metrics import read_metrics
 
 GIB = 1 << 30
@@ -37,8 +37,7 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(f"{run_dir.name}")
     fig.tight_layout()
     out = Path(out) if out else run_dir / "report.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
     return out
 
 

@@ -1,0 +1,57 @@
+"""Files a user hands memo, and files memo hands back: JSON is read with the file named in every error, and every
+output is written atomically (a temporary file beside the target, renamed over it once whole), so a failure or
+a full disk never leaves half a file or a temporary one behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def read_json(path: str | Path) -> Any:
+    """Returns the JSON value in `path`; ValueError naming the file when it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_json_object(path: str | Path) -> dict:
+    """Returns the JSON object in `path` (a list or a number where fields are expected is an error)."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object of fields, got a {type(value).__name__}")
+    return value
+
+
+@contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary path beside `path` (same suffix, so writers that go by it still do) that replaces
+    `path` when the block ends without error, and is removed otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: give a file path")
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot write {path}: folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Writes `text` to `path` atomically."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
