@@ -209,13 +209,21 @@ def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None
         f"throughput {tokens_per_s:.0f} tokens/s  offloaded {format_bytes(last['bytes_offloaded'])}/step  "
         f"recomputed {format_bytes(last['bytes_recomputed'])}/step  host pool {format_bytes(last['host_pool_bytes'])}"
     )
-    if trainer.arena is not None:
-        summary = trainer.arena.summary()
-        print(
-            f"arena {format_bytes(summary['arena_bytes'])} for {format_bytes(summary['planned_bytes'])} of planned "
-            f"tensors; not planned: {', '.join(sorted({u['op'] for u in summary['unplanned']})) or 'nothing'}"
-        )
+    if trainer.arena is not None and trainer.arena.plan is not None:
+        print(_arena_line(trainer.arena.plan, history))
     print(f"metrics {trainer.run_dir / 'metrics.jsonl'}  picture: memo report {trainer.run_dir}")
+
+
+def _arena_line(plan, history: list[dict]) -> str:
+    """Returns the planned allocator's summary: the arena against the planned step's LOAD, and how the last step
+    was served."""
+    last = history[-1]
+    return (
+        f"arena {format_bytes(plan.arena_bytes)} = {plan.arena_bytes / max(plan.load_bytes, 1):.3f} x the step's LOAD "
+        f"{format_bytes(plan.load_bytes)}; last step: {last['arena_served']} of {plan.planned} planned allocations "
+        f"served, {last['arena_misses']} misses, {last['arena_collisions']} collisions, "
+        f"{format_bytes(last['arena_pass_peak_bytes'])} outside the arena"
+    )
 
 
 def _export_parser(sub) -> None:

@@ -11,6 +11,7 @@ process training the same batches. Rank 0 alone writes the run directory's files
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,6 +37,7 @@ from ..files import write_text
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..parallel import faults
+from ..plan.allocator import PlannedAllocator
 from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
@@ -115,6 +117,7 @@ class Trainer:
                 check_vocab(source, self.model.config.vocab_size, cfg.model)
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
         self.optimizer = MasterAdamW(self.model, cfg, clip)
+        self.arena = self._planned_allocator() if cfg.arena else None
         self.step = 0
         self.skipped = 0  # steps whose loss or gradient norm was not finite (`--skip-nonfinite`)
         if saved:
@@ -143,15 +146,19 @@ class Trainer:
         (its fp32 parameters are the masters), after checking that the node's host memory holds the offload."""
         cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
         if not self.mesh:
-            model = build_model(cfg, cfg.policy(alphas), self.device, dtype)
-            self.arena = model.plan_memory() if cfg.arena else None
-            return model
+            return build_model(cfg, cfg.policy(alphas), self.device, dtype)
         budget = parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
         model = build_model(cfg, cfg.policy(alphas, budget), self.device, torch.float32)
-        self.arena = model.plan_memory() if cfg.arena else None
         dp = self.mesh["dp"].size()
         parallel.check_host_budget(model, cfg.batch_size // cfg.grad_accum // dp, cfg.seq_len // cfg.sp, dtype, budget)
         return parallel.parallelize(model, self.mesh, mixed_precision=cfg.dtype == "bfloat16")
+
+    def _planned_allocator(self) -> PlannedAllocator:
+        """Returns the planned allocator `--arena` trains with (one CPU process for now)."""
+        if self.mesh or self.device.type != "cpu":
+            where = "distributed runs" if self.mesh else f"{self.device.type} devices"
+            raise ValueError(f"`--arena` (the planned allocator) runs in one CPU process for now, not on {where}")
+        return PlannedAllocator()
 
     def _sources(self) -> tuple[Source, Source | None]:
         """Returns (training data, held-out data or None): the generated task holds out a stream of its own,
@@ -216,28 +223,33 @@ class Trainer:
     def records(self, stop: StopRequest | None = None) -> Iterator[dict]:
         """Trains; yields each step's record, then (at evaluation steps) an evaluation record. When `stop` has
         caught a signal, the run ends after the current step with a checkpoint (`signals.Interrupted`)."""
+        planned = self.arena or contextlib.nullcontext()
         try:
-            while self.step < self.cfg.steps:
-                self.step += 1
-                record = self._train_step()
-                if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
-                    record = self._skip(record)
-                self._write(record)
-                yield record
-                if self.held_out is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
-                    record = {"step": self.step, **self.evaluate()}
-                    self._write(record)
-                    yield record
-                saved = None
-                if self.step == self.cfg.steps or (self.cfg.save_every and self.step % self.cfg.save_every == 0):
-                    saved = self.save()
-                signum = self._agreed_signal(stop)
-                if signum and self.step < self.cfg.steps:
-                    raise Interrupted(signum, self.step, saved or self.save(), self.run_dir)
+            with planned:
+                yield from self._steps(stop)
         finally:
             if self.log is not None:
                 self.log.close()
             self._unlock()  # the run's files are written: another trainer may take the folder
+
+    def _steps(self, stop: StopRequest | None) -> Iterator[dict]:
+        while self.step < self.cfg.steps:
+            self.step += 1
+            record = self._train_step()
+            if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                record = self._skip(record)
+            self._write(record)
+            yield record
+            if self.held_out is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
+                record = {"step": self.step, **self.evaluate()}
+                self._write(record)
+                yield record
+            saved = None
+            if self.step == self.cfg.steps or (self.cfg.save_every and self.step % self.cfg.save_every == 0):
+                saved = self.save()
+            signum = self._agreed_signal(stop)
+            if signum and self.step < self.cfg.steps:
+                raise Interrupted(signum, self.step, saved or self.save(), self.run_dir)
 
     def _skip(self, record: dict) -> dict:
         """Returns the record of a step whose loss or gradient norm is not finite (the weights were not updated),
@@ -316,21 +328,10 @@ class Trainer:
         targets_in_step = sum(counts)
         if targets_in_step == 0:
             raise ValueError(f"step {self.step}: no target tokens in the batch (every label is ignored)")
-        total = torch.zeros((), device=self.device)
-        for (micro_ids, micro_labels), count in zip(micro, counts):
-            if count == 0:
-                continue
-            local_ids, targets = self._local(micro_ids, micro_labels)
-            loss = model(local_ids, targets=targets) * (count / targets_in_step)
-            loss.backward()
-            total += loss.detach().float()
         lr = learning_rate(cfg, self.step)
-        loss_value = total.item()  # synchronises the device; the same value on every rank
-        if math.isfinite(loss_value):
-            grad_norm = self.optimizer.step(lr, cfg.grad_clip)  # a norm that is not finite updates nothing
-        else:
-            self.optimizer.discard()
-            grad_norm = math.nan
+        before = self.arena.counters() if self.arena else None
+        with self.arena.step() if self.arena else contextlib.nullcontext():  # the step the allocator plans
+            loss_value, grad_norm = self._update(micro, counts, lr)
         seconds = time.perf_counter() - start
         tokens = cfg.batch_size * cfg.seq_len  # over all ranks
         flops = self.flops_per_token * tokens / seconds
@@ -353,7 +354,26 @@ class Trainer:
         if self.device.type == "cuda":
             record["device_peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             record["device_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+        if self.arena:
+            record.update(_arena_record(self.arena, before))
         return record
+
+    def _update(self, micro: list, counts: list[int], lr: float) -> tuple[float, float]:
+        """Runs forward and backward over the micro-batches and the optimizer step; returns (loss, gradient norm),
+        nan for a norm not computed because the loss is not finite (nothing is updated then)."""
+        total = torch.zeros((), device=self.device)
+        for (micro_ids, micro_labels), count in zip(micro, counts):
+            if count == 0:
+                continue
+            local_ids, targets = self._local(micro_ids, micro_labels)
+            loss = self.model(local_ids, targets=targets) * (count / sum(counts))
+            loss.backward()
+            total += loss.detach().float()
+        loss_value = total.item()  # synchronises the device; the same value on every rank
+        if not math.isfinite(loss_value):
+            self.optimizer.discard()
+            return loss_value, math.nan
+        return loss_value, self.optimizer.step(lr, self.cfg.grad_clip)  # a norm that is not finite updates nothing
 
     def save(self) -> Path:
         """Writes a checkpoint of the current step (atomically); under torchrun every rank writes its shards
@@ -399,6 +419,21 @@ class Trainer:
             saved.load_into("model", masters)
             state.update({f"{name}.master": m for name, m in masters.items()})
         self.optimizer.load_state_tensors(state)
+
+
+def _arena_record(arena: PlannedAllocator, before: dict) -> dict:
+    """Returns a step's planned-allocator metrics: the arena and the LOAD of the step it was planned from, and
+    this step's requests served from it, misses (another step shape), collisions avoided, and the most bytes it
+    held at once outside the arena (in a recorded step: the default allocator's peak of the whole step)."""
+    now = arena.counters()
+    return {
+        "arena_bytes": now["arena_bytes"],
+        "arena_load_bytes": arena.plan.load_bytes if arena.plan else 0,
+        "arena_served": now["served"] - before["served"],
+        "arena_misses": now["misses"] - before["misses"],
+        "arena_collisions": now["collisions"] - before["collisions"],
+        "arena_pass_peak_bytes": now["pass_peak_bytes"] - before["pass_live_bytes"],  # what the step adds
+    }
 
 
 def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None) -> None:

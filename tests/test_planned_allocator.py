@@ -1,0 +1,155 @@
+"""The planned allocator (memo.plan.allocator) against PyTorch's own CPU allocator on the same steps: losses and
+every gradient bit-identical, every planned allocation served once the plan settles, the arena within 1% of the
+recorded LOAD; a step of another shape re-plans, a tensor freed later than recorded is a counted pass-through
+(its memory never handed out twice), tensors that outlive a step (optimizer state) stay out of the arena."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from memo import ActivationPolicy, ModelConfig, Transformer
+from memo.cli import main
+from memo.plan import allocator
+from memo.plan.allocator import PlannedAllocator
+
+STEPS = 5  # step 1 records (and creates the optimizer state), step 2 re-plans without it, 3-5 are served
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: requests come in one order, so every planned one is served (with two, buffers that
+    threads allocate side by side may swap places; `test_two_intra_op_threads...` checks the results then)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _policy(strategy: str) -> ActivationPolicy:
+    return ActivationPolicy(strategy, alpha=0.5 if strategy == "memo" else None)
+
+
+def _batch(step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 256, (2, seq), generator=g), torch.randint(0, 256, (2, seq), generator=g)
+
+
+def _train(preset, strategy, dtype, planned: bool, seqs=(64,) * STEPS, keep_at: int | None = None):
+    """Trains `len(seqs)` steps; returns per step (loss, gradients, the allocator's counters after it, the tensor
+    kept past its step or None), with the planned allocator or PyTorch's."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset(preset), _policy(strategy)).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    arena = PlannedAllocator() if planned else None
+    out, kept = [], []
+    with arena or contextlib.nullcontext():
+        for step, seq in enumerate(seqs, 1):
+            ids, targets = _batch(step, seq)
+            hook = model.layers[0].register_forward_hook(lambda m, i, o: kept.append(o)) if step == keep_at else None
+            with arena.step() if arena else contextlib.nullcontext():
+                loss = model(ids, targets=targets)
+                loss.backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if hook:
+                hook.remove()
+            counters = arena.counters() if arena else {}
+            out.append((loss.item(), grads, counters, arena.plan if arena else None, kept[0].clone() if kept else None))
+            kept.clear()
+        state = [s["exp_avg"] for s in optimizer.state.values()]
+    return out, state
+
+
+def _same(planned, reference) -> None:
+    for step, (got, want) in enumerate(zip(planned, reference), 1):
+        assert got[0] == want[0], f"step {step}: loss {got[0]} != {want[0]}"
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), f"step {step}: gradients differ"
+
+
+def _served(before: dict, after: dict) -> int:
+    return after["served"] - before["served"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", ["none", "full", "memo"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_planned_steps_match_the_default_allocator_bit_for_bit_and_are_all_served(preset, strategy, dtype):
+    planned, _ = _train(preset, strategy, dtype, planned=True)
+    reference, _ = _train(preset, strategy, dtype, planned=False)
+    _same(planned, reference)
+    plan = planned[-1][3]
+    assert plan.arena_bytes <= 1.01 * plan.load_bytes
+    for step in (3, 4, 5):  # settled: every planned allocation served, no miss
+        before, after = planned[step - 2][2], planned[step - 1][2]
+        assert _served(before, after) == plan.planned and after["misses"] == before["misses"], step
+
+
+def test_a_step_of_another_length_leaves_the_plan_and_the_next_is_served_from_a_new_one():
+    seqs = (64, 64, 64, 128, 128, 128)
+    planned, _ = _train("tiny", "memo", torch.float32, planned=True, seqs=seqs)
+    reference, _ = _train("tiny", "memo", torch.float32, planned=False, seqs=seqs)
+    _same(planned, reference)
+    counters = [c for _, _, c, _, _ in planned]
+    assert counters[3]["misses"] == counters[2]["misses"] + 1  # step 4 derails once, the rest passes through
+    assert planned[3][3].load_bytes > planned[2][3].load_bytes  # and is planned again, longer
+    assert _served(counters[4], counters[5]) == planned[5][3].planned
+
+
+def test_a_tensor_freed_later_than_recorded_is_passed_through_never_overwritten():
+    planned, _ = _train("tiny", "memo", torch.float32, planned=True, keep_at=4)
+    reference, _ = _train("tiny", "memo", torch.float32, planned=False, keep_at=4)
+    _same(planned, reference)
+    assert planned[3][2]["collisions"] > 0  # regions it still held went to the default allocator instead
+    assert torch.equal(planned[3][4], reference[3][4])  # and what it holds was not overwritten
+
+
+def test_tensors_that_outlive_their_step_stay_outside_the_arena():
+    planned, state = _train("tiny", "memo", torch.float32, planned=True)
+    counters, plan = planned[-1][2], planned[-1][3]
+    start, end = counters["arena_address"], counters["arena_address"] + counters["arena_bytes"]
+    assert state and all(not start <= t.data_ptr() < end for t in state)  # AdamW's moments, made in step 1
+    assert plan.planned < plan.requests  # the loss outlives the step: it passes through
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_intra_op_threads_give_the_same_results_planned_or_not(dtype):
+    torch.set_num_threads(2)
+    planned, _ = _train("tiny-gpt", "memo", dtype, planned=True)
+    reference, _ = _train("tiny-gpt", "memo", dtype, planned=False)
+    _same(planned, reference)
+    assert _served(planned[1][2], planned[-1][2]) > 0  # the plan serves at two threads too
+
+
+def test_memo_train_arena_records_its_service_per_step(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--arena", "--seq-len", "64", "--batch-size", "2", "--steps", "4", "--out", str(run)]) == 0
+    assert "0 misses, 0 collisions" in capsys.readouterr().out
+    records = [
+        r for r in map(__import__("json").loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
+    last = records[-1]
+    assert (
+        last["arena_served"] > 0
+        and last["arena_misses"] == 0
+        and last["arena_bytes"] <= 1.01 * last["arena_load_bytes"]
+    )
+
+
+def test_without_a_compiler_arena_is_one_line_and_the_rest_works(monkeypatch, tmp_path, capsys):
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension: g++ not found")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    allocator.extension.cache_clear()
+    try:
+        argv = ["train", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "a")]
+        assert main([*argv, "--arena"]) == 2
+        err = capsys.readouterr().err
+        assert "`--arena` needs a C++ compiler" in err and len(err.strip().splitlines()) == 1
+        assert main([*argv[:-1], str(tmp_path / "b"), "--json"]) == 0
+    finally:
+        allocator.extension.cache_clear()
