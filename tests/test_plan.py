@@ -6,6 +6,8 @@ from memo import ActivationPolicy, ModelConfig
 from memo.cli import main
 from memo.plan.bilevel import plan
 from memo.plan.problem import Problem, check_placement, max_load, read_csv, write_csv
+from memo.plan.scratch import flash_backward_bytes
+from memo.plan.trace import SCRATCH
 
 
 def test_bilevel_plan_of_a_tiny_model_is_valid_and_layer_blocks_never_overlap():
@@ -21,12 +23,42 @@ def test_bilevel_plan_of_a_tiny_model_is_valid_and_layer_blocks_never_overlap():
     assert result.caching.peak_reserved >= result.caching.peak_allocated >= result.load
 
 
+def _overlapping_live_pairs(p: Problem, offsets: np.ndarray) -> int:
+    """Counts pairs alive at once whose address ranges overlap (a brute-force check, independent of dsa)."""
+    bad = 0
+    for i in range(len(p)):
+        for j in range(i + 1, len(p)):
+            live = p.lower[i] < p.upper[j] and p.lower[j] < p.upper[i]
+            placed = offsets[i] < offsets[j] + p.size[j] and offsets[j] < offsets[i] + p.size[i]
+            bad += bool(live and placed)
+    return bad
+
+
+def test_flat_plan_covers_the_whole_step_with_the_update_and_reaches_load():
+    result = plan(ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5), 512, time_limit=5)
+    flat = result.trace.to_problem()
+    assert _overlapping_live_pairs(flat, result.flat.offsets) == 0
+    assert result.flat.peak <= 1.01 * result.load
+    ops = {str(e.op) for e in result.trace.events}
+    assert "aten.lerp_.Scalar" in ops or any("sqrt" in op for op in ops)  # AdamW's update is in the window
+    scratch = [e for e in result.trace.events if e.op == SCRATCH and e.kind == "alloc"]
+    assert len(scratch) == 4 and result.load >= result.dispatch_load  # one flash backward per layer
+
+
+def test_flash_backward_scratch_follows_the_shipped_kernel_sizes():
+    # b=1, s=1000 (rounded to 1024), 32 heads of 128, 8 kv heads, bf16: softmax_d + dq_accum + dk/dv_expanded
+    want = 32 * 1024 * 4 + 1024 * 32 * 128 * 4 + 2 * 1000 * 32 * 128 * 2
+    assert flash_backward_bytes(1, 1000, 1000, 32, 8, 128, 2) == want
+    assert flash_backward_bytes(1, 1024, 1024, 8, 8, 72, 2) == 8 * 1024 * 4 + 1024 * 8 * 96 * 4  # d 72 -> 96
+
+
 def test_plan_cli_reports_load_arena_and_allocator(capsys, tmp_path):
     png = tmp_path / "plan.png"
     argv = ["plan", "--model", "tiny", "--seq", "512", "--tp", "2", "--json", "--plot", str(png), "--time-limit", "5"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["arena_peak"] >= report["load"] > 0 and report["caching_peak_reserved"] > 0
+    assert report["load"] <= report["flat_peak"] <= 1.01 * report["load"]
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -428,10 +428,11 @@ def _check_plan_length(cfg: ModelConfig, policy: ActivationPolicy, tokens: int, 
 def _plan_parser(sub) -> None:
     p = sub.add_parser(
         "plan",
-        help="static memory plan of one training step (bi-level DSA), vs the caching allocator",
-        description="Trace one training step on the meta device, pack each layer's forward and "
-        "backward transients (level 1), then the whole step with layers as blocks (level 2); compare "
-        "with PyTorch's caching allocator replaying the same trace.",
+        help="static memory plan of one training step (flat and bi-level DSA), vs the caching allocator",
+        description="Trace one training step (forward, backward, optimizer update, kernel scratch) on the meta "
+        "device; pack every tensor of it as one DSA (flat: what `memo train --arena` serves), and as the paper "
+        "does, each layer's forward and backward (level 1) then the step with layers as blocks (level 2); "
+        "compare with PyTorch's caching allocator replaying the same trace.",
     )
     p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
     p.add_argument(
@@ -463,6 +464,10 @@ def _run_plan(args) -> int:
     result = plan(cfg, policy, args.seq // args.tp, args.batch, args.time_limit)
     report = {
         "load": result.load,
+        "dispatch_load": result.dispatch_load,
+        "flat_peak": result.flat.peak,
+        "flat_gap": result.flat.peak / result.load - 1,
+        "flat_seconds": result.flat.seconds,
         "arena_peak": result.iteration.peak,
         "gap": result.iteration.peak / result.load - 1,
         "caching_peak_allocated": result.caching.peak_allocated,
@@ -472,6 +477,7 @@ def _run_plan(args) -> int:
         "layer_backward_peak": result.backward.peak,
         "store_bytes": result.store_bytes,
         "solve_seconds": result.forward.seconds + result.backward.seconds + result.iteration.seconds,
+        "trace_seconds": result.trace_seconds,
     }
     if args.plot:
         plot_plan(result, args.plot, f"{cfg.name}, {format_count(args.seq)} tokens / {args.tp} GPUs, {args.policy}")
@@ -481,9 +487,14 @@ def _run_plan(args) -> int:
         return 0
     gib = 2**30
     print(f"{cfg.name}, {format_count(args.seq)} tokens over {args.tp} GPU(s), strategy {args.policy}")
-    print(f"LOAD (bytes live at once)      {report['load'] / gib:8.2f} GiB")
+    print(f"LOAD (bytes live at once)      {report['load'] / gib:8.2f} GiB  (kernel scratch included)")
+    print(f"LOAD of the tensors ops return {report['dispatch_load'] / gib:8.2f} GiB  (what a dispatch trace sees)")
     print(
-        f"planned arena peak             {report['arena_peak'] / gib:8.2f} GiB  ({100 * report['gap']:+.2f}% vs LOAD)"
+        f"flat plan (--arena)            {report['flat_peak'] / gib:8.2f} GiB  ({100 * report['flat_gap']:+.2f}% vs "
+        f"LOAD, solved in {report['flat_seconds']:.1f}s)"
+    )
+    print(
+        f"bi-level plan (the paper's)    {report['arena_peak'] / gib:8.2f} GiB  ({100 * report['gap']:+.2f}% vs LOAD)"
     )
     print(f"caching allocator: allocated   {report['caching_peak_allocated'] / gib:8.2f} GiB")
     print(f"caching allocator: reserved    {report['caching_peak_reserved'] / gib:8.2f} GiB")
@@ -491,7 +502,8 @@ def _run_plan(args) -> int:
     print(
         f"per layer: forward {report['layer_forward_peak'] / gib:.2f} GiB, backward "
         f"{report['layer_backward_peak'] / gib:.2f} GiB; store buffers {report['store_bytes'] / gib:.2f} GiB "
-        f"(allocated once); solved in {report['solve_seconds']:.1f}s"
+        f"(allocated once); bi-level solved in {report['solve_seconds']:.1f}s; traced in "
+        f"{report['trace_seconds']:.1f}s"
     )
     return 0
 

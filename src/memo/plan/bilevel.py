@@ -1,14 +1,20 @@
-"""Bi-level static memory plan (memo-method.md §5): level 1 packs one layer's forward and, separately, its
-backward; level 2 packs the whole iteration with every layer's forward (backward) as one block of the
-level-1 peak, beside the embedding, layer outputs, gradients, loss chunks and store buffers.
+"""Static memory plans of one training step (memo-method.md §5), traced on the `meta` device from the real
+model (so a 7B model at 512K tokens plans in seconds without memory): forward, backward and the optimizer
+step, with the scratch CUDA kernels take inside an op (`plan.scratch`).
 
-Everything is traced on the `meta` device from the real model, so a 7B model at 512K tokens plans in
-seconds without memory. The caching-allocator simulator replays the same iteration for comparison.
+- flat: one DSA over every tensor of the step, what the planned allocator (`plan.allocator`) serves;
+- bi-level, the paper's: level 1 packs one layer's forward and, separately, its backward; level 2 packs the
+  whole step with every layer's forward (backward) as one block of the level-1 peak, beside the embedding,
+  layer outputs, gradients, loss chunks and optimizer temporaries. Composing the levels costs the gap
+  between a block's full height and what its phase really holds where it meets its neighbours.
+
+The caching-allocator simulator replays the same step for comparison.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +35,13 @@ class Plan:
     backward: Solution  # level 1: the largest layer backward
     iteration: Solution  # level 2: the step, layers as blocks
     problem: Problem  # the level-2 instance
-    load: int  # LOAD of the raw iteration trace (every tensor on its own)
+    flat: Solution  # one DSA over every tensor of the step
+    load: int  # LOAD of the step on the device: every tensor on its own, kernel scratch included
+    dispatch_load: int  # LOAD of the tensors ops return (what a dispatch-level trace sees)
     caching: SimResult  # PyTorch's caching allocator replaying the raw iteration trace
     store_bytes: int  # rounding buffers / scratch allocated once, outside the step
     trace: Trace
+    trace_seconds: float
 
 
 def meta_model(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, dtype=torch.bfloat16):
@@ -44,10 +53,23 @@ def meta_model(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch
     return model, ids
 
 
-def trace_iteration(model: Transformer, ids: torch.Tensor) -> Trace:
-    """Returns the allocation trace of one training step, with marks where each layer's forward and backward
-    start and end (module hooks for the forward, gradient hooks on its output and input for the backward)."""
-    tracer = Tracer()
+def meta_optimizer(model: Transformer) -> torch.optim.Optimizer:
+    """Returns AdamW over the model's parameters with its state made (as after a first step). Gradients stay in
+    persistent buffers, as Megatron-LM's and DDP's do (sharded over the GPUs in a real run, so a one-GPU trace of
+    them would say nothing about the plan), and the update runs one parameter at a time: the step's plan is
+    about activations and the temporaries of forward, backward and update."""
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    optimizer.step()
+    return optimizer
+
+
+def trace_iteration(
+    model: Transformer, ids: torch.Tensor, optimizer: torch.optim.Optimizer | None = None, scratch: bool = False
+) -> Trace:
+    """Returns the allocation trace of one training step (and `optimizer`'s update, if given), with marks where
+    each layer's forward and backward start and end (module hooks for the forward, gradient hooks on its
+    output and input for the backward); `scratch` adds kernel-internal scratch (`plan.scratch`)."""
+    tracer = Tracer(scratch)
 
     def pre(module, args):
         tracer.mark(("fwd", module.index, "start"))
@@ -65,6 +87,9 @@ def trace_iteration(model: Transformer, ids: torch.Tensor) -> Trace:
     try:
         with tracer:
             model(ids, labels=ids).backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
     finally:
         for h in handles:
             h.remove()
@@ -115,10 +140,12 @@ def _lifetimes(t: Trace) -> list[tuple]:
 
 
 def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, time_limit: float = 20.0) -> Plan:
-    """Returns the bi-level plan of one training step of `config` at `tokens` tokens per GPU."""
+    """Returns the flat and the bi-level plan of one training step of `config` at `tokens` tokens per GPU."""
+    start = time.perf_counter()
     with meta_kernels("cuda"):  # plan what a GPU step allocates, CUDA attention kernels included
         model, ids = meta_model(config, policy, tokens, batch)
-        step = trace_iteration(model, ids)
+        step = trace_iteration(model, ids, meta_optimizer(model), scratch=True)
+    traced = time.perf_counter() - start
     phases, outer, spans = level_problems(step)
     level1 = _solve_phases(phases, time_limit / 8)
     # a block spans the events strictly after its start mark: the next layer's backward starts on the mark
@@ -133,10 +160,13 @@ def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int 
     return Plan(
         fwd,
         bwd,
-        solve(level2, time_limit / 2),
+        solve(level2, time_limit / 4),
         level2,
+        solve(step.to_problem(), time_limit / 4),
         step.peak,
+        step.dispatch_peak,
         replay(events),
         model.swap_stats().device_skeletal_bytes,
         step,
+        traced,
     )

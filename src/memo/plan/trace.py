@@ -18,6 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .problem import Problem
+from .scratch import kernel_scratch
+
+SCRATCH = "kernel scratch"  # the op of the events a Tracer adds for an op's internal scratch
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,16 @@ class Trace:
         return best
 
     @property
+    def dispatch_peak(self) -> int:
+        """Returns the LOAD of the tensors ops return, without kernel-internal scratch."""
+        live = best = 0
+        for e in self.events:
+            sign = 0 if e.op == SCRATCH else 1 if e.kind == "alloc" else -1 if e.kind == "free" else 0
+            live += sign * e.nbytes
+            best = max(best, live)
+        return best
+
+    @property
     def live_at_end(self) -> int:
         return sum(e.nbytes if e.kind == "alloc" else -e.nbytes if e.kind == "free" else 0 for e in self.events)
 
@@ -76,17 +89,25 @@ class Trace:
 
 
 class Tracer(TorchDispatchMode):
-    """Records allocations while active; `mark(label)` inserts a labelled event (e.g. a layer boundary)."""
+    """Records allocations while active; `mark(label)` inserts a labelled event (e.g. a layer boundary). With
+    `scratch`, the kernel-internal scratch of registered ops (`plan.scratch`) is a tensor living for the call."""
 
-    def __init__(self) -> None:
+    def __init__(self, scratch: bool = False) -> None:
         super().__init__()
         self.trace = Trace()
+        self.scratch = scratch
         self._ids: dict[int, tuple[int, int]] = {}  # storage key -> (tensor id, nbytes)
         self._refs: Counter = Counter()
         self._next_id = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        scratch = kernel_scratch(func, args) if self.scratch else 0
+        if scratch:
+            tid, self._next_id = self._next_id, self._next_id + 1
+            self.trace.events.append(Event("alloc", tid, scratch, SCRATCH))
         out = func(*args, **(kwargs or {}))
+        if scratch:
+            self.trace.events.append(Event("free", tid, scratch, SCRATCH))
         inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         call = len(self.trace.calls)
         self.trace.calls.append(func)

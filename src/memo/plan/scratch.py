@@ -1,0 +1,60 @@
+"""Memory that kernels allocate inside one op call, which a dispatch-level trace cannot see: the op's meta kernel
+returns its outputs only, while the CUDA kernel also takes scratch from the allocator for the length of the
+call. Each entry gives that scratch in bytes from the op's arguments, with the source of the sizes, so an
+offline plan predicts the LOAD the device's allocator will see (reported beside the dispatch-level LOAD).
+
+FlashAttention-2 backward, as PyTorch ships it (`aten/src/ATen/native/transformers/cuda/flash_attn/
+flash_api.cpp`, `mha_bwd`): `softmax_d` fp32 (b, h, s_q rounded up to 128); `dq_accum` fp32 (b, s_q rounded to
+128, h, d rounded to 32, or to 64 above 128) on its default, non-deterministic path; and with grouped-query
+attention `dk_expanded` and `dv_expanded` in the inputs' dtype (b, s_k, h, d), summed into dk and dv after the
+kernel. Not modelled yet: the memory-efficient attention backward's workspace, which depends on the kernel's
+tile configuration (`p.workspace_size()` in `attention_backward.cu`), and cuBLAS workspaces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+FP32 = 4
+
+
+def _round(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def flash_backward_bytes(b: int, s_q: int, s_k: int, heads: int, kv_heads: int, d: int, itemsize: int) -> int:
+    """Returns the scratch FlashAttention-2's backward allocates for one call (see the module's docstring)."""
+    d = _round(d, 8)
+    d_rounded = _round(d, 32 if d <= 128 else 64)
+    s_rounded = _round(s_q, 128)
+    scratch = b * heads * s_rounded * FP32 + b * s_rounded * heads * d_rounded * FP32
+    if kv_heads != heads:
+        scratch += 2 * b * s_k * heads * d * itemsize
+    return scratch
+
+
+def _sdpa_flash_backward(args) -> int:
+    """aten._scaled_dot_product_flash_attention_backward: query (b, h, s, d), key (b, h_kv, s_k, d)."""
+    q, k = args[1], args[2]
+    b, h, s, d = q.shape
+    return flash_backward_bytes(b, s, k.shape[2], h, k.shape[1], d, q.element_size())
+
+
+def _flash_backward(args) -> int:
+    """aten._flash_attention_backward: query (b, s, h, d), key (b, s_k, h_kv, d)."""
+    q, k = args[1], args[2]
+    b, s, h, d = q.shape
+    return flash_backward_bytes(b, s, k.shape[1], h, k.shape[2], d, q.element_size())
+
+
+REGISTRY = {
+    aten._scaled_dot_product_flash_attention_backward.default: _sdpa_flash_backward,
+    aten._flash_attention_backward.default: _flash_backward,
+}
+
+
+def kernel_scratch(func, args) -> int:
+    """Returns the bytes `func` takes for scratch while it runs on CUDA (0 for ops not in the registry)."""
+    size = REGISTRY.get(func)
+    return size(args) if size else 0
