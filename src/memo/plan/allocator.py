@@ -4,12 +4,14 @@ order every time, so one step's allocations, recorded at PyTorch's allocator whe
 served from one arena at the solved offsets: no fragmentation, and a footprint at the step's LOAD.
 
 The C++ core (`csrc/planned_allocator.cpp`, built on first use with torch's cpp_extension and cached) replaces
-the CPU allocator. Inside `step()` it logs every request (size, order, when it is freed); the first step, and
-any step that leaves the plan (another sequence length), is solved here with `dsa.solve`; later steps get the
-k-th request at base + offset[k]. Tensors that outlive their step (gradients on the first step, optimizer
-state, returned values) and everything outside a step pass through to PyTorch's allocator. A request whose size
-differs from the plan switches the rest of the step to pass-through, and one whose region a late-freed tensor
-still holds passes through too: the plan can cost memory, never correctness.
+the CPU allocator. Inside `step()` it logs every request (size, order, when it is freed); once two steps in a
+row made the same requests (the first step also makes the optimizer state, a curriculum changes lengths), the
+last one is solved here with `dsa.solve` and later steps get the k-th request at base + offset[k]. A step
+that leaves the plan drops it (and its arena) and recording starts again: steps are never served and
+recorded at once for long, which would hold both memories. Tensors that outlive their step (optimizer state,
+returned values) and everything outside a step pass through to PyTorch's allocator. A request whose size
+differs from the plan switches the rest of the step to pass-through, and one whose region a late-freed
+tensor still holds passes through too: the plan can cost memory, never correctness.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class PlannedAllocator:
         self.time_limit = time_limit
         self.plan: Plan | None = None
         self._core = extension()
+        self._recorded: list[int] | None = None  # the sorted sizes of the last recorded step
 
     def __enter__(self) -> "PlannedAllocator":
         self._core.install()
@@ -72,15 +75,28 @@ class PlannedAllocator:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Marks one step: served from the plan, or recorded and planned when it has none or left it."""
+        """Marks one step: served from the plan, or recorded (and planned once two recorded steps agree)."""
         self._core.reset_peak()
         self._core.begin_step()
         try:
             yield
         finally:
-            replan = self._core.end_step()
-        if replan:
-            self.plan = self._solve(self._core.log())
+            recorded = self._core.end_step()
+        if not recorded:
+            return
+        if self.plan is not None:  # it left the plan: drop it, record anew
+            self._core.forget_plan()
+            self.plan, self._recorded = None, None
+        rows = self.recorded()
+        sizes = sorted(row[0] for row in rows)  # the same requests, in whatever order threads made them
+        if sizes == self._recorded:
+            self.plan = self._solve(rows)
+        self._recorded = sizes
+
+    def recorded(self) -> list[list[int]]:
+        """Returns the last step's requests as [size, born, freed] on one event clock (freed -1: it outlived
+        the step): the trace the plan is solved from."""
+        return self._core.log()
 
     def counters(self) -> dict[str, int]:
         """Returns the core's counters since install: served, misses, collisions, passed (requests), arena_bytes,

@@ -45,7 +45,9 @@ class TrainConfig:
         None,
         "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
     )
-    arena: bool = _f(False, "carve each layer's transient tensors from one statically planned arena (§5)")
+    arena: bool = _f(
+        False, "serve each step's allocations from one arena planned from a recorded step (§5; one CPU process)"
+    )
     # context extension, applied on top of --model (its own RoPE is kept unless these are given)
     rope_theta: float | None = _f(
         None, "RoPE base frequency replacing the model's (raise it to extend context)", kind=float

@@ -11,6 +11,10 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -124,6 +128,9 @@ class PlannedAllocator final : public c10::Allocator {
     sizes_ = sizes;
     offsets_ = offsets;
     serving_ = true;
+#ifdef __GLIBC__
+    malloc_trim(0);  // the pages the recorded step left in malloc's free lists go back to the system
+#endif
     return true;
   }
 
@@ -140,7 +147,8 @@ class PlannedAllocator final : public c10::Allocator {
             {"live_in_arena", static_cast<int64_t>(live_.size())}};
   }
 
-  // Forgets the plan (a new run plans its own steps); tensors handed out earlier stay tracked.
+  // Forgets the plan (a new run, or a step that left it), and its arena unless tensors still live in it;
+  // tensors handed out earlier stay tracked.
   void forget_plan() {
     std::lock_guard<std::mutex> guard(mutex_);
     serving_ = false;
@@ -150,6 +158,9 @@ class PlannedAllocator final : public c10::Allocator {
       arena_ = c10::DataPtr();
       base_ = nullptr;
       arena_bytes_ = 0;
+#ifdef __GLIBC__
+      malloc_trim(0);
+#endif
     }
   }
 
@@ -273,5 +284,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return get().set_plan(sizes, offsets, bytes);
   });
   m.def("counters", [] { return get().counters(); });
+  m.def("forget_plan", [] { get().forget_plan(); });
   m.def("reset_peak", [] { get().reset_peak(); });
 }
