@@ -129,6 +129,8 @@ def test_ctrl_c_saves_on_every_rank_and_the_run_resumes_to_the_same_losses(tmp_p
 def test_a_second_ctrl_c_stops_at_once_and_leaves_the_checkpoints_whole(tmp_path):
     run = tmp_path / "run"
     launcher, _, err = _ctrl_c(_env(tmp_path), run, presses=2)
-    assert launcher.returncode == 130, err
+    # 130 from the ranks, or the launcher itself stopped by the second press once they had ended: a shell shows
+    # 130 for both
+    assert launcher.returncode in (130, -signal.SIGINT) and "Traceback" not in err, err
     saved = checkpoint.load_latest(run)  # verified: the newest whole checkpoint
     assert saved.step >= 3 and not list((run / "checkpoints").glob("*.tmp*"))
