@@ -17,6 +17,9 @@ Sections, in order of value, with their time boxes in seconds:
   gradient_tests  150  pytest tests/test_layer_gradients.py tests/test_arena.py, MEMO_TEST_DEVICE=cuda
   arena            90  peak reserved / allocated of the same memo step (4-layer gpt-7b, 32K) with the caching
                        allocator, then with model.plan_memory(); cache emptied and peaks reset before each
+  planned         150  `memo train` of that model at 32K, 7 steps, in two processes: the caching allocator (its
+                       peak reserved), then `--arena`, the planned allocator (arena + what passed it by, served,
+                       misses, collisions, its LOAD); the ratios of memory and of step time
   prediction       90  `memo calibrate` (calibrate(device)), then measured step seconds and activation bytes of
                        that memo step against estimate() with efficiency_from_calibration (ratios)
 
@@ -54,6 +57,7 @@ import platform
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -424,6 +428,42 @@ def arena(ctx: Context) -> None:
     ctx.put("reserved_arena_over_caching", after / before if before and after else None)
 
 
+def planned(ctx: Context) -> None:
+    from memo import ModelConfig
+
+    seq = ctx.sizes.seqs[0]
+    config = asdict(ModelConfig.preset(ctx.sizes.model, n_layers=ctx.sizes.layers))
+    model_file = ctx.path.with_name("planned_model.json")
+    model_file.write_text(json.dumps(config))
+    ctx.put("model", f"{ctx.sizes.model}, {ctx.sizes.layers} layers, {_label(seq)} tokens, memo α=0.5, 7 steps")
+    dtype = "bfloat16" if ctx.device.type == "cuda" else "float32"
+    flags = ["--model", str(model_file), "--seq-len", str(seq), "--batch-size", "1", "--steps", "7", "--alpha", "0.5"]
+    flags += ["--device", ctx.device.type, "--dtype", dtype, "--eval-every", "1000", "--json"]
+    runs = {}
+    for name, extra in (("caching_allocator", []), ("planned_allocator", ["--arena"])):
+        records = _train_records(flags + extra, ctx.path.with_name(f"planned_{name}"))
+        steady = [r for r in records if "loss" in r][3:]  # steps 1-3 make the state and the plan
+        runs[name] = {"step_s": statistics.median(r["seconds"] for r in steady), "last": steady[-1] if steady else {}}
+        ctx.put(name, runs[name])
+    last = runs["planned_allocator"]["last"]
+    held = last.get("arena_bytes", 0) + last.get("arena_pass_peak_bytes", 0)
+    reserved = runs["caching_allocator"]["last"].get("device_peak_reserved")
+    ctx.put("planned_held_bytes", held)
+    ctx.put("planned_over_caching_reserved", held / reserved if reserved else NEEDS_CUDA)
+    ctx.put("arena_over_load", last["arena_bytes"] / last["arena_load_bytes"] if last.get("arena_load_bytes") else None)
+    ctx.put("step_time_planned_over_caching", runs["planned_allocator"]["step_s"] / runs["caching_allocator"]["step_s"])
+
+
+def _train_records(flags: list[str], out: Path) -> list[dict]:
+    """Runs `memo train` in a process of its own (the planned allocator owns a process's CUDA memory)."""
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "memo", "train", *flags, "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(command)} exited {done.returncode}: {done.stderr[-1500:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 def prediction(ctx: Context) -> None:
     from memo import ActivationPolicy
     from memo.cost.calibrate import calibrate
@@ -466,6 +506,7 @@ SECTIONS = {  # name: (time box in seconds, function), in order of value
     "sanitizer": (60, sanitizer),
     "gradient_tests": (150, gradient_tests),
     "arena": (90, arena),
+    "planned": (150, planned),
     "prediction": (90, prediction),
 }
 HELPERS = {"sanitized_step": sanitized_step}  # run only as another section's subprocess

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
-SECTIONS = ["environment", "bandwidth", "alpha", "strategies", "sanitizer", "gradient_tests", "arena", "prediction"]
+SECTIONS = ["environment", "bandwidth", "alpha", "strategies", "sanitizer", "gradient_tests", "arena", "planned"]
+SECTIONS += ["prediction"]
 ROWS = [
     "memo none",
     "memo full",
@@ -77,6 +78,9 @@ def test_quick_cpu_run_without_highspy_ends_every_section_ok_with_cuda_parts_mar
     assert results["gradient_tests"]["passed"] and " passed" in results["gradient_tests"]["summary"]
     assert results["arena"]["caching_allocator"]["step_s"] > 0 and results["arena"]["arena"]["step_s"] > 0
     assert results["arena"]["arena_summary"]["phases"] > 0
+    planned = results["planned"]
+    assert planned["planned_allocator"]["last"]["arena_served"] > 0 and planned["arena_over_load"] <= 1.01
+    assert planned["planned_over_caching_reserved"].startswith("skipped: needs CUDA")
     prediction = results["prediction"]
     assert {"device_bytes", "hbm_bytes", "step_seconds"} <= set(prediction["predicted"])
     assert prediction["step_measured_over_predicted"] > 0

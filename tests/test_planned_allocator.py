@@ -6,6 +6,7 @@ recorded LOAD; a step of another shape re-plans, a tensor freed later than recor
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import pytest
 import torch
@@ -155,3 +156,68 @@ def test_without_a_compiler_arena_is_one_line_and_the_rest_works(monkeypatch, tm
         assert main([*argv[:-1], str(tmp_path / "b"), "--json"]) == 0
     finally:
         allocator.extension.cache_clear()
+
+
+# ---- the CUDA path, run on the CPU: the device core over host stand-ins for cudaMallocAsync / cudaFreeAsync,
+# called through the C functions CUDAPluggableAllocator loads ------------------------------------------------
+
+STREAM, SIDE = 0x1000, 0x2000  # two stream handles: the step's, and a side stream's
+
+
+@pytest.fixture(scope="module")
+def device_lib():
+    lib = ctypes.CDLL(allocator.extension().__file__)
+    allocator.make_device_core(
+        *(ctypes.cast(f, ctypes.c_void_p).value for f in (lib.memo_host_alloc, lib.memo_host_free))
+    )
+    lib.memo_device_malloc.restype = ctypes.c_void_p
+    lib.memo_device_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.memo_device_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _device_step(lib, arena, first: int = 4096, side: bool = False) -> dict[str, int]:
+    """A toy step on the device: a and b alive together, a freed, c in a's place, then b and c freed; the step
+    returns `kept` (it outlives the step). Every buffer is written, as kernels would."""
+
+    def malloc(n, stream=STREAM):
+        ptr = lib.memo_device_malloc(n, 0, stream)
+        ctypes.memset(ptr, 7, n)
+        return ptr
+
+    with arena.step():
+        a, b = malloc(first), malloc(8192)
+        lib.memo_device_free(a, first, 0, STREAM)
+        c = malloc(first)
+        if side:  # another stream's request: never planned, never in the log
+            lib.memo_device_free(malloc(1024, SIDE), 1024, 0, SIDE)
+        for ptr, n in ((b, 8192), (c, first)):
+            lib.memo_device_free(ptr, n, 0, STREAM)
+        kept = malloc(512)
+    return {"a": a, "b": b, "c": c, "kept": kept}
+
+
+def test_the_device_path_plans_the_steps_stream_and_serves_it_from_one_arena(device_lib):
+    arena = PlannedAllocator(torch.device("cuda"), install=False)
+    arena._stream = lambda: STREAM
+    kept = []
+    with arena:
+        for _ in range(2):
+            kept.append(_device_step(device_lib, arena)["kept"])
+        plan = arena.plan
+        assert (plan.requests, plan.planned, plan.load_bytes, plan.arena_bytes) == (4, 3, 12288, 12288)
+        before = arena.counters()
+        got = _device_step(device_lib, arena, side=True)
+        kept.append(got["kept"])
+        after = arena.counters()
+        assert _served(before, after) == 3 and after["misses"] == before["misses"]
+        start, end = after["arena_address"], after["arena_address"] + after["arena_bytes"]
+        assert all(start <= got[k] < end for k in "abc") and not start <= got["kept"] < end
+        assert got["c"] == got["a"]  # at LOAD, c can only take a's place
+        assert arena.recorded() == [[4096, 0, 2], [8192, 1, 4], [4096, 3, 5], [512, 6, -1]]  # the side request is not
+        before = arena.counters()
+        kept.append(_device_step(device_lib, arena, first=2048)["kept"])  # another shape: a miss, recorded anew
+        assert arena.counters()["misses"] == before["misses"] + 1 and arena.plan is None
+    for ptr in kept:
+        device_lib.memo_device_free(ptr, 512, 0, STREAM)
+    assert arena.counters()["live_in_arena"] == 0

@@ -191,6 +191,8 @@ def _show(record: dict, quiet: bool, as_json: bool, bar, history: list, evals: l
 def _memory_label(record: dict) -> str:
     if "device_peak_reserved" in record:
         return format_bytes(record["device_peak_reserved"])
+    if "arena_bytes" in record:
+        return f"arena {format_bytes(record['arena_bytes'])} + {format_bytes(record['arena_pass_peak_bytes'])}"
     return f"host {format_bytes(record['host_pool_bytes'])}"
 
 

@@ -3,21 +3,25 @@ order every time, so one step's allocations, recorded at PyTorch's allocator whe
 (kernel scratch included), are planned once as a flat Dynamic Storage Allocation problem and the next steps are
 served from one arena at the solved offsets: no fragmentation, and a footprint at the step's LOAD.
 
-The C++ core (`csrc/planned_allocator.cpp`, built on first use with torch's cpp_extension and cached) replaces
-the CPU allocator. Inside `step()` it logs every request (size, order, when it is freed); once two steps in a
-row made the same requests (the first step also makes the optimizer state, a curriculum changes lengths), the
-last one is solved here with `dsa.solve` and later steps get the k-th request at base + offset[k]. A step
-that leaves the plan drops it (and its arena) and recording starts again: steps are never served and
-recorded at once for long, which would hold both memories. Tensors that outlive their step (optimizer state,
-returned values) and everything outside a step pass through to PyTorch's allocator. A request whose size
-differs from the plan switches the rest of the step to pass-through, and one whose region a late-freed
-tensor still holds passes through too: the plan can cost memory, never correctness.
+The C++ core (`csrc/planned_allocator.cpp`, built on first use with torch's cpp_extension and cached) replaces the
+CPU allocator, or on CUDA is PyTorch's allocator through `CUDAPluggableAllocator` (over the CUDA runtime's stream-
+ordered cudaMallocAsync for what it does not plan; set up before the process's first CUDA allocation). Inside
+`step()` it logs every request (size, order, when it is freed); once two steps in a row made the same requests (the
+first step also makes the optimizer state, a curriculum changes lengths), the last one is solved here with
+`dsa.solve` and later steps get the k-th request at base + offset[k]. A step that leaves the plan drops it (and its
+arena) and recording starts again: steps are never served and recorded at once for long, which would hold both
+memories. Tensors that outlive their step (optimizer state, returned values) and everything outside a step pass
+through to PyTorch's allocator. A request whose size differs from the plan switches the rest of the step to pass-
+through, and one whose region a late-freed tensor still holds passes through too: the plan can cost memory, never
+correctness.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,17 +29,18 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import torch
 
 from .problem import Problem, max_load
 
-ALIGN = 64  # bytes: every planned tensor starts on this boundary (PyTorch's CPU allocator's alignment)
+ALIGN = {"cpu": 64, "device": 512}  # bytes each planned tensor starts on: the CPU allocator's, the CUDA caching one's
 SOURCE = Path(__file__).with_name("csrc") / "planned_allocator.cpp"
 log = logging.getLogger(__name__)
 
 
 @functools.cache
 def extension():
-    """Returns the compiled core (built once per machine into torch's extension cache, about a minute); a
+    """Returns the compiled core (built once per machine into torch's extension cache, about 25 s); a
     ValueError saying so when this machine cannot build it."""
     from torch.utils.cpp_extension import load
 
@@ -43,6 +48,33 @@ def extension():
         return load(name="memo_planned_allocator", sources=[str(SOURCE)], extra_cflags=["-O2"])
     except (OSError, RuntimeError, ImportError) as err:
         raise ValueError(f"`--arena` needs a C++ compiler to build memo's planned allocator ({err})") from None
+
+
+def make_device_core(alloc_address: int, free_address: int) -> None:
+    """Makes the device core over C functions with cudaMallocAsync's and cudaFreeAsync's signatures."""
+    extension().make_device_core(alloc_address, free_address)
+
+
+@functools.cache
+def install_cuda() -> None:
+    """Makes PyTorch's CUDA allocator the device core over the CUDA runtime torch loaded (once per process; it
+    cannot be undone, and must come before the process's first CUDA allocation)."""
+    runtime = ctypes.CDLL(_cuda_runtime())
+    make_device_core(*(ctypes.cast(f, ctypes.c_void_p).value for f in (runtime.cudaMallocAsync, runtime.cudaFreeAsync)))
+    planned = torch.cuda.memory.CUDAPluggableAllocator(extension().__file__, "memo_device_malloc", "memo_device_free")
+    try:
+        torch.cuda.memory.change_current_allocator(planned)
+    except RuntimeError as err:
+        raise ValueError(f"`--arena` must take over CUDA memory before its first allocation ({err})") from None
+
+
+def _cuda_runtime() -> str:
+    """Returns the path of the CUDA runtime library this process loaded with torch."""
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    found = re.search(r"(/\S*libcudart\.so[.\d]*)", maps)
+    if found is None:
+        raise ValueError("`--arena` on CUDA needs the CUDA runtime (libcudart) that torch loads; none is loaded")
+    return found.group(1)
 
 
 @dataclass(frozen=True)
@@ -57,35 +89,44 @@ class Plan:
 
 
 class PlannedAllocator:
-    """While entered, every CPU allocation goes through the planned allocator; `with allocator.step():` marks
-    one training step. `plan` is the layout in use (None before the first step ends)."""
+    """Plans the allocations of `device` (cpu or cuda). On the CPU it takes over while entered; on CUDA it takes
+    over when made (before any CUDA allocation) for the rest of the process. `with allocator.step():` marks one
+    training step. `plan` is the layout in use (None until two recorded steps agree)."""
 
-    def __init__(self, time_limit: float = 5.0):
+    def __init__(self, device: torch.device = torch.device("cpu"), time_limit: float = 5.0, install: bool = True):
+        self.core = "cpu" if device.type == "cpu" else "device"
+        self.device = device
         self.time_limit = time_limit
         self.plan: Plan | None = None
-        self._core = extension()
+        self._ext = extension()
         self._recorded: list[int] | None = None  # the sorted sizes of the last recorded step
+        if self.core == "device" and install:
+            install_cuda()
 
     def __enter__(self) -> "PlannedAllocator":
-        self._core.install()
+        if self.core == "cpu":
+            self._ext.install_cpu()
+        else:
+            self._ext.forget_plan(self.core)  # a new run plans its own steps
         return self
 
     def __exit__(self, *exc) -> None:
-        self._core.uninstall()
+        if self.core == "cpu":
+            self._ext.uninstall_cpu()
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Marks one step: served from the plan, or recorded (and planned once two recorded steps agree)."""
-        self._core.reset_peak()
-        self._core.begin_step()
+        self._ext.reset_peak(self.core)
+        self._ext.begin_step(self.core, self._stream())
         try:
             yield
         finally:
-            recorded = self._core.end_step()
+            recorded = self._ext.end_step(self.core)
         if not recorded:
             return
         if self.plan is not None:  # it left the plan: drop it, record anew
-            self._core.forget_plan()
+            self._ext.forget_plan(self.core)
             self.plan, self._recorded = None, None
         rows = self.recorded()
         sizes = sorted(row[0] for row in rows)  # the same requests, in whatever order threads made them
@@ -93,34 +134,38 @@ class PlannedAllocator:
             self.plan = self._solve(rows)
         self._recorded = sizes
 
+    def _stream(self) -> int:
+        """Returns the stream whose requests the step plans (CUDA: the current one; 0 on the CPU)."""
+        return torch.cuda.current_stream(self.device).cuda_stream if self.core == "device" else 0
+
     def recorded(self) -> list[list[int]]:
         """Returns the last step's requests as [size, born, freed] on one event clock (freed -1: it outlived
         the step): the trace the plan is solved from."""
-        return self._core.log()
+        return self._ext.log(self.core)
 
     def counters(self) -> dict[str, int]:
-        """Returns the core's counters since install: served, misses, collisions, passed (requests), arena_bytes,
-        arena_address, pass_live_bytes, pass_peak_bytes (since the step began), live_in_arena."""
-        return dict(self._core.counters())
+        """Returns the core's counters since it was made: served, misses, collisions, passed (requests),
+        arena_bytes, arena_address, pass_live_bytes, pass_peak_bytes (since the step began), live_in_arena."""
+        return dict(self._ext.counters(self.core))
 
     def _solve(self, rows: list[list[int]]) -> Plan:
         """Plans the requests freed inside the step (survivors pass through) and hands the layout to the core."""
         from .dsa import solve  # the search kernel (numba) loads with the first plan
 
-        start = time.perf_counter()
+        start, align = time.perf_counter(), ALIGN[self.core]
         log_ = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
         sizes, born, freed = log_[:, 0], log_[:, 1], log_[:, 2]
         inside = np.flatnonzero(freed >= 0)
-        units = -(-sizes[inside] // ALIGN)
+        units = -(-sizes[inside] // align)
         problem = Problem(tuple(inside.tolist()), born[inside], freed[inside], units)
         offsets = np.full(len(sizes), -1, dtype=np.int64)
         arena = load = 0
         if len(problem):
             solution = solve(problem, self.time_limit, use_mip=False)
-            offsets[inside] = solution.offsets * ALIGN
-            arena, load = solution.peak * ALIGN, max_load(problem) * ALIGN
-        if not self._core.set_plan(sizes.tolist(), offsets.tolist(), int(arena)):
-            log.warning("the arena could not grow while tensors lived in it: the next step is recorded again")
+            offsets[inside] = solution.offsets * align
+            arena, load = solution.peak * align, max_load(problem) * align
+        if not self._ext.set_plan(self.core, sizes.tolist(), offsets.tolist(), int(arena)):
+            log.warning("the arena could not change while tensors lived in it: the next steps are recorded again")
         plan = Plan(len(sizes), len(inside), int(arena), int(load), time.perf_counter() - start)
         log.info("planned %d of %d allocations: arena %d B for LOAD %d B", plan.planned, plan.requests, arena, load)
         return plan

@@ -107,6 +107,7 @@ class Trainer:
         if not resume and checkpoint.list_checkpoints(self.run_dir):
             raise ValueError(f"{self.run_dir} already holds a run: `--resume {self.run_dir}` or another `--out`")
         self.device = self._device()
+        self.arena = self._planned_allocator() if cfg.arena else None  # on CUDA: before any CUDA allocation
         check_memory(cfg, self.device, self.mesh)
         # a solved α is pinned to the checkpoint's (it decides which rows are recomputed); a given one wins
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
@@ -117,7 +118,6 @@ class Trainer:
                 check_vocab(source, self.model.config.vocab_size, cfg.model)
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
         self.optimizer = MasterAdamW(self.model, cfg, clip)
-        self.arena = self._planned_allocator() if cfg.arena else None
         self.step = 0
         self.skipped = 0  # steps whose loss or gradient norm was not finite (`--skip-nonfinite`)
         if saved:
@@ -154,11 +154,11 @@ class Trainer:
         return parallel.parallelize(model, self.mesh, mixed_precision=cfg.dtype == "bfloat16")
 
     def _planned_allocator(self) -> PlannedAllocator:
-        """Returns the planned allocator `--arena` trains with (one CPU process for now)."""
-        if self.mesh or self.device.type != "cpu":
+        """Returns the planned allocator `--arena` trains with (one process, on the CPU or one GPU)."""
+        if self.mesh or self.device.type not in ("cpu", "cuda"):
             where = "distributed runs" if self.mesh else f"{self.device.type} devices"
-            raise ValueError(f"`--arena` (the planned allocator) runs in one CPU process for now, not on {where}")
-        return PlannedAllocator()
+            raise ValueError(f"`--arena` (the planned allocator) runs in one process on a CPU or a GPU, not {where}")
+        return PlannedAllocator(self.device)
 
     def _sources(self) -> tuple[Source, Source | None]:
         """Returns (training data, held-out data or None): the generated task holds out a stream of its own,
@@ -317,7 +317,8 @@ class Trainer:
 
     def _train_step(self) -> dict:
         cfg, model = self.cfg, self.model
-        if self.device.type == "cuda":
+        caching = self.device.type == "cuda" and self.arena is None  # its peak statistics (the planned one: its own)
+        if caching:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         ids, labels = self.source.batch(self.step, cfg.batch_size)  # the global batch, the same on every rank
@@ -351,7 +352,7 @@ class Trainer:
             "bytes_recomputed": stats.bytes_recomputed,
             "alphas": stats.alphas,
         }
-        if self.device.type == "cuda":
+        if caching:
             record["device_peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             record["device_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
         if self.arena:

@@ -1,11 +1,19 @@
-// The planned allocator (memo-method.md §5 at the allocator, where every allocation is seen): PyTorch's CPU
-// allocator is replaced by one that logs each training step's allocations (size, order, when each is freed),
-// and, once Python has solved the step's Dynamic Storage Allocation problem, serves the k-th request of every
-// later step at base + offset[k] inside one arena (a request may take a same-sized entry a few places ahead:
-// intra-op threads allocate their buffers in either order). Anything it cannot vouch for passes through to the default
-// allocator: a request whose size differs from the plan (the rest of that step is then logged afresh and
-// re-planned), a region still held by a tensor freed later than recorded (a collision avoided), a tensor that
-// outlived its recorded step (a survivor), or anything outside a step. It costs memory, never correctness.
+// The planned allocator (memo-method.md §5 at the allocator, where every allocation is seen). One core logs each
+// training step's allocations (size, order, when each is freed) and, once Python has solved the step's Dynamic
+// Storage Allocation problem, serves the k-th request of every later step at base + offset[k] inside one arena
+// (a request may take a same-sized entry a few places ahead: intra-op threads allocate their buffers in either
+// order). Anything it cannot vouch for passes through to a backend allocator: a request whose size differs from
+// the plan (the rest of that step then passes through and Python plans anew), a region still held by a tensor
+// freed later than recorded (a collision avoided), a tensor that outlived its recorded step (a survivor), a
+// request on another stream than the step's, or anything outside a step. It costs memory, never correctness.
+//
+// The same core serves two front ends:
+// - CPU: it replaces PyTorch's CPU allocator (c10::SetCPUAllocator); the backend is PyTorch's default one.
+// - CUDA: `memo_device_malloc` / `memo_device_free` are the functions torch.cuda.memory.CUDAPluggableAllocator
+//   loads; the backend is the CUDA runtime's stream-ordered allocator (cudaMallocAsync / cudaFreeAsync, whose
+//   addresses Python passes in). Only requests on the step's stream are planned, so a region is reused in that
+//   stream's order, as the caching allocator reuses blocks; side streams use memo's persistent buffers only.
+//   `memo_host_alloc` / `memo_host_free` stand in for the CUDA runtime so the CPU tests run this path.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -15,9 +23,13 @@
 #include <malloc.h>
 #endif
 
+#include <sys/types.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -33,66 +45,117 @@ struct Request {
   int64_t freed;  // event clock at the free, kNever while alive
 };
 
-class PlannedAllocator final : public c10::Allocator {
- public:
-  explicit PlannedAllocator(c10::Allocator* fallback) : fallback_(fallback) {}
+// Where pass-throughs and the arena come from.
+struct Backend {
+  virtual ~Backend() = default;
+  virtual void* alloc(size_t n, void* stream) = 0;
+  virtual void release(void* data, void* stream) = 0;
+  virtual void trim() {}
+};
 
-  // Every pointer handed out is "simple" (its context is itself, freed by `raw_deleter()`), as kernels that
-  // call raw_allocate need; what each one is (arena slot or pass-through) is kept in `held_`.
-  c10::DataPtr allocate(size_t n) override {
+struct CpuBackend final : Backend {
+  c10::Allocator* host = c10::GetDefaultCPUAllocator();
+  void* alloc(size_t n, void*) override {
+    return host->raw_allocate(n);
+  }
+  void release(void* data, void*) override {
+    host->raw_deallocate(data);
+  }
+  void trim() override {  // pages a recorded step left in malloc's free lists go back to the system
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
+  }
+};
+
+// A device allocator given as C functions with cudaMallocAsync's and cudaFreeAsync's signatures.
+struct FunctionBackend final : Backend {
+  using AllocFn = int (*)(void** data, size_t n, void* stream);
+  using FreeFn = int (*)(void* data, void* stream);
+  AllocFn alloc_fn;
+  FreeFn free_fn;
+  FunctionBackend(int64_t alloc_address, int64_t free_address)
+      : alloc_fn(reinterpret_cast<AllocFn>(alloc_address)), free_fn(reinterpret_cast<FreeFn>(free_address)) {}
+  void* alloc(size_t n, void* stream) override {
+    void* data = nullptr;
+    return alloc_fn(&data, n, stream) == 0 ? data : nullptr;
+  }
+  void release(void* data, void* stream) override {
+    free_fn(data, stream);
+  }
+};
+
+class Core {
+ public:
+  explicit Core(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
+
+  void* request(size_t n, void* stream) {
     std::lock_guard<std::mutex> guard(mutex_);
     if (n == 0) {
-      return {nullptr, nullptr, &PlannedAllocator::raw_free, c10::Device(c10::DeviceType::CPU)};
+      return nullptr;
     }
-    if (!in_step_) {
-      return pass(n, -1);
+    if (!in_step_ || stream != stream_) {
+      return pass(n, -1, stream);
     }
     const int64_t k = static_cast<int64_t>(log_.size());
     log_.push_back({static_cast<int64_t>(n), clock_++, kNever});
     if (!serving_ || derailed_) {
-      return pass(n, k);
+      return pass(n, k, stream);
     }
     const int64_t j = match(static_cast<int64_t>(n));
     if (j < 0) {
-      derailed_ = true;  // another step shape: the rest passes through, and this step is planned anew
+      derailed_ = true;  // another step shape: the rest passes through, and Python plans anew
       ++misses_;
-      return pass(n, k);
+      return pass(n, k, stream);
     }
     const int64_t offset = offsets_[j];
     if (offset < 0) {
-      return pass(n, k);  // recorded as outliving its step
+      return pass(n, k, stream);  // recorded as outliving its step
     }
     if (overlaps_live(offset, offset + static_cast<int64_t>(n))) {
       ++collisions_;  // a tensor freed later than recorded still holds part of the region
-      return pass(n, k);
+      return pass(n, k, stream);
     }
     live_[offset] = offset + static_cast<int64_t>(n);
     ++served_;
     void* data = base_ + offset;
-    held_.emplace(data, Held{step_, k, offset, static_cast<int64_t>(n), c10::DataPtr()});
-    return {data, data, &PlannedAllocator::raw_free, c10::Device(c10::DeviceType::CPU)};
+    held_.emplace(data, Held{step_, k, offset, static_cast<int64_t>(n), stream});
+    return data;
   }
 
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &PlannedAllocator::raw_free;
+  void give_back(void* data) {
+    if (data == nullptr) {
+      return;
+    }
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto found = held_.find(data);
+    TORCH_INTERNAL_ASSERT(found != held_.end(), "a pointer the planned allocator never handed out");
+    const Held held = found->second;
+    held_.erase(found);
+    if (in_step_ && held.step == step_ && held.request >= 0) {
+      log_[held.request].freed = clock_++;
+    }
+    if (held.offset >= 0) {
+      live_.erase(held.offset);
+    } else {
+      pass_live_ -= held.size;
+      backend_->release(data, held.stream);
+    }
   }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-
-  void begin_step() {
+  void begin_step(int64_t stream) {
     std::lock_guard<std::mutex> guard(mutex_);
     log_.clear();
     clock_ = 0;
     ++step_;
     derailed_ = false;
     in_step_ = true;
+    stream_ = reinterpret_cast<void*>(stream);
     cursor_ = 0;
     used_.assign(sizes_.size(), false);
   }
 
-  // Ends the step; returns whether its log should be planned (no plan yet, or this step left it).
+  // Ends the step; returns whether it was recorded rather than served (no plan yet, or it left the plan).
   bool end_step() {
     std::lock_guard<std::mutex> guard(mutex_);
     in_step_ = false;
@@ -120,18 +183,28 @@ class PlannedAllocator final : public c10::Allocator {
         serving_ = false;
         return false;
       }
-      arena_ = c10::DataPtr();  // the old arena goes before the new one comes: never both
-      arena_ = fallback_->allocate(static_cast<size_t>(arena_bytes));
-      base_ = static_cast<char*>(arena_.get());
+      drop_arena();  // the old arena goes before the new one comes: never both
+      base_ = static_cast<char*>(backend_->alloc(static_cast<size_t>(arena_bytes), stream_));
+      TORCH_CHECK(base_ != nullptr, "cannot allocate the planned arena of ", arena_bytes, " bytes");
       arena_bytes_ = arena_bytes;
     }
     sizes_ = sizes;
     offsets_ = offsets;
     serving_ = true;
-#ifdef __GLIBC__
-    malloc_trim(0);  // the pages the recorded step left in malloc's free lists go back to the system
-#endif
+    backend_->trim();
     return true;
+  }
+
+  // Forgets the plan (a new run, or a step that left it), and its arena unless tensors still live in it.
+  void forget_plan() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    serving_ = false;
+    sizes_.clear();
+    offsets_.clear();
+    if (live_.empty()) {
+      drop_arena();
+      backend_->trim();
+    }
   }
 
   std::map<std::string, int64_t> counters() {
@@ -147,23 +220,6 @@ class PlannedAllocator final : public c10::Allocator {
             {"live_in_arena", static_cast<int64_t>(live_.size())}};
   }
 
-  // Forgets the plan (a new run, or a step that left it), and its arena unless tensors still live in it;
-  // tensors handed out earlier stay tracked.
-  void forget_plan() {
-    std::lock_guard<std::mutex> guard(mutex_);
-    serving_ = false;
-    sizes_.clear();
-    offsets_.clear();
-    if (live_.empty()) {
-      arena_ = c10::DataPtr();
-      base_ = nullptr;
-      arena_bytes_ = 0;
-#ifdef __GLIBC__
-      malloc_trim(0);
-#endif
-    }
-  }
-
   void reset_peak() {
     std::lock_guard<std::mutex> guard(mutex_);
     pass_peak_ = pass_live_;
@@ -175,21 +231,31 @@ class PlannedAllocator final : public c10::Allocator {
     int64_t request;  // index in its step's log (-1: outside a step)
     int64_t offset;   // in the arena; -1 for a pass-through
     int64_t size;
-    c10::DataPtr inner;  // a pass-through's memory from the default allocator
+    void* stream;
   };
 
-  c10::DataPtr pass(size_t n, int64_t k) {  // under mutex_
-    c10::DataPtr inner = fallback_->allocate(n);
-    void* data = inner.get();
+  void* pass(size_t n, int64_t k, void* stream) {  // under mutex_
+    void* data = backend_->alloc(n, stream);
+    if (data == nullptr) {
+      return nullptr;
+    }
     ++passed_;
     pass_live_ += static_cast<int64_t>(n);
     pass_peak_ = std::max(pass_peak_, pass_live_);
-    held_.emplace(data, Held{step_, k, -1, static_cast<int64_t>(n), std::move(inner)});
-    return {data, data, &PlannedAllocator::raw_free, c10::Device(c10::DeviceType::CPU)};
+    held_.emplace(data, Held{step_, k, -1, static_cast<int64_t>(n), stream});
+    return data;
+  }
+
+  void drop_arena() {  // under mutex_
+    if (base_ != nullptr) {
+      backend_->release(base_, stream_);
+    }
+    base_ = nullptr;
+    arena_bytes_ = 0;
   }
 
   // Returns the plan entry a request of `n` bytes takes: the first unused one of that size among the next
-  // kWindow (intra-op threads that each allocate a buffer may do so in either order), or -1 (a miss).
+  // kWindow, or -1 (a miss).
   int64_t match(int64_t n) {
     const int64_t end = std::min<int64_t>(cursor_ + kWindow, static_cast<int64_t>(sizes_.size()));
     for (int64_t j = cursor_; j < end; ++j) {
@@ -212,78 +278,105 @@ class PlannedAllocator final : public c10::Allocator {
     return next != live_.begin() && std::prev(next)->second > start;
   }
 
-  static void raw_free(void* data);
-
-  c10::Allocator* fallback_;
+  std::unique_ptr<Backend> backend_;
   std::mutex mutex_;
   bool in_step_ = false, serving_ = false, derailed_ = false;
+  void* stream_ = nullptr;  // the stream the current step's planned requests come on
   std::vector<Request> log_;
   int64_t clock_ = 0, step_ = 0;
   std::vector<int64_t> sizes_, offsets_;
   std::vector<bool> used_;  // plan entries taken in this step
   int64_t cursor_ = 0;      // the first plan entry not yet taken
-  c10::DataPtr arena_;
   char* base_ = nullptr;
   int64_t arena_bytes_ = 0;
-  std::map<int64_t, int64_t> live_;  // served regions now alive: start -> end
+  std::map<int64_t, int64_t> live_;       // served regions now alive: start -> end
   std::unordered_map<void*, Held> held_;  // every pointer handed out and not yet freed
   int64_t served_ = 0, misses_ = 0, collisions_ = 0, passed_ = 0, pass_live_ = 0, pass_peak_ = 0;
 };
 
-PlannedAllocator* instance = nullptr;  // lives for the process: tensors it served may outlive any Python handle
+// Both cores live for the process: tensors they handed out may outlive any Python handle.
+Core* cpu_core = nullptr;
+Core* device_core = nullptr;
 
-void PlannedAllocator::raw_free(void* data) {
-  if (data == nullptr) {
-    return;
-  }
-  c10::DataPtr inner;  // a pass-through's memory, returned to the default allocator once the lock is released
-  {
-    std::lock_guard<std::mutex> guard(instance->mutex_);
-    auto found = instance->held_.find(data);
-    TORCH_INTERNAL_ASSERT(found != instance->held_.end(), "a pointer the planned allocator never handed out");
-    Held& held = found->second;
-    if (instance->in_step_ && held.step == instance->step_ && held.request >= 0) {
-      instance->log_[held.request].freed = instance->clock_++;
-    }
-    if (held.offset >= 0) {
-      instance->live_.erase(held.offset);
-    } else {
-      instance->pass_live_ -= held.size;
-    }
-    inner = std::move(held.inner);
-    instance->held_.erase(found);
-  }
+void free_cpu(void* data) {
+  cpu_core->give_back(data);
 }
 
-PlannedAllocator& get() {
-  TORCH_CHECK(instance != nullptr, "the planned allocator is not installed");
-  return *instance;
-}
-
-void install() {
-  if (instance == nullptr) {
-    instance = new PlannedAllocator(c10::GetDefaultCPUAllocator());
+// PyTorch's CPU allocator interface over the core; every pointer is "simple" (its context is itself, freed by
+// `raw_deleter()`), as kernels that call raw_allocate need.
+struct CpuAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* data = cpu_core->request(n, nullptr);
+    return {data, data, &free_cpu, c10::Device(c10::DeviceType::CPU)};
   }
-  instance->forget_plan();
-  c10::SetCPUAllocator(instance, /*priority=*/100);
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &free_cpu;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+CpuAllocator* cpu_allocator = nullptr;
+
+Core& core(const std::string& which) {
+  Core* found = which == "cpu" ? cpu_core : which == "device" ? device_core : nullptr;
+  TORCH_CHECK(found != nullptr, "the planned allocator for ", which, " is not installed");
+  return *found;
 }
 
-void uninstall() {
+void install_cpu() {
+  if (cpu_core == nullptr) {
+    cpu_core = new Core(std::make_unique<CpuBackend>());
+    cpu_allocator = new CpuAllocator();
+  }
+  cpu_core->forget_plan();
+  c10::SetCPUAllocator(cpu_allocator, /*priority=*/100);
+}
+
+void uninstall_cpu() {
   c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/100);
+}
+
+void make_device_core(int64_t alloc_address, int64_t free_address) {
+  TORCH_CHECK(device_core == nullptr, "the device's planned allocator is made once per process");
+  device_core = new Core(std::make_unique<FunctionBackend>(alloc_address, free_address));
 }
 
 }  // namespace
 
+// The functions torch.cuda.memory.CUDAPluggableAllocator calls.
+extern "C" void* memo_device_malloc(ssize_t size, int /*device*/, void* stream) {
+  return device_core->request(static_cast<size_t>(size), stream);
+}
+
+extern "C" void memo_device_free(void* data, size_t /*size*/, int /*device*/, void* /*stream*/) {
+  device_core->give_back(data);
+}
+
+// Host stand-ins with the CUDA runtime's signatures, so that the CPU tests run the device path.
+extern "C" int memo_host_alloc(void** data, size_t n, void* /*stream*/) {
+  *data = std::malloc(n);
+  return *data == nullptr ? 2 : 0;  // 2: cudaErrorMemoryAllocation
+}
+
+extern "C" int memo_host_free(void* data, void* /*stream*/) {
+  std::free(data);
+  return 0;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("install", &install, "route CPU allocations through the planned allocator");
-  m.def("uninstall", &uninstall, "route CPU allocations back to PyTorch's default allocator");
-  m.def("begin_step", [] { get().begin_step(); });
-  m.def("end_step", [] { return get().end_step(); });
-  m.def("log", [] { return get().log(); });
-  m.def("set_plan", [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& offsets, int64_t bytes) {
-    return get().set_plan(sizes, offsets, bytes);
+  m.def("install_cpu", &install_cpu, "route CPU allocations through the planned allocator");
+  m.def("uninstall_cpu", &uninstall_cpu, "route CPU allocations back to PyTorch's default allocator");
+  m.def("make_device_core", &make_device_core, "the device core over C allocation functions at these addresses");
+  m.def("begin_step", [](const std::string& which, int64_t stream) { core(which).begin_step(stream); });
+  m.def("end_step", [](const std::string& which) { return core(which).end_step(); });
+  m.def("log", [](const std::string& which) { return core(which).log(); });
+  m.def("set_plan", [](const std::string& which, const std::vector<int64_t>& sizes,
+                       const std::vector<int64_t>& offsets, int64_t bytes) {
+    return core(which).set_plan(sizes, offsets, bytes);
   });
-  m.def("counters", [] { return get().counters(); });
-  m.def("forget_plan", [] { get().forget_plan(); });
-  m.def("reset_peak", [] { get().reset_peak(); });
+  m.def("forget_plan", [](const std::string& which) { core(which).forget_plan(); });
+  m.def("counters", [](const std::string& which) { return core(which).counters(); });
+  m.def("reset_peak", [](const std::string& which) { core(which).reset_peak(); });
 }
