@@ -85,6 +85,7 @@ FILES = {  # the user's files, in every case's folder
     "gpus-partial.json": json.dumps({"L40S": {"peak_flops": 362e12}}),
     "gpus-negative.json": json.dumps({"L40S": {**GPU_FIELDS, "hbm_bytes": -48e9}}),
     "calibration-empty.json": "{}\n",
+    "calibration-cpu.json": json.dumps({"device": "cpu", "matmul_flops_per_s": 1e11, "attention_flops_per_s": 5e10}),
     "null-field.yaml": "eval_batches: null\n",
     "nan-field.yaml": "weight_decay: .nan\n",
     "tokens.bin": "h\0e\0l\0l\0o\0" * 40,  # 200 uint16 ids, the largest 111 ('o')
@@ -219,6 +220,7 @@ CASES = [
     Case(f"estimate {EST} --sweep --plot no-such-folder/sweep.png"),
     Case(f"estimate {EST} --seq 1M --calibration missing.json"),
     Case(f"estimate {EST} --seq 1M --calibration calibration-empty.json"),
+    Case(f"estimate {EST} --seq 1M --calibration calibration-cpu.json"),
     Case("estimate --model gpt-7b --gpus 8 --gpu L40S --seq 1M --gpu-file missing.json"),
     Case("estimate --model gpt-7b --gpus 8 --gpu L40S --seq 1M --gpu-file gpus-malformed.json"),
     Case("estimate --model gpt-7b --gpus 8 --gpu L40S --seq 1M --gpu-file gpus-list.json"),

@@ -7,7 +7,7 @@ import torch
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cli import main
 from memo.cost.estimate import _compute_seconds, estimate, max_seq
-from memo.cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
+from memo.cost.hardware import GPUS, Efficiency, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
 from memo.cost.memory import persistent_activation_bytes, skeletal_bytes, traced_transient_peak
 from memo.device import meta_kernels
 from memo.plan.trace import trace
@@ -130,6 +130,16 @@ def test_calibration_turns_measurements_into_efficiencies():
         {"matmul_flops_per_s": 156e12, "attention_flops_per_s": 93.6e12, "host_copy_bytes_per_s": 16e9}, A800
     )
     assert (eff.matmul, eff.attention, eff.host_link) == pytest.approx((0.5, 0.3, 0.5))
+
+
+@pytest.mark.parametrize("device", ["cpu", "NVIDIA H200"])
+def test_a_calibration_from_another_device_is_refused_naming_both(tmp_path, capsys, device):
+    measured = {"device": device, "matmul_flops_per_s": 1e12, "attention_flops_per_s": 1e12}
+    (tmp_path / "c.json").write_text(json.dumps({**measured, "host_copy_bytes_per_s": 1e9}))
+    argv = ["estimate", "--model", "gpt-7b", "--seq", "1M", "--gpus", "8", "--gpu", "A800-80GB"]
+    assert main([*argv, "--calibration", str(tmp_path / "c.json")]) == 2
+    assert f"measured on {device}, not on a A800-80GB" in capsys.readouterr().err
+    check_calibration_device({**measured, "device": "NVIDIA A800-SXM4-80GB"}, A800)  # the same GPU type: taken
 
 
 def test_estimate_cli_table_and_json(capsys):

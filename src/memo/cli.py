@@ -18,7 +18,7 @@ from tqdm import tqdm
 from .config import PRESETS, ModelConfig
 from .cost.calibrate import calibrate
 from .cost.estimate import SYSTEMS, estimate, max_seq
-from .cost.hardware import GPUS, Efficiency, efficiency_from_calibration, gpu, load_gpus
+from .cost.hardware import GPUS, Efficiency, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
 from .cost.memory import training_lower_bound
 from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device
@@ -292,7 +292,11 @@ def _estimate_parser(sub) -> None:
 def _run_estimate(args) -> int:
     gpus = load_gpus(args.gpu_file) if args.gpu_file else GPUS
     spec = gpu(args.gpu, gpus)
-    eff = efficiency_from_calibration(read_json_object(args.calibration), spec) if args.calibration else Efficiency()
+    eff = Efficiency()
+    if args.calibration:
+        calibration = read_json_object(args.calibration)
+        check_calibration_device(calibration, spec)
+        eff = efficiency_from_calibration(calibration, spec)
     cfg = ModelConfig.preset(args.model)
     systems = args.system or list(SYSTEMS)
     if args.plot and not args.sweep:

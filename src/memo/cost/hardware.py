@@ -111,6 +111,17 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+def check_calibration_device(calibration: dict, spec: GPUSpec) -> None:
+    """Raises ValueError unless `calibration` was measured on a `spec` GPU: a CPU's (or another GPU's) speeds
+    divided by this GPU's peaks would predict a utilisation that means nothing."""
+    device = str(calibration.get("device", "an unnamed device"))
+    if spec.name.split("-")[0].lower() not in device.lower():
+        raise ValueError(
+            f"the calibration was measured on {device}, not on a {spec.name}: run `memo calibrate` on a {spec.name} "
+            "(or leave out `--calibration`)"
+        )
+
+
 def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Efficiency:
     """Returns the efficiencies that `memo calibrate`'s measurements on a `spec` GPU imply."""
 
