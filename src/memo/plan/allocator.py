@@ -21,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import re
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +46,9 @@ def extension():
     ValueError saying so when this machine cannot build it."""
     from torch.utils.cpp_extension import load
 
+    tools = str(Path(sys.executable).parent)  # the environment's own ninja (a dependency), venv activated or not
+    if tools not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([tools, os.environ.get("PATH", "")])
     try:
         return load(name="memo_planned_allocator", sources=[str(SOURCE)], extra_cflags=["-O2"])
     except (OSError, RuntimeError, ImportError) as err:
