@@ -41,7 +41,7 @@ def test_strategies_json_gives_every_row_with_throughput_and_ratios(capsys):
         assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["mfu"] is None  # no GPU peak on CPU
         assert row["activation_over_none"] == 1.0
     assert result["rows"][4]["alphas"] == [1.0, 1.0]  # offload-all: every layer, whole
-    assert result["peak_flops"] is None and "not halved" in result["mfu_convention"]
+    assert result["peak_flops"] is None and "causal attention counted as the half" in result["mfu_convention"]["mfu"]
 
 
 def test_a_row_that_runs_out_of_device_memory_is_recorded_not_raised(capsys):
@@ -55,11 +55,10 @@ def test_a_row_that_runs_out_of_device_memory_is_recorded_not_raised(capsys):
     assert "| memo none | OOM |" in capsys.readouterr().out
 
 
-def test_mfu_counts_the_full_attention_matrix_and_the_causal_variant_halves_it():
+def test_mfu_counts_causal_attention_as_half_the_matrix_and_the_full_variant_all_of_it():
     cfg = strategies.ModelConfig.preset("tiny-gpt")
-    full, causal = strategies.flops_per_token(cfg, 1024)
+    full, causal = (strategies.model_flops_per_token(cfg, 1024, causal=c) for c in (False, True))
     attention = 3 * cfg.n_layers * 4 * 1024 * cfg.n_heads * cfg.head_dim
-    assert full == strategies.model_flops_per_token(cfg, 1024)
     assert full - causal == pytest.approx(attention / 2)
 
 

@@ -70,7 +70,7 @@ def test_quick_cpu_run_without_highspy_ends_every_section_ok_with_cuda_parts_mar
         assert [row["name"] for row in table["rows"]] == ROWS
         assert all("error" not in row and row["step_s"] > 0 and row["mfu"] is None for row in table["rows"])
         assert set(table["offload_hiding"]) == {name for name in ROWS[1:5]}
-    assert "full s x s attention" in results["strategies"]["mfu_convention"]
+    assert "causal attention counted as the half" in results["strategies"]["mfu_convention"]["mfu"]
 
     sanitizer = results["sanitizer"]
     assert sanitizer["passed"] and sanitizer["sanitizer"].startswith("skipped: needs CUDA")

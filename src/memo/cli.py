@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from .config import PRESETS, ModelConfig
 from .cost.calibrate import calibrate
-from .cost.estimate import SYSTEMS, estimate, max_seq
+from .cost.estimate import CONVENTIONS, SYSTEMS, estimate, max_seq
 from .cost.hardware import GPUS, Efficiency, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
 from .cost.memory import training_lower_bound
 from .cost.sweep import default_lengths, plot_sweep, sweep
@@ -267,8 +267,9 @@ def _estimate_parser(sub) -> None:
         "estimate",
         help="predict memory, alpha, step time and MFU before renting GPUs",
         description="Predict per-GPU device and host memory, alpha, step time, tokens/s and MFU of "
-        "MEMO and the baselines (megatron, deepspeed, offload-all). MFU counts the full attention "
-        "matrix (memo-method.md section 7).",
+        "MEMO and the baselines (megatron, deepspeed, offload-all). MFU counts causal attention as the half of "
+        "the s x s matrix a causal kernel computes; the full-matrix MFU and HFU (recomputation included) are "
+        "shown beside it, each named under the table and in the JSON.",
     )
     p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
     p.add_argument(
@@ -315,6 +316,7 @@ def _run_estimate(args) -> int:
         for i, n in enumerate(lengths):
             cells = [f"{100 * results[s][i].mfu:.1f}%" if results[s][i].fits else "OOM" for s in systems]
             print(f"| {format_count(n)} | " + " | ".join(cells) + " |")
+        print(f"\nMFU: {CONVENTIONS['mfu']}")
         return 0
     if args.max_seq:
         found = {s: max_seq(cfg, args.gpus, spec, s, args.sp, eff) for s in systems}
@@ -327,15 +329,21 @@ def _run_estimate(args) -> int:
         print(json.dumps([e.as_dict() for e in results]))
         return 0
     print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}")
-    print("| system | fits | alpha per layer | device GiB/GPU | host GiB/GPU | step s | tokens/s | MFU | why not |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    print(
+        "| system | fits | alpha per layer | device GiB/GPU | host GiB/GPU | step s | tokens/s | MFU | MFU full s² | "
+        "HFU | why not |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     node_gpus = min(args.gpus, spec.gpus_per_node)
     for e in results:
         print(
             f"| {e.system} | {'yes' if e.fits else 'no'} | {_runs(e.alphas)} | {e.device_bytes['total'] / 2**30:.1f} | "
             f"{e.host_bytes_per_node / node_gpus / 2**30:.1f} | {e.step_seconds:.1f} | {e.tokens_per_s:.0f} | "
-            f"{100 * e.mfu:.1f}% | {e.why} |"
+            f"{100 * e.mfu:.1f}% | {100 * e.mfu_full:.1f}% | {100 * e.hfu:.1f}% | {e.why} |"
         )
+    print(
+        "\n" + "\n".join(f"{name}: {text}" for name, text in zip(("MFU", "MFU full s²", "HFU"), CONVENTIONS.values()))
+    )
     return 0
 
 

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..policy import ActivationPolicy, AlphaProblem, solve_alpha
-from .flops import layer_forward_flops, linear_params_per_layer, model_flops_per_token
+from .flops import (
+    HFU,
+    MFU_CAUSAL,
+    MFU_FULL,
+    layer_forward_flops,
+    linear_params_per_layer,
+    model_flops_per_token,
+    recompute_flops,
+)
 from .hardware import Efficiency, GPUSpec
 from .memory import (
     BYTES_PER_PARAM,
@@ -35,6 +43,7 @@ from .memory import (
 )
 
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
+CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU}
 STRATEGY = {"memo": "memo", "megatron": "full", "deepspeed": "full", "offload-all": "memo"}
 DEVICE_RESERVE = 2 * 2**30  # CUDA context, kernels' workspaces, allocator slack
 HOST_FRACTION = 0.9  # of a node's host memory that offload may use
@@ -56,11 +65,13 @@ class Estimate:
     host_capacity_per_node: int
     step_seconds: float
     tokens_per_s: float
-    mfu: float
+    mfu: float  # flops.MFU_CAUSAL
     seconds: dict[str, float] = field(default_factory=dict)
+    mfu_full: float = 0.0  # flops.MFU_FULL
+    hfu: float = 0.0  # flops.HFU
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "conventions": CONVENTIONS}
 
 
 class Unsupported(ValueError):
@@ -124,6 +135,9 @@ def estimate(
     seconds = _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu, eff, t, alphas)
     step = sum(seconds.values())
     dp = gpus // sp
+    utilisation = dp / (step * gpus * gpu.peak_flops)  # of one FLOP per sequence
+    reloaded = _layout_policy(system).reloaded_layers(c.n_layers) if alphas else ()
+    again = recompute_flops(c, seq, STRATEGY[system], alphas, reloaded, causal=True)
     return Estimate(
         system,
         seq,
@@ -138,8 +152,10 @@ def estimate(
         host_capacity,
         step,
         dp * seq / step,
-        model_flops_per_token(c, seq) * seq * dp / (step * gpus * gpu.peak_flops),
+        model_flops_per_token(c, seq) * seq * utilisation,
         seconds,
+        model_flops_per_token(c, seq, causal=False) * seq * utilisation,
+        (model_flops_per_token(c, seq) * seq + again) * utilisation,
     )
 
 

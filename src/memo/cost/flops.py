@@ -1,5 +1,9 @@
-"""FLOP counts (memo-method.md §7). Convention: the full s×s attention matrix is counted (not halved for the
-causal mask), forward + backward = 3 × forward, recomputation is not model FLOPs (it is counted apart).
+"""FLOP counts (memo-method.md §7): forward + backward = 3 × forward, recomputation is not model FLOPs (it is
+counted apart, for HFU). Two conventions for attention, each named wherever a utilisation is shown:
+
+- causal (the default, memo's MFU): a causal kernel computes half of the s×s score matrix, so half is counted;
+- full: the whole s×s matrix, as `torch.utils.flop_counter` (and some papers) count it; at long lengths, where
+  attention is nearly all the work, this "MFU" is about twice the kernel's real utilisation and can pass 100%.
 """
 
 from __future__ import annotations
@@ -15,19 +19,30 @@ def linear_params_per_layer(c: ModelConfig) -> int:
     return h * q + 2 * h * kv + q * h + mlp
 
 
-def layer_forward_flops(c: ModelConfig, seq: int, tokens: int | None = None) -> tuple[float, float]:
+MFU_CAUSAL = "model FLOPs, causal attention counted as the half of the s x s matrix the kernel computes"
+MFU_FULL = "model FLOPs, the full s x s attention matrix counted (as torch's FlopCounterMode does)"
+HFU = "hardware FLOPs: model FLOPs (causal) plus the recomputation the strategy runs"
+
+
+def layer_forward_flops(
+    c: ModelConfig, seq: int, tokens: int | None = None, causal: bool = False
+) -> tuple[float, float]:
     """Returns (matmul, attention) forward FLOPs of one layer for `tokens` tokens attending to `seq` tokens."""
     tokens = seq if tokens is None else tokens
-    return 2.0 * linear_params_per_layer(c) * tokens, 4.0 * seq * c.n_heads * c.head_dim * tokens
+    attention = 4.0 * seq * c.n_heads * c.head_dim * tokens
+    return 2.0 * linear_params_per_layer(c) * tokens, attention / 2 if causal else attention
 
 
-def model_flops_per_token(c: ModelConfig, seq: int) -> float:
-    """Returns training FLOPs per token: for a GPT with FFN 4h, 72·n·h² + 12·n·h·s + 6·V·h."""
-    matmul, attention = layer_forward_flops(c, seq, 1)
+def model_flops_per_token(c: ModelConfig, seq: int, causal: bool = True) -> float:
+    """Returns training FLOPs per token: for a GPT with FFN 4h, 72·n·h² + 12·n·h·s + 6·V·h with the full matrix
+    (`causal=False`), 72·n·h² + 6·n·h·s + 6·V·h with causal attention."""
+    matmul, attention = layer_forward_flops(c, seq, 1, causal)
     return 3.0 * (c.n_layers * (matmul + attention) + 2.0 * c.vocab_size * c.hidden_size)
 
 
-def recompute_flops(c: ModelConfig, seq: int, strategy: str, alphas=None, reloaded=(), tokens=None) -> float:
+def recompute_flops(
+    c: ModelConfig, seq: int, strategy: str, alphas=None, reloaded=(), tokens=None, causal: bool = False
+) -> float:
     """Returns the forward FLOPs a strategy spends again before backward, for one sequence.
 
     `full` re-runs each layer's forward except the last projection (its output is not needed);
@@ -38,7 +53,7 @@ def recompute_flops(c: ModelConfig, seq: int, strategy: str, alphas=None, reload
     w_down = c.ffn_hidden_size * c.hidden_size
     local = 2.0 * (linear_params_per_layer(c) - w_down)
     if strategy == "full":
-        return c.n_layers * (local * tokens + layer_forward_flops(c, seq, tokens)[1])
+        return c.n_layers * (local * tokens + layer_forward_flops(c, seq, tokens, causal)[1])
     if strategy == "memo":
         return sum(local * (tokens - split_row(alphas[i], tokens)) for i in reloaded)
     return 0.0

@@ -43,7 +43,7 @@ def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str)
     lengths = [e.seq for e in next(iter(results.values()))]
     ax.set_xticks(lengths, [format_count(n) for n in lengths])
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("MFU (%)")
+    ax.set_ylabel("MFU (%), causal attention counted as half")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

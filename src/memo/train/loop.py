@@ -97,7 +97,9 @@ class Trainer:
         except BaseException:
             self.discard()
             raise
+        # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL)
         self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
+        self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, causal=False)
         self.peak_flops = _peak_flops(self.device)
 
     def _start(self, resume: bool) -> None:
@@ -347,6 +349,9 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "tflops": flops / 1e12,
             "mfu": flops / (ranks * self.peak_flops) if self.peak_flops else None,
+            "mfu_full": self.full_flops_per_token * tokens / seconds / (ranks * self.peak_flops)
+            if self.peak_flops
+            else None,
             "host_pool_bytes": stats.host_pool_bytes,
             "bytes_offloaded": stats.bytes_offloaded,
             "bytes_recomputed": stats.bytes_recomputed,
