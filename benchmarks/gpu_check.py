@@ -24,7 +24,7 @@ Sections, in order of value, with their time boxes in seconds:
                        that memo step against estimate() with efficiency_from_calibration (ratios)
 
 Each section runs in its own subprocess of this script (`--section NAME`), killed with its children when its
-box (or what is left of `--budget`, default 450 s) runs out; a section that would start with under 10 s of
+box (or what is left of `--budget`, default 520 s) runs out; a section that would start with under 10 s of
 budget left is skipped. Sections write their numbers as they get them, so a timeout or a crash keeps what
 was measured. After each section the results file is rewritten: `--out`, else $OUT/gpu_check.json when OUT
 is set, else ./gpu_check.json; next to it, gpu_check_logs/ (named after the results file) keeps each
@@ -649,7 +649,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="toy sizes: every section in about a minute")
     p.add_argument("--out", default=None, help="results JSON (default $OUT/gpu_check.json, else ./gpu_check.json)")
-    p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
+    p.add_argument("--budget", type=float, default=520.0, help="seconds for all sections together")
     p.add_argument("--only", default=None, help="comma-separated sections to run, in the usual order")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)
     p.add_argument("--section-out", default=None, help=argparse.SUPPRESS)
