@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import device as dev
 from .. import parallel
 from ..cost.flops import model_flops_per_token
-from ..cost.hardware import GPUS
+from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
 from ..files import write_text
 from ..loss import IGNORE_INDEX, shift_labels
@@ -338,7 +338,7 @@ class Trainer:
         seconds = time.perf_counter() - start
         tokens = cfg.batch_size * cfg.seq_len  # over all ranks
         flops = self.flops_per_token * tokens / seconds
-        ranks = self.mesh.size() if self.mesh else 1
+        peak = (self.mesh.size() if self.mesh else 1) * self.peak_flops if self.peak_flops else None  # all ranks
         stats = model.swap_stats()
         record = {
             "step": self.step,
@@ -348,10 +348,8 @@ class Trainer:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
             "tflops": flops / 1e12,
-            "mfu": flops / (ranks * self.peak_flops) if self.peak_flops else None,
-            "mfu_full": self.full_flops_per_token * tokens / seconds / (ranks * self.peak_flops)
-            if self.peak_flops
-            else None,
+            "mfu": flops / peak if peak else None,
+            "mfu_full": self.full_flops_per_token * tokens / seconds / peak if peak else None,
             "host_pool_bytes": stats.host_pool_bytes,
             "bytes_offloaded": stats.bytes_offloaded,
             "bytes_recomputed": stats.bytes_recomputed,
@@ -481,7 +479,7 @@ def _record_launch(cfg: TrainConfig) -> TrainConfig:
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied; an error when
     its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing)."""
-    if Path(run_dir).is_dir():
+    if Path(run_dir).is_dir() and os.environ.get("RANK", "0") == "0":  # rank 0 alone locks, so alone probes
         RunLock(Path(run_dir)).release()  # a run still in progress is the error, not its missing checkpoint
     saved = checkpoint.load_latest(Path(run_dir))
     kept = {k: v for k, v in saved.state["config"].items() if k not in LAUNCH}  # a 2-node run resumes on one
@@ -508,8 +506,8 @@ def _peak_flops(device: torch.device) -> float | None:
     """Returns the dense bf16 peak of a known GPU (for MFU), else None."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((spec.peak_flops for key, spec in GPUS.items() if key.split("-")[0] in name), None)
+    spec = gpu_of(torch.cuda.get_device_name(device))
+    return spec.peak_flops if spec else None
 
 
 def _rng_state(device: torch.device) -> dict:
