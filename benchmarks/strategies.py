@@ -41,7 +41,7 @@ import torch.utils.checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
 from memo.cost.flops import MFU_CAUSAL, MFU_FULL, model_flops_per_token  # noqa: E402
-from memo.cost.hardware import GPUS, GPUSpec  # noqa: E402
+from memo.cost.hardware import GPUSpec, gpu_of  # noqa: E402
 from memo.reference import ReferenceTransformer  # noqa: E402
 from memo.swap import make_store  # noqa: E402
 from memo.units import parse_size  # noqa: E402
@@ -252,8 +252,8 @@ def gpu_spec(device: torch.device) -> tuple[str, GPUSpec] | None:
     """Returns the GPUS entry whose model name (H200, A100, ...) appears in the device's name, if any."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next(((key, spec) for key, spec in GPUS.items() if key.split("-")[0] in name), None)
+    spec = gpu_of(torch.cuda.get_device_name(device))
+    return (spec.name, spec) if spec else None
 
 
 def _throughput(row: dict, cfg: ModelConfig, ids: torch.Tensor, peak_flops: float | None) -> None:

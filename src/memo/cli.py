@@ -401,9 +401,13 @@ def _dsa_parser(sub) -> None:
     p.set_defaults(run=_run_dsa)
 
 
+def _check_time_limit(seconds: float) -> None:
+    if not seconds > 0:
+        raise ValueError(f"`--time-limit` must be positive, got {seconds}")
+
+
 def _run_dsa(args) -> int:
-    if not args.time_limit > 0:
-        raise ValueError(f"`--time-limit` must be positive, got {args.time_limit}")
+    _check_time_limit(args.time_limit)
     from .plan.dsa import solve  # the planner (numba) loads with the verbs that plan: a fifth of a second
     from .plan.problem import read_csv, write_csv
 
@@ -467,11 +471,10 @@ def _run_plan(args) -> int:
         raise ValueError(f"`--tp` ({args.tp}) must be positive and divide `--seq` ({args.seq})")
     if args.batch <= 0:
         raise ValueError(f"`--batch` must be positive, got {args.batch}")
+    _check_time_limit(args.time_limit)
     from .plan.bilevel import plan
     from .plan.plot import plot_plan
 
-    if not args.time_limit > 0:
-        raise ValueError(f"`--time-limit` must be positive, got {args.time_limit}")
     cfg = ModelConfig.preset(args.model)
     policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
     _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)

@@ -44,11 +44,19 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
     try:
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync(path: str | Path) -> None:
+    """Forces a file's (or a folder's: its entries') contents to disk, so a rename after it publishes whole data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_text(path: str | Path, text: str) -> None:

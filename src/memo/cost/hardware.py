@@ -111,11 +111,22 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+def is_gpu(device_name: str, spec: GPUSpec) -> bool:
+    """Returns whether a device named `device_name` (torch.cuda.get_device_name, a calibration's "device") is a
+    `spec` GPU: the model in the spec's name (H200, A100, ...) appears in the device's."""
+    return spec.name.split("-")[0].lower() in device_name.lower()
+
+
+def gpu_of(device_name: str, gpus: dict[str, GPUSpec] | None = None) -> GPUSpec | None:
+    """Returns the spec of the GPU a device named `device_name` is, or None when none is listed."""
+    return next((spec for spec in (GPUS if gpus is None else gpus).values() if is_gpu(device_name, spec)), None)
+
+
 def check_calibration_device(calibration: dict, spec: GPUSpec) -> None:
     """Raises ValueError unless `calibration` was measured on a `spec` GPU: a CPU's (or another GPU's) speeds
     divided by this GPU's peaks would predict a utilisation that means nothing."""
     device = str(calibration.get("device", "an unnamed device"))
-    if spec.name.split("-")[0].lower() not in device.lower():
+    if not is_gpu(device, spec):
         raise ValueError(
             f"the calibration was measured on {device}, not on a {spec.name}: run `memo calibrate` on a {spec.name} "
             "(or leave out `--calibration`)"

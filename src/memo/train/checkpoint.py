@@ -43,7 +43,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
-from ..files import atomic_output
+from ..files import atomic_output, fsync
 from ..hf import save_hf
 from .config import TrainConfig, model_config
 
@@ -166,7 +166,7 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists():
         os.replace(final, aside)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -385,15 +385,7 @@ def _chmod_as_new(path: Path) -> None:
         probe.unlink()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     for p in folder.iterdir():
-        _fsync_tree(p) if p.is_dir() else _fsync(p)
-    _fsync(folder)
+        _fsync_tree(p) if p.is_dir() else fsync(p)
+    fsync(folder)
