@@ -16,9 +16,9 @@ import torch
 from tqdm import tqdm
 
 from .config import PRESETS, ModelConfig
-from .cost.calibrate import calibrate
-from .cost.estimate import CONVENTIONS, SYSTEMS, estimate, max_seq
-from .cost.hardware import GPUS, Efficiency, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
+from .cost.calibrate import Shape, calibrate
+from .cost.estimate import CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
+from .cost.hardware import GPUS, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
 from .cost.memory import training_lower_bound
 from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device
@@ -293,7 +293,7 @@ def _estimate_parser(sub) -> None:
 def _run_estimate(args) -> int:
     gpus = load_gpus(args.gpu_file) if args.gpu_file else GPUS
     spec = gpu(args.gpu, gpus)
-    eff = Efficiency()
+    eff = None  # the published band for the GPU and each layout's shape
     if args.calibration:
         calibration = read_json_object(args.calibration)
         check_calibration_device(calibration, spec)
@@ -303,24 +303,15 @@ def _run_estimate(args) -> int:
     if args.plot and not args.sweep:
         raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
     if args.sweep:
-        results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff)
-        if args.plot:
-            plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
-            print(f"wrote {args.plot}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({s: [e.as_dict() for e in es] for s, es in results.items()}))
-            return 0
-        lengths = [e.seq for e in results[systems[0]]]
-        print("| seq | " + " | ".join(f"{s} MFU" for s in systems) + " |")
-        print("|---" * (len(systems) + 1) + "|")
-        for i, n in enumerate(lengths):
-            cells = [f"{100 * results[s][i].mfu:.1f}%" if results[s][i].fits else "OOM" for s in systems]
-            print(f"| {format_count(n)} | " + " | ".join(cells) + " |")
-        print(f"\nMFU: {CONVENTIONS['mfu']}")
-        return 0
+        return _print_sweep(args, cfg, spec, systems, eff)
     if args.max_seq:
-        found = {s: max_seq(cfg, args.gpus, spec, s, args.sp, eff) for s in systems}
-        print(json.dumps(found) if args.json else "\n".join(f"{s}: {format_count(n)} tokens" for s, n in found.items()))
+        found = {s: max_seq_range(cfg, args.gpus, spec, s, args.sp, eff) for s in systems}
+        if args.json:
+            print(json.dumps(found))
+            return 0
+        for s, n in found.items():
+            print(f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])})")
+        print(f"\nrange: {MAX_SEQ_RANGE}")
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
@@ -330,20 +321,46 @@ def _run_estimate(args) -> int:
         return 0
     print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}")
     print(
-        "| system | fits | alpha per layer | device GiB/GPU | host GiB/GPU | step s | tokens/s | MFU | MFU full s² | "
-        "HFU | why not |"
+        "| system | fits | layout | alpha per layer | device GiB/GPU | host GiB/GPU | step s | tokens/s | MFU | "
+        "MFU full s² | HFU | dominant | why not |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     node_gpus = min(args.gpus, spec.gpus_per_node)
     for e in results:
+        if not e.layout:  # the system has no layout here
+            print(f"| {e.system} | no | - | - | - | - | - | - | - | - | - | - | {e.why} |")
+            continue
+        step, mfu = e.ranges["step_seconds"], e.ranges["mfu"]
         print(
-            f"| {e.system} | {'yes' if e.fits else 'no'} | {_runs(e.alphas)} | {e.device_bytes['total'] / 2**30:.1f} | "
-            f"{e.host_bytes_per_node / node_gpus / 2**30:.1f} | {e.step_seconds:.1f} | {e.tokens_per_s:.0f} | "
-            f"{100 * e.mfu:.1f}% | {100 * e.mfu_full:.1f}% | {100 * e.hfu:.1f}% | {e.why} |"
+            f"| {e.system} | {'yes' if e.fits else 'no'} | {e.layout} | {_runs(e.alphas)} | "
+            f"{e.device_bytes['total'] / 2**30:.1f} | {e.host_bytes_per_node / node_gpus / 2**30:.1f} | "
+            f"{e.step_seconds:.1f} ({step[0]:.1f}-{step[1]:.1f}) | {e.tokens_per_s:.0f} | "
+            f"{100 * e.mfu:.1f}% ({100 * mfu[0]:.1f}-{100 * mfu[1]:.1f}) | {100 * e.mfu_full:.1f}% | "
+            f"{100 * e.hfu:.1f}% | {e.dominant} | {e.why} |"
         )
     print(
         "\n" + "\n".join(f"{name}: {text}" for name, text in zip(("MFU", "MFU full s²", "HFU"), CONVENTIONS.values()))
     )
+    print(f"ranges: the efficiency band; efficiencies: {results[0].efficiency.get('source', '-')}")
+    return 0
+
+
+def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff) -> int:
+    """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M."""
+    results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff)
+    if args.plot:
+        plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({s: [e.as_dict() for e in es] for s, es in results.items()}))
+        return 0
+    lengths = [e.seq for e in results[systems[0]]]
+    print("| seq | " + " | ".join(f"{s} MFU" for s in systems) + " |")
+    print("|---" * (len(systems) + 1) + "|")
+    for i, n in enumerate(lengths):
+        cells = [f"{100 * results[s][i].mfu:.1f}%" if results[s][i].fits else "OOM" for s in systems]
+        print(f"| {format_count(n)} | " + " | ".join(cells) + " |")
+    print(f"\nMFU: {CONVENTIONS['mfu']}")
     return 0
 
 
@@ -363,27 +380,38 @@ def _runs(alphas: list[float] | None) -> str:
 def _calibrate_parser(sub) -> None:
     p = sub.add_parser(
         "calibrate",
-        help="measure matmul, attention and host-copy throughput of this device",
-        description="Measure this device's matmul and causal-attention FLOP/s and device->host copy "
-        "bandwidth (pinned on CUDA); pass the JSON to `memo estimate --calibration`.",
+        help="measure this device's GEMM, attention and host-copy speeds",
+        description="Measure this device's speeds for each phase the cost model times: the layer's GEMMs, "
+        "causal attention forward and backward apart, and device->host copy bandwidth (pinned on CUDA), at one "
+        "GPU's shape of a run (`--model`, `--seq`, `--sp`; a generic shape without them). Pass the JSON to "
+        "`memo estimate --calibration`.",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
+    p.add_argument("--model", choices=list(PRESETS), default=None, help="model preset whose shapes to time")
+    p.add_argument("--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence")
+    p.add_argument("--sp", type=int, default=1, help="GPUs per sequence: each times seq/sp tokens of heads/sp heads")
     p.add_argument("--out", type=PATH, default=None, help="write the measurements to this JSON file")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
     p.set_defaults(run=_run_calibrate)
 
 
 def _run_calibrate(args) -> int:
-    result = calibrate(check_device(args.device))
+    if (args.model is None) != (args.seq is None):
+        raise ValueError("give `--model` and `--seq` together (or neither, for a generic shape)")
+    device = check_device(args.device)
+    shape = Shape.of(ModelConfig.preset(args.model), args.seq, args.sp) if args.model else None
+    result = calibrate(device, shape)
     if args.out:
         write_text(args.out, json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"device {result['device']} ({result['dtype']})")
-        print(f"matmul     {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
-        print(f"attention  {result['attention_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work, fwd+bwd)")
-        print(f"host copy  {result['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
+        shape = result["shape"]
+        print(f"device {result['device']} ({result['dtype']}), {shape['tokens']} tokens x {shape['heads']} heads")
+        print(f"matmul              {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
+        print(f"attention forward   {result['attention_forward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
+        print(f"attention backward  {result['attention_backward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
+        print(f"host copy           {result['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
     return 0
 
 

@@ -1,42 +1,83 @@
-"""`memo calibrate`: measure the current device's matmul and attention throughput and host copy bandwidth."""
+"""`memo calibrate`: measure the current device's speeds for the cost model's phases, at one GPU's shape of a
+run: the layer's GEMMs, causal attention forward and backward apart, and host copy bandwidth."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .. import device as dev
 from ..attention import attention_backward, attention_forward
+from ..config import ModelConfig
 from ..swap import measure_copy_bandwidth
 
-
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """Returns FLOP/s of an n×n×n matmul."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return 2 * n**3 / dev.timed(lambda: a @ b, device, repeats=5)
+GEMM_ROWS = {"cuda": 16384, "cpu": 1024}  # token rows of the GEMMs timed: speed no longer grows past these
+ATTENTION_TOKENS = {"cuda": 1 << 17, "cpu": 4096}  # longest attention timed (published speeds are flat past 16K)
 
 
-def measure_attention_flops(device: torch.device, dtype: torch.dtype, seq: int, heads: int = 16, head_dim: int = 128):
-    """Returns FLOP/s of causal attention forward + backward, counting the causal (half-matrix) work."""
-    q, k, v = (torch.randn(1, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
-    scale = head_dim**-0.5
+@dataclass(frozen=True)
+class Shape:
+    """One GPU's share of a run: `tokens` tokens of `heads` query heads (`kv_heads` key/value) of `head_dim`,
+    and the layer's `hidden` and `ffn` sizes."""
 
-    def run():
-        out, lse, aux = attention_forward(q, k, v, scale)
-        attention_backward(out, q, k, v, out, lse, aux, scale)
+    tokens: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    ffn: int
 
-    forward = 4 * seq * seq * heads * head_dim / 2
-    return forward * (1 + 2.5) / dev.timed(run, device, repeats=3)
+    @classmethod
+    def of(cls, c: ModelConfig, seq: int, sp: int = 1) -> Shape:
+        if seq <= 0 or seq % sp or c.n_heads % sp:
+            raise ValueError(f"`--seq` ({seq}) and the {c.n_heads} heads of {c.name} must split over `--sp` {sp}")
+        kv = max(c.n_kv_heads // sp, 1)
+        return cls(seq // sp, c.n_heads // sp, kv, c.head_dim, c.hidden_size, c.ffn_hidden_size)
 
 
-def calibrate(device: torch.device) -> dict:
-    """Returns measured throughputs of `device` (bf16 on CUDA, float32 on CPU)."""
+GENERIC_SHAPE = {"cuda": Shape(16384, 16, 16, 128, 4096, 11008), "cpu": Shape(2048, 16, 16, 128, 1024, 2816)}
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, shape: Shape) -> float:
+    """Returns FLOP/s of the layer's GEMMs (projection in, out, and the MLP's) at `shape`'s sizes."""
+    rows = min(shape.tokens, GEMM_ROWS[device.type])
+    x = torch.randn(rows, shape.hidden, device=device, dtype=dtype)
+    weights = [torch.randn(shape.hidden, n, device=device, dtype=dtype) for n in (shape.hidden, shape.ffn)]
+    work = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+    return work / dev.timed(lambda: [x @ w for w in weights], device, repeats=5)
+
+
+def measure_attention_flops(device: torch.device, dtype: torch.dtype, shape: Shape) -> tuple[float, float]:
+    """Returns FLOP/s of causal attention forward and of its backward, counting the causal (half-matrix) work
+    and backward as 2.5 × forward, at `shape` (its length capped at `ATTENTION_TOKENS`)."""
+    seq = min(shape.tokens, ATTENTION_TOKENS[device.type])
+
+    def heads(n: int) -> torch.Tensor:
+        return torch.randn(1, seq, n, shape.head_dim, device=device, dtype=dtype).transpose(1, 2)
+
+    q, k, v = heads(shape.heads), heads(shape.kv_heads), heads(shape.kv_heads)
+    scale = shape.head_dim**-0.5
+    out, lse, aux = attention_forward(q, k, v, scale)
+    forward = 4 * seq * seq * shape.heads * shape.head_dim / 2
+    forward_s = dev.timed(lambda: attention_forward(q, k, v, scale), device, repeats=3)
+    backward_s = dev.timed(lambda: attention_backward(out, q, k, v, out, lse, aux, scale), device, repeats=3)
+    return forward / forward_s, 2.5 * forward / backward_s
+
+
+def calibrate(device: torch.device, shape: Shape | None = None) -> dict:
+    """Returns measured throughputs of `device` (bf16 on CUDA, float32 on CPU) at `shape` (default: generic)."""
     cuda = dev.is_cuda(device)
     dtype = torch.bfloat16 if cuda else torch.float32
+    shape = shape or GENERIC_SHAPE["cuda" if cuda else "cpu"]
     copy_src = torch.empty((256 if cuda else 64) << 20, dtype=torch.uint8, device=device)
+    attention_fwd, attention_bwd = measure_attention_flops(device, dtype, shape)
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "matmul_flops_per_s": measure_matmul_flops(device, dtype, 8192 if cuda else 1024),
-        "attention_flops_per_s": measure_attention_flops(device, dtype, 16384 if cuda else 2048),
+        "shape": shape.__dict__,
+        "matmul_flops_per_s": measure_matmul_flops(device, dtype, shape),
+        "attention_forward_flops_per_s": attention_fwd,
+        "attention_backward_flops_per_s": attention_bwd,
         "host_copy_bytes_per_s": measure_copy_bandwidth(copy_src),
     }

@@ -1,25 +1,35 @@
-"""Does a model fit at a sequence length on some GPUs, with which α, how fast, at what MFU — for MEMO and
-the systems users would run otherwise, under one model (memo-method.md §3, §7).
+"""Does a model fit at a sequence length on some GPUs, with which layout and α, how fast, at what MFU — for
+MEMO and the systems users would run otherwise, each as it ships, under one model (memo-method.md §3, §7).
 
 Every system trains one sequence of `seq` tokens per sequence-parallel group of `sp` GPUs, with
-`gpus / sp` such groups in data parallel:
+`gpus / sp` such groups in data parallel, and each searches its own layouts (`layouts`), keeping the best
+that fits and saying which:
 
-- `memo`: Ulysses sequence parallelism (all-to-all before/after attention), parameters, gradients and
-  optimizer states sharded over all GPUs (FSDP / ZeRO-3), MEMO token-wise offload with α solved per GPU.
-- `megatron`: tensor + sequence parallelism inside a node (tp = min(sp, GPUs per node)), context
-  parallelism across nodes (cp = sp / tp), full recomputation, distributed optimizer.
-- `deepspeed`: Ulysses sequence parallelism, ZeRO-3, full recomputation.
+- `memo`: Ulysses sequence parallelism (all-to-all before/after attention) of any degree that divides the
+  heads, parameters, gradients and optimizer states sharded over all GPUs (FSDP2), MEMO token-wise offload
+  with α solved per GPU, the chunked loss.
+- `megatron` (Megatron-LM / Megatron-Core): tensor + sequence parallelism inside a node, context parallelism
+  (ring attention) over the rest, selective or full recomputation, distributed optimizer; the logits of the
+  local sequence materialised with their fp32 copy, the sequence-parallel all-gather buffer.
+- `deepspeed` (DeepSpeed-Ulysses on Megatron-DeepSpeed): Ulysses of a degree that divides the heads (query
+  and key/value), ZeRO-3, full or no recomputation, the logits materialised over the whole vocabulary.
 - `offload-all`: as `memo` but every skeletal tensor of every layer goes to host (α = 1, nothing recomputed).
 
-Time per layer = matmuls and causal attention at calibrated efficiencies (backward 2× and 2.5× forward),
-plus recomputation, plus the part of each host copy that does not hide behind the layer's compute, plus
-communication (all-to-all and tensor-parallel collectives on the critical path; parameter gathers and
-context-parallel rings overlapped with compute). Data-parallel gradient reduction and the optimizer step
-are left out (once per step, overlapped with backward in all four systems alike).
+Time per layer = matmuls and causal attention forward and backward at per-phase efficiencies (published for
+the GPU and shape, `hardware.published_band`, or measured by `memo calibrate`), plus recomputation, plus the
+part of each host copy that does not hide behind the layer's compute, plus communication (all-to-all and
+tensor-parallel collectives on the critical path; parameter gathers and context-parallel rings overlapped
+with compute). Data-parallel gradient reduction and the optimizer step are left out (once per step,
+overlapped with backward in all four systems alike). Every time comes as a range from the efficiency band.
+
+Device memory = model states + skeletal buffers + the traced step's transient peak (kernel scratch in it;
+the baselines' materialised loss where it is higher) + the caching allocator's fragmentation on that step
+(`plan.caching_sim`) + the runtime (CUDA context, cuBLAS and NCCL buffers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
@@ -33,9 +43,10 @@ from .flops import (
     model_flops_per_token,
     recompute_flops,
 )
-from .hardware import Efficiency, GPUSpec
+from .hardware import POINTS, ZERO3_MAX_LIVE_PARAMETERS, Band, Efficiency, GPUSpec, published_band, runtime_bytes
 from .memory import (
     BYTES_PER_PARAM,
+    fragmentation_bytes,
     host_bytes_per_gpu,
     persistent_activation_bytes,
     skeletal_bytes,
@@ -44,10 +55,37 @@ from .memory import (
 
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
 CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU}
-STRATEGY = {"memo": "memo", "megatron": "full", "deepspeed": "full", "offload-all": "memo"}
-DEVICE_RESERVE = 2 * 2**30  # CUDA context, kernels' workspaces, allocator slack
+RECOMPUTE = {  # what each system can recompute, as it ships
+    "memo": ("memo",),  # α of the token-local tensors (memo-method.md §3)
+    "megatron": ("selective", "full"),  # --recompute-granularity: core attention, or the whole layer
+    "deepspeed": ("none", "full"),  # activation checkpointing off or on
+    "offload-all": ("offload",),
+}
+TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
 HOST_FRACTION = 0.9  # of a node's host memory that offload may use
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
+MAX_SEQ_RANGE = (
+    "low at the slow end of the efficiency band, high at the fast end with memory at LOAD (no caching-allocator "
+    "fragmentation)"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one system splits a sequence over its GPUs, and what it recomputes."""
+
+    tp: int = 1  # tensor (+ sequence) parallel
+    cp: int = 1  # context parallel: ring attention
+    ulysses: int = 1  # Ulysses all-to-all sequence parallel
+    recompute: str = "full"
+
+    @property
+    def sp(self) -> int:
+        return self.tp * self.cp * self.ulysses
+
+    def __str__(self) -> str:
+        split = " ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("ulysses", self.ulysses)) if v > 1)
+        return f"{split or 'no sequence split'}, {self.recompute} recompute"
 
 
 @dataclass
@@ -69,33 +107,43 @@ class Estimate:
     seconds: dict[str, float] = field(default_factory=dict)
     mfu_full: float = 0.0  # flops.MFU_FULL
     hfu: float = 0.0  # flops.HFU
+    layout: str = ""
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # low and high efficiency band
+    dominant: str = ""  # the largest share of the step, e.g. "97% attention"
+    efficiency: dict = field(default_factory=dict)  # the central per-phase efficiencies and their source
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "conventions": CONVENTIONS}
 
 
-class Unsupported(ValueError):
-    """The system cannot split this model this way (a fact about the system, not bad input)."""
-
-
-def _layout(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> tuple[int, int, int]:
-    """Returns (sp, tp, cp) after checking that the split is possible."""
+def _check(seq: int, gpus: int, system: str, sp: int | None) -> None:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
     if gpus <= 0:
         raise ValueError(f"`--gpus` must be positive, got {gpus}")
-    sp = gpus if sp is None else sp
-    if sp <= 0 or gpus % sp:
+    if sp is not None and (sp <= 0 or gpus % sp):
         raise ValueError(f"`--sp` ({sp}) must divide `--gpus` ({gpus})")
-    if seq <= 0 or seq % sp:
+    if seq <= 0 or seq % (sp or 1):
         raise ValueError(f"`--seq` ({seq}) must be a positive multiple of `--sp` ({sp})")
-    tp = min(sp, gpu.gpus_per_node) if system == "megatron" else 1
-    if sp % tp:
-        raise ValueError(f"megatron: sp={sp} is not a multiple of the tensor-parallel size {tp}")
-    heads_split = tp if system == "megatron" else sp
-    if c.n_heads % heads_split:
-        raise Unsupported(f"{c.n_heads} attention heads cannot be split over {heads_split} GPUs")
-    return sp, tp, sp // tp
+
+
+def layouts(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None) -> list[Layout]:
+    """Returns every layout `system` supports for this model, length and GPU count (only those of `sp` GPUs per
+    sequence when given): the constraints each checks at start-up."""
+    _check(seq, gpus, system, sp)
+    degrees = [d for d in range(1, gpus + 1) if gpus % d == 0 and (sp is None or d == sp) and seq % d == 0]
+    if system == "megatron":  # tp within a node dividing query and key/value heads; causal cp needs 2·cp chunks
+        return [
+            Layout(tp, d // tp, 1, r)
+            for d in degrees
+            for tp in (1, 2, 4, 8)
+            if d % tp == 0 and tp <= gpu.gpus_per_node and c.n_heads % tp == 0 and c.n_kv_heads % tp == 0
+            and (d == tp or seq % (2 * (d // tp)) == 0)
+            for r in RECOMPUTE[system]
+        ]
+    # DeepSpeed's all-to-all scatters query and key/value heads alike; memo's repeats key/value heads to fit
+    heads = (c.n_heads, c.n_kv_heads) if system == "deepspeed" else (c.n_heads,)
+    return [Layout(1, 1, d, r) for d in degrees if all(h % d == 0 for h in heads) for r in RECOMPUTE[system]]
 
 
 def estimate(
@@ -105,22 +153,47 @@ def estimate(
     gpu: GPUSpec,
     system: str = "memo",
     sp: int | None = None,
-    eff: Efficiency = Efficiency(),
+    eff: Band | None = None,
+    layout: Layout | None = None,
+    point: str = "mid",
+    fragmentation: bool = True,
 ) -> Estimate:
-    """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences."""
-    try:
-        sp, tp, cp = _layout(c, seq, gpus, gpu, system, sp)
-    except Unsupported as err:  # this system cannot run the layout; the others may
-        nan = float("nan")
-        return Estimate(
-            system, seq, gpus, sp or gpus, False, str(err), None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0
-        )
-    tokens = seq // sp  # per GPU
+    """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences: of `layout`,
+    or of the best of `system`'s layouts (the fastest that fits; if none fits, the one needing least memory).
+
+    `eff` is a measured band (`memo calibrate`); by default the published one for this GPU and shape. `point`
+    (low, mid, high) picks the band member that decides α and fit; `fragmentation` False plans memory as
+    an arena at LOAD would (no caching-allocator overhead).
+    """
+    candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
+    if not candidates:
+        return _unsupported(c, seq, gpus, gpu, system, sp)
+    results = [_evaluate(c, seq, gpus, gpu, system, lay, eff, point, fragmentation) for lay in candidates]
+    fitting = [e for e in results if e.fits]
+    if fitting:
+        return max(fitting, key=lambda e: e.tokens_per_s)
+    return min(results, key=lambda e: (e.device_bytes["total"], e.step_seconds))
+
+
+def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> Estimate:
+    """Returns the estimate of a system that has no layout here (a fact about the system, not bad input)."""
+    split = sp or gpus
+    heads = f"{c.n_heads} attention heads" + (f" ({c.n_kv_heads} key/value)" if system == "deepspeed" else "")
+    why = f"{heads} cannot be split over {split} GPUs" if sp else f"no layout of {system} fits {gpus} GPUs"
+    nan = float("nan")
+    return Estimate(system, seq, gpus, split, False, why, None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0)
+
+
+def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation) -> Estimate:
+    """Returns the estimate of one layout."""
+    tokens = seq // layout.sp  # per GPU
+    band = band or published_band(gpu, c, tokens, c.n_heads // layout.sp)
+    eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * gpu.host_memory_per_node)
     t = _compute_seconds(c, seq, tokens, gpu, eff)
     why, alphas, host = "", None, 0
-    if STRATEGY[system] == "memo":
+    if system in ("memo", "offload-all"):
         offloaded = _layout_policy(system).offloaded_layers(c.n_layers)
         if system == "offload-all":
             alphas = [1.0] * c.n_layers
@@ -129,20 +202,25 @@ def estimate(
         host = host_bytes_per_gpu(c, tokens, alphas, offloaded) * node_gpus if alphas else 0
         if host > host_capacity:
             why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
-    device = _device_bytes(c, tokens, system, gpus, tp, cp)
+    device = device_bytes(c, seq, gpus, system, layout, fragmentation)
     if not why and device["total"] > gpu.hbm_bytes:
         why = f"device memory: needs {device['total'] / 2**30:.1f} GiB of {gpu.hbm_bytes / 2**30:.0f} GiB"
-    seconds = _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu, eff, t, alphas)
+    timed = {p: _step_seconds(c, seq, tokens, system, gpus, layout, gpu, getattr(band, p), alphas) for p in POINTS}
+    seconds = timed[point]
     step = sum(seconds.values())
-    dp = gpus // sp
-    utilisation = dp / (step * gpus * gpu.peak_flops)  # of one FLOP per sequence
+    dp = gpus // layout.sp
+    per_flop = dp / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
     reloaded = _layout_policy(system).reloaded_layers(c.n_layers) if alphas else ()
-    again = recompute_flops(c, seq, STRATEGY[system], alphas, reloaded, causal=True)
+    again = recompute_flops(c, seq, TRACED[layout.recompute], alphas, reloaded, causal=True)
+    if layout.recompute == "selective":
+        again = c.n_layers * layer_forward_flops(c, seq, causal=True)[1]
+    model = model_flops_per_token(c, seq) * seq
+    slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
     return Estimate(
         system,
         seq,
         gpus,
-        sp,
+        layout.sp,
         not why,
         why,
         alphas,
@@ -152,19 +230,32 @@ def estimate(
         host_capacity,
         step,
         dp * seq / step,
-        model_flops_per_token(c, seq) * seq * utilisation,
+        model * per_flop / step,
         seconds,
-        model_flops_per_token(c, seq, causal=False) * seq * utilisation,
-        (model_flops_per_token(c, seq) * seq + again) * utilisation,
+        model_flops_per_token(c, seq, causal=False) * seq * per_flop / step,
+        (model + again) * per_flop / step,
+        str(layout),
+        {"step_seconds": (fast, slow), "tokens_per_s": (dp * seq / slow, dp * seq / fast),
+         "mfu": (model * per_flop / slow, model * per_flop / fast)},
+        dominant(seconds),
+        {**dataclasses.asdict(eff), "source": band.source},
     )
 
 
+def dominant(seconds: dict[str, float]) -> str:
+    """Returns the largest part of a step and its share, e.g. "97% attention"."""
+    name = max(seconds, key=seconds.get)
+    return f"{seconds[name] / sum(seconds.values()):.0%} {name.replace('_', ' ')}"
+
+
 def _compute_seconds(c: ModelConfig, seq: int, tokens: int, gpu: GPUSpec, eff: Efficiency) -> dict[str, float]:
-    """Returns one layer's forward matmul/attention seconds on one GPU (causal attention does half the matrix)."""
-    matmul, attention = layer_forward_flops(c, seq, tokens)
+    """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention (the half of
+    the matrix a causal kernel computes), each phase at its own efficiency."""
+    matmul, attention = layer_forward_flops(c, seq, tokens, causal=True)
     mm = matmul / (gpu.peak_flops * eff.matmul)
-    attn = attention / 2 / (gpu.peak_flops * eff.attention)
-    return {"matmul": mm, "attention": attn, "forward": mm + attn}
+    attn = attention / (gpu.peak_flops * eff.attention_forward)
+    attn_bwd = ATTENTION_BACKWARD * attention / (gpu.peak_flops * eff.attention_backward)
+    return {"matmul": mm, "attention": attn, "attention_backward": attn_bwd, "forward": mm + attn}
 
 
 def _solve_alphas(c, tokens, layer_seconds, gpu: GPUSpec, eff: Efficiency, host_budget: int, offloaded):
@@ -184,42 +275,73 @@ def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
     return gpu.host_link_bytes_per_s * eff.host_link / gpu.host_link_shared_by
 
 
-def _device_bytes(c: ModelConfig, tokens: int, system: str, gpus: int, tp: int, cp: int) -> dict[str, int]:
-    """Returns the per-GPU device memory: model states, persistent and transient activations, total."""
-    params = c.num_parameters()
-    layer_params = linear_params_per_layer(c)
-    if system == "megatron":
-        dp_cp = gpus // tp
-        states = params * (2 + 4) / tp + params * 12 / (tp * dp_cp)
-    else:  # ZeRO-3 / FSDP over every GPU, plus two gathered bf16 layers (current and prefetched)
-        states = params * BYTES_PER_PARAM / gpus + 2 * 2 * layer_params
-    strategy = STRATEGY[system]
-    persistent = persistent_activation_bytes(c, tokens, strategy)
+def device_bytes(
+    c: ModelConfig, seq: int, gpus: int, system: str, layout: Layout, fragmentation: bool = True
+) -> dict[str, int]:
+    """Returns the per-GPU device memory of a system's layout, by term, and the total."""
+    tokens = seq // layout.sp
+    strategy = TRACED[layout.recompute]
     transient = transient_peak(c, tokens, strategy)
-    total = int(states + persistent + transient + DEVICE_RESERVE)
-    return {
-        "model_states": int(states),
-        "skeletal_buffers": persistent,
+    if system in ("megatron", "deepspeed"):
+        transient = max(transient, _loss_peak(c, tokens, strategy))
+    terms = {
+        "model_states": _model_states(c, gpus, system, layout),
+        "skeletal_buffers": persistent_activation_bytes(c, tokens, strategy),
         "transient_peak": transient,
-        "reserve": DEVICE_RESERVE,
-        "total": total,
+        # Megatron's sequence-parallel all-gather lands in one global buffer of the whole local sequence
+        # (megatron/core/tensor_parallel/layers.py, get_global_memory_buffer)
+        "gather_buffer": (seq // layout.cp) * c.hidden_size * 2 if layout.tp > 1 else 0,
+        "fragmentation": fragmentation_bytes(c, tokens, strategy) if fragmentation else 0,
+        "runtime": runtime_bytes(_communicators(layout, gpus)),
     }
+    return {**terms, "total": sum(terms.values())}
 
 
-def _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu: GPUSpec, eff: Efficiency, t, alphas):
-    """Returns the step time split into compute, recompute, exposed copy and communication (seconds)."""
+def _communicators(layout: Layout, gpus: int) -> int:
+    """Returns the NCCL communicators of more than one GPU a rank joins: one per parallel dimension, the
+    data-parallel one, and the world (FSDP / ZeRO-3 / the distributed optimizer)."""
+    return sum(n > 1 for n in (layout.tp, layout.cp, layout.ulysses, gpus // layout.sp, gpus))
+
+
+def _loss_peak(c: ModelConfig, tokens: int, strategy: str) -> int:
+    """Returns the transient bytes at the loss of a system that materialises the logits, as Megatron-LM and
+    Megatron-DeepSpeed do: every layer's kept tensors, the final hidden state and its norm, and the logits of
+    the local tokens in bf16 with the fp32 copy the cross-entropy works on (`fp16_lm_cross_entropy` off:
+    `output.float()`; vocab_parallel_cross_entropy keeps its softmax in that copy). With tensor parallelism
+    each GPU holds (s / cp) × (V / tp) logits: as many as `tokens` × V."""
+    b = skeletal_bytes(c, tokens)
+    kept = b["input"] if strategy == "full" else sum(b.values())
+    return c.n_layers * kept + 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * (2 + 4)
+
+
+def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int:
+    """Returns bytes of weights, gradients and optimizer states per GPU as each system shards them."""
+    params = c.num_parameters()
+    if system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
+        return int(params * (2 + 4) / layout.tp + params * 12 / gpus)
+    layer = linear_params_per_layer(c)
+    if system == "deepspeed":  # ZeRO-3: gathered bf16 parameters live up to stage3_max_live_parameters
+        return int(params * BYTES_PER_PARAM / gpus + 2 * min(ZERO3_MAX_LIVE_PARAMETERS, 2 * layer))
+    return int(params * BYTES_PER_PARAM / gpus + 2 * 2 * layer)  # FSDP2: current and prefetched layer
+
+
+def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, alphas):
+    """Returns the step time split into attention, matmul, recompute, exposed copy and communication."""
     n = c.n_layers
-    fwd, bwd = t["forward"], 2 * t["matmul"] + ATTENTION_BACKWARD * t["attention"]
+    t = _compute_seconds(c, seq, tokens, gpu, eff)
+    fwd, bwd = t["forward"], 2 * t["matmul"] + t["attention_backward"]
     recompute = [0.0] * n
-    if STRATEGY[system] == "full":
+    if layout.recompute == "full":
         recompute = [fwd] * n
-    elif system == "memo":
+    elif layout.recompute == "selective":
+        recompute = [t["attention"]] * n
+    elif layout.recompute == "memo":
         local = 1 - c.ffn_hidden_size * c.hidden_size / linear_params_per_layer(c)  # all but w_down
         kept = alphas or [0.0] * n  # no feasible α: time it as α = 0 (the estimate already says it does not fit)
         reloaded = set(_layout_policy(system).reloaded_layers(n))
         recompute = [(1 - kept[i]) * t["matmul"] * local if i in reloaded else 0.0 for i in range(n)]
     copy = [0.0] * n
-    if STRATEGY[system] == "memo" and alphas:
+    if system in ("memo", "offload-all") and alphas:
         b = skeletal_bytes(c, tokens)
         policy = _layout_policy(system)
         reloaded = set(policy.reloaded_layers(n))
@@ -228,10 +350,11 @@ def _step_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu: GPUSpec, eff: E
             seconds = (b["input"] + b["attention"] + alphas[i] * b["other"]) / bw
             prefetch = max(0.0, seconds - (bwd + recompute[i])) if i in reloaded else 0.0
             copy[i] = max(0.0, seconds - fwd) + prefetch
-    comm = n * _layer_comm_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu, eff, fwd, bwd, t)
+    comm = n * _layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t)
     head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
     return {
-        "compute": n * (fwd + bwd) + head,
+        "attention": n * (t["attention"] + t["attention_backward"]),
+        "matmul": n * 3 * t["matmul"] + head,
         "recompute": sum(recompute),
         "exposed_copy": sum(copy),
         "communication": comm,
@@ -248,22 +371,24 @@ def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
     return gpu.nvlink_bytes_per_s * eff.nvlink if gpus <= gpu.gpus_per_node else gpu.network_bytes_per_s * eff.network
 
 
-def _layer_comm_seconds(c, seq, tokens, system, gpus, sp, tp, cp, gpu, eff, fwd, bwd, t) -> float:
+def _layer_comm_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu, eff, fwd, bwd, t) -> float:
     """Returns one layer's communication seconds on the critical path (forward + backward + recompute)."""
     d, a, g = c.head_dim, c.n_heads, c.n_kv_heads
-    if system == "megatron":
-        # 2 all-gathers + 2 reduce-scatters of the (s/cp, h) activations per pass; passes: fwd, recompute, bwd
-        tp_bytes = 4 * (seq // cp) * c.hidden_size * 2 * (tp - 1) / tp
-        seconds = 3 * tp_bytes / _link(tp, gpu, eff)
-        if cp > 1:  # ring exchange of k, v: overlapped with attention, forward (twice, recompute) and backward
-            ring = 2 * g * d * tokens * 2 * (cp - 1) / _link(gpus, gpu, eff)
-            seconds += 2 * max(0.0, ring - t["attention"]) + max(0.0, 2 * ring - ATTENTION_BACKWARD * t["attention"])
-        return seconds
+    tp, cp = layout.tp, layout.cp
+    passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the recomputed forward
     seconds = 0.0
-    if sp > 1:  # Ulysses: q, k, v in and the output back, in forward and backward (+ recompute for deepspeed)
+    if tp > 1:  # 2 all-gathers + 2 reduce-scatters of the (s/cp, h) activations per pass
+        tp_bytes = 4 * (seq // cp) * c.hidden_size * 2 * (tp - 1) / tp
+        seconds += passes * tp_bytes / _link(tp, gpu, eff)
+    if cp > 1:  # ring exchange of k, v: overlapped with attention forward (twice if recomputed) and backward
+        ring = 2 * g * d * tokens * 2 * (cp - 1) / _link(gpus, gpu, eff)
+        forwards = 1 if layout.recompute == "none" else 2
+        seconds += forwards * max(0.0, ring - t["attention"]) + max(0.0, 2 * ring - t["attention_backward"])
+    sp = layout.ulysses
+    if sp > 1:  # Ulysses: q, k, v in and the output back, per pass
         a2a = (2 * a + 2 * g) * d * tokens * 2 * (sp - 1) / sp / _link(sp, gpu, eff)
-        seconds += a2a * (3 if system == "deepspeed" else 2)
-    if gpus > 1:  # ZeRO-3 / FSDP: gather bf16 weights for forward and backward, reduce-scatter gradients
+        seconds += a2a * (3 if layout.recompute == "full" else 2)
+    if system != "megatron" and gpus > 1:  # ZeRO-3 / FSDP: gather weights for forward and backward
         move = linear_params_per_layer(c) * 2 * (gpus - 1) / gpus / _link(gpus, gpu, eff)
         seconds += max(0.0, move - fwd) + max(0.0, 2 * move - bwd)
     return seconds
@@ -275,16 +400,34 @@ def max_seq(
     gpu: GPUSpec,
     system: str,
     sp: int | None = None,
-    eff: Efficiency = Efficiency(),
+    eff: Band | None = None,
     limit: int = 1 << 26,
+    point: str = "mid",
+    fragmentation: bool = True,
 ) -> int:
-    """Returns the longest sequence (a multiple of 1K·sp) that fits, or 0 if none does."""
+    """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
+    or 0 if none does."""
     step = 1024 * (gpus if sp is None else sp)
+
+    def fits(seq: int) -> bool:
+        return estimate(c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation).fits
+
     lo, hi = 0, step
-    while hi <= limit and estimate(c, hi, gpus, gpu, system, sp, eff).fits:
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + step)
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if estimate(c, mid, gpus, gpu, system, sp, eff).fits else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def max_seq_range(c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None) -> dict:
+    """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's α, and so its
+    host memory, depends on speed), "mid", and "high" at the fast end with memory served at LOAD (no
+    caching-allocator fragmentation, as a planned arena or expandable segments would give)."""
+    return {
+        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low"),
+        "mid": max_seq(c, gpus, gpu, system, sp, eff),
+        "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False),
+    }

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import math
 from pathlib import Path
 
+import numpy as np
+
+from ..config import ModelConfig
 from ..files import read_json_object
 
 GB, TB = 10**9, 10**12
@@ -40,10 +44,11 @@ class GPUSpec:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved fraction of each peak. Defaults are generic assumptions until `memo calibrate` measures them."""
+    """Achieved fraction of each peak, per phase, at one shape."""
 
-    matmul: float = 0.60
-    attention: float = 0.40  # of the causal (half-matrix) work, forward and backward
+    matmul: float
+    attention_forward: float  # of the causal (half-matrix) forward FLOPs
+    attention_backward: float  # of the causal backward FLOPs (2.5 × forward)
     host_link: float = 0.80
     nvlink: float = 0.70
     network: float = 0.70
@@ -52,6 +57,27 @@ class Efficiency:
         for f in dataclasses.fields(self):
             if not 0 < getattr(self, f.name) <= 1:
                 raise ValueError(f"efficiency `{f.name}` must be in (0, 1], got {getattr(self, f.name)}")
+
+    def scaled(self, factor: float) -> Efficiency:
+        """Returns every efficiency times `factor`, at most 1."""
+        return Efficiency(*(min(1.0, getattr(self, f.name) * factor) for f in dataclasses.fields(self)))
+
+
+POINTS = ("low", "mid", "high")
+
+
+@dataclass(frozen=True)
+class Band:
+    """The efficiencies a prediction is made at (mid) and the slow and fast ends of its range."""
+
+    low: Efficiency
+    mid: Efficiency
+    high: Efficiency
+    source: str
+
+    @classmethod
+    def around(cls, mid: Efficiency, spread: float, source: str) -> Band:
+        return cls(mid.scaled(1 - spread), mid, mid.scaled(1 + spread), source)
 
 
 _PCIE4, _PCIE5 = 32 * GB, 64 * GB
@@ -111,6 +137,124 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class KernelSpeeds:
+    """Published achieved speeds of one GPU generation (TFLOP/s), each table with its source. Attention
+    counts the causal half of the s × s matrix; backward FLOPs are 2.5 × forward's."""
+
+    attention_forward: dict[int, tuple[tuple[int, float], ...]]  # head dim -> ((sequence length, TFLOP/s), ...)
+    attention_backward: dict[int, tuple[tuple[int, float], ...]]
+    matmul: tuple[tuple[int, float], ...]  # (hidden size of a layer's GEMMs, TFLOP/s)
+    sms: int  # streaming multiprocessors: one attention block per 128 query rows and head must fill them
+    host_link: float  # achieved fraction of the PCIe peak, pinned copies
+    nvlink: float
+    network: float
+    spread: float  # half-width of the band, relative: how far published figures for the same shape disagree
+    source: str
+
+
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)  # the published attention benchmarks' sequence lengths
+# FlashAttention-2 (the kernel PyTorch's SDPA flash backend has shipped since 2.2), causal, forward + backward,
+# TFLOP/s at LENGTHS, counted as the paper counts (causal half, backward 2.5 × forward): Dao 2023,
+# arXiv 2307.08691, Fig. 4 (A100 80GB SXM4) and the H100 SXM5 figure of the same release
+# (Dao-AILab/flash-attention assets/flash2_{a100,h100}_fwd_bwd_benchmark.png)
+_FA2_A100 = {64: (88, 119, 140, 156, 165, 171), 128: (99, 133, 155, 173, 182, 189)}
+_FA2_H100 = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 294, 308, 328)}
+# FlashAttention-2 forward alone on H100 SXM5, causal: Shah et al. 2024 (FlashAttention-3), arXiv 2407.08608, Fig. 5
+_FA2_H100_FORWARD = {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)}
+# A100's forward and backward apart are only given at their best: "up to 73% ... forward, up to 63% ...
+# backward" (FlashAttention-2, §1); the combined figures are split in that ratio
+_A100_FORWARD_OVER_BACKWARD = 0.73 / 0.63
+
+
+def _apart(combined: tuple, forward: tuple) -> tuple[tuple, tuple]:
+    """Returns (forward, backward) speed tables at LENGTHS from forward + backward speeds and forward ones:
+    3.5 units of work take 1 / forward + 2.5 / backward."""
+    backward = tuple(2.5 / (3.5 / c - 1 / f) for c, f in zip(combined, forward))
+    return tuple(zip(LENGTHS, forward)), tuple(zip(LENGTHS, backward))
+
+
+def _split(combined: tuple, ratio: float) -> tuple[tuple, tuple]:
+    """Returns (forward, backward) speed tables from forward + backward speeds and forward / backward = ratio."""
+    return _apart(combined, tuple(c * (1 + 2.5 * ratio) / 3.5 for c in combined))
+
+
+_A100_ATTENTION = {d: _split(v, _A100_FORWARD_OVER_BACKWARD) for d, v in _FA2_A100.items()}
+_H100_ATTENTION = {d: _apart(v, _FA2_H100_FORWARD[d]) for d, v in _FA2_H100.items()}
+SPEEDS: dict[str, KernelSpeeds] = {
+    "A100": KernelSpeeds(
+        attention_forward={d: f for d, (f, _) in _A100_ATTENTION.items()},
+        attention_backward={d: b for d, (_, b) in _A100_ATTENTION.items()},
+        # bf16 GEMMs: 271 TFLOP/s (0.87) at the best shape searched (S. Bekman, ml-engineering, "Maximum
+        # Achievable Matmul FLOPS"), "80-90% of the theoretical maximum" (FlashAttention-2, §1); no published
+        # fall-off with size for A100: 0.80 at every size, the band covers the rest
+        matmul=((1024, 250.0), (8192, 250.0)),
+        sms=108,
+        host_link=0.78,  # 24.8 GB/s pinned on PCIe 4 x16 (NVIDIA developer forum, A100-SXM4-80GB)
+        nvlink=0.70,  # nccl-tests all-to-all bus bandwidth 210 GB/s of 300 on DGX A100 (NVIDIA GTC25 S72583)
+        network=0.70,  # no published figure used: the generic assumption
+        spread=0.10,
+        source="FlashAttention-2 paper (A100 attention), ml-engineering matmul table, nccl-tests",
+    ),
+    "H100": KernelSpeeds(
+        attention_forward={d: f for d, (f, _) in _H100_ATTENTION.items()},
+        attention_backward={d: b for d, (_, b) in _H100_ATTENTION.items()},
+        # sm_90 bf16 GEMMs measured by OpenXLA (xla/service/gpu/model/matmul_interpolator_data.h): 632 TFLOP/s
+        # at 2048^3, 783 at 4096^3 (0.79); 794.5 at the best shape searched (ml-engineering)
+        matmul=((1024, 524.0), (2048, 632.0), (4096, 783.0)),
+        sms=132,
+        host_link=0.86,  # 55.1 GB/s device-to-host of 64 on PCIe 5 x16 (nvbandwidth on H200, ml-engineering)
+        nvlink=0.71,  # all-to-all bus bandwidth 320 GB/s of 450 on DGX H100 (NVIDIA GTC25 S72583)
+        network=0.70,
+        spread=0.10,
+        source="FlashAttention-2/-3 papers (H100 attention, PyTorch's flash backend), OpenXLA sm_90 GEMM table",
+    ),
+}
+SPEEDS["A800"] = SPEEDS["A100"]  # the A100 die, NVLink cut to 400 GB/s (the spec's bandwidth, not its fraction)
+SPEEDS["H200"] = SPEEDS["H100"]  # the H100 die with more and faster HBM: the kernels are compute-bound
+GENERIC = Efficiency(matmul=0.6, attention_forward=0.4, attention_backward=0.4)
+CALIBRATION_SPREAD = 0.05
+CUDA_CONTEXT_BYTES = 512 << 20  # 300-700 MB with lazy module loading (pytorch/pytorch#107667, #28113)
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # PyTorch's cuBLAS workspace, CUBLAS_WORKSPACE_CONFIG ":4096:8" on Hopper
+NCCL_COMMUNICATOR_BYTES = 600 << 20  # 544-688 MB per communicator measured on A100 (NVIDIA/nccl#964)
+# DeepSpeed ZeRO-3 keeps at most this many gathered parameters (`stage3_max_live_parameters`, default 1e9)
+ZERO3_MAX_LIVE_PARAMETERS = 10**9
+
+
+def published_band(spec: GPUSpec, c: ModelConfig, tokens: int, heads: int) -> Band:
+    """Returns the efficiency band of `spec`'s kernels at one GPU's shape: `tokens` tokens per GPU (the length
+    its attention runs at), `heads` query heads per GPU, `c`'s head dimension and hidden size. A GPU without
+    published speeds gets `GENERIC`, wide."""
+    speeds = next((v for k, v in SPEEDS.items() if k.lower() in spec.name.lower()), None)
+    if speeds is None:
+        return Band.around(GENERIC, 0.25, f"no published speeds for {spec.name}: generic efficiencies ±25%")
+    head_dim = min(speeds.attention_forward, key=lambda d: (abs(d - c.head_dim), d))
+    # fewer attention blocks than SMs leave SMs idle: the published runs always filled them
+    fill = min(1.0, -(-tokens // 128) * heads / speeds.sms)
+    peak = spec.peak_flops / 1e12
+    mid = Efficiency(
+        matmul=_interpolate(speeds.matmul, c.hidden_size) / peak,
+        attention_forward=fill * _interpolate(speeds.attention_forward[head_dim], tokens) / peak,
+        attention_backward=fill * _interpolate(speeds.attention_backward[head_dim], tokens) / peak,
+        host_link=speeds.host_link,
+        nvlink=speeds.nvlink,
+        network=speeds.network,
+    )
+    return Band.around(mid, speeds.spread, speeds.source)
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
+    """Returns the value at `x` on the line through `points` in log2(x), flat past either end."""
+    xs = [math.log2(p) for p, _ in points]
+    return float(np.interp(math.log2(max(x, 1)), xs, [v for _, v in points]))
+
+
+def runtime_bytes(communicators: int) -> int:
+    """Returns device bytes a training process holds outside PyTorch's tensors: the CUDA context with its
+    kernels, cuBLAS workspaces, and NCCL's buffers for each of `communicators` process groups."""
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES
+
+
 def is_gpu(device_name: str, spec: GPUSpec) -> bool:
     """Returns whether a device named `device_name` (torch.cuda.get_device_name, a calibration's "device") is a
     `spec` GPU: the model in the spec's name (H200, A100, ...) appears in the device's."""
@@ -133,19 +277,24 @@ def check_calibration_device(calibration: dict, spec: GPUSpec) -> None:
         )
 
 
-def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Efficiency:
-    """Returns the efficiencies that `memo calibrate`'s measurements on a `spec` GPU imply."""
+def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Band:
+    """Returns the efficiency band that `memo calibrate`'s measurements on a `spec` GPU imply: the measured
+    speeds, ± `CALIBRATION_SPREAD` (run-to-run variation of timed kernels)."""
 
     def ratio(key: str, peak: float) -> float:
         if key not in calibration:
             raise ValueError(f"calibration lacks {key!r}; rerun `memo calibrate`")
         return min(1.0, float(calibration[key]) / peak)
 
-    return Efficiency(
+    mid = Efficiency(
         matmul=ratio("matmul_flops_per_s", spec.peak_flops),
-        attention=ratio("attention_flops_per_s", spec.peak_flops),
+        attention_forward=ratio("attention_forward_flops_per_s", spec.peak_flops),
+        attention_backward=ratio("attention_backward_flops_per_s", spec.peak_flops),
         host_link=ratio("host_copy_bytes_per_s", spec.host_link_bytes_per_s),
     )
+    shape = calibration.get("shape", {})
+    where = f" at {shape.get('tokens')} tokens x {shape.get('heads')} heads per GPU" if shape else ""
+    return Band.around(mid, CALIBRATION_SPREAD, f"memo calibrate on {calibration.get('device')}{where}")
 
 
 def load_gpus(path: str | Path) -> dict[str, GPUSpec]:

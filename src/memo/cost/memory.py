@@ -15,15 +15,14 @@ from ..config import ModelConfig
 from ..device import meta_kernels
 from ..layer import DecoderLayer, bytes_by_role
 from ..model import Transformer
-from ..plan.trace import trace
+from ..plan.caching_sim import replay
+from ..plan.trace import Tracer
 from ..policy import ActivationPolicy
 
 # bf16 weights + fp32 gradient + fp32 Adam master weights, m and v (mixed-precision training)
 BYTES_PER_PARAM = 2 + 4 + 12
 TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
-# past this many tokens the transient peak is extrapolated: it is linear in tokens (every phase's tensors are
-# token rows, the loss chunk is fixed), and a trace's cost grows with the length (token-wise chunks)
-TRACE_TOKENS = 1 << 18
+TRACE_TOKENS = 1 << 18  # longest step traced (a trace's cost grows with the length); past it, extrapolated
 
 
 def skeletal_bytes(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, int]:
@@ -39,34 +38,67 @@ def _specs(c: ModelConfig, tokens: int, dtype):
 
 
 def transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> int:
-    """Returns the peak bytes allocated during a steady-state step: traced up to `TRACE_TOKENS` tokens, past
-    it the line through the traces at `TRACE_TOKENS / 2` and `TRACE_TOKENS` (seconds at any length)."""
-    if tokens <= TRACE_TOKENS:
-        return traced_transient_peak(c, tokens, strategy, loss_chunk_tokens)
-    lo, hi = TRACE_TOKENS // 2, TRACE_TOKENS
-    at_lo = traced_transient_peak(c, lo, strategy, loss_chunk_tokens)
-    at_hi = traced_transient_peak(c, hi, strategy, loss_chunk_tokens)
-    return at_hi + (at_hi - at_lo) * (tokens - hi) // (hi - lo)
+    """Returns the peak bytes allocated during a steady-state step. The step is traced at the powers of two
+    around `tokens` (at most `TRACE_TOKENS`) and the line between them read at `tokens`: every phase's
+    tensors are token rows, the loss chunk is fixed, so the peak is linear in tokens between two traces and
+    past the last one; a few traces then serve any length (a search over lengths and layouts included)."""
+    return _on_line(c, tokens, strategy, loss_chunk_tokens, 0)
 
 
-@lru_cache(maxsize=64)
+def fragmentation_bytes(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> int:
+    """Returns the bytes PyTorch's CUDA caching allocator reserves beyond the allocated peak over the
+    step: the traced step replayed through `plan.caching_sim`, read on the same line as `transient_peak`."""
+    return _on_line(c, tokens, strategy, loss_chunk_tokens, 1)
+
+
+def _on_line(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int, which: int) -> int:
+    lo, hi = _bracket(tokens)
+    at_hi = _traced_step(c, hi, strategy, loss_chunk_tokens)[which]
+    if hi == tokens:
+        return at_hi
+    at_lo = _traced_step(c, lo, strategy, loss_chunk_tokens)[which]
+    return max(0, at_lo + (at_hi - at_lo) * (tokens - lo) // (hi - lo))
+
+
+def _bracket(tokens: int) -> tuple[int, int]:
+    """Returns the traced lengths whose line gives the peak at `tokens`: (t, t) when `tokens` is traced itself."""
+    if tokens >= TRACE_TOKENS:
+        return (TRACE_TOKENS, TRACE_TOKENS) if tokens == TRACE_TOKENS else (TRACE_TOKENS // 2, TRACE_TOKENS)
+    hi = 1 << max(tokens - 1, 1).bit_length()
+    return (hi, hi) if hi == tokens else (hi // 2, hi)
+
+
 def traced_transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> int:
-    """Returns the peak bytes allocated during a steady-state step (after buffers are sized), on `meta`.
+    """Returns the peak bytes allocated during a steady-state step (after buffers are sized), on `meta`, kernel
+    scratch (`plan.scratch`: the flash backward's fp32 accumulators) included.
 
-    The step is traced with `TRACE_LAYERS` layers; `full` keeps one input per layer, so the inputs of the
-    remaining layers are added. Parameter gradients already exist (accumulated), as in training.
+    The step is traced with `TRACE_LAYERS` layers; `full` keeps one input per layer and `none` every layer's
+    skeletal tensors, so those of the remaining layers are added. Parameter gradients already exist
+    (accumulated), as in training.
     """
+    return _traced_step(c, tokens, strategy, loss_chunk_tokens)[0]
+
+
+@lru_cache(maxsize=128)
+def _traced_step(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int) -> tuple[int, int]:
+    """Returns (the traced step's peak, the caching allocator's worst reserved - allocated); see the callers."""
     layers = min(c.n_layers, TRACE_LAYERS)
     small = dataclasses.replace(c, n_layers=layers)
     policy = ActivationPolicy(strategy, alpha=0.5 if strategy == "memo" else None, host_budget_bytes=1 << 60)
     with torch.device("meta"):
         model = Transformer(small, policy, loss_chunk_tokens=loss_chunk_tokens).to(torch.bfloat16)
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    tracer = Tracer(scratch=True)
     with meta_kernels("cuda"):  # a GPU step allocates what the CUDA attention kernels allocate
         model(ids, labels=ids).backward()  # sizes the store and creates .grad
-        step, _ = trace(lambda: model(ids, labels=ids).backward())
-    extra_inputs = (c.n_layers - layers) * tokens * c.hidden_size * 2 if strategy == "full" else 0
-    return step.peak + extra_inputs
+        with tracer:
+            model(ids, labels=ids).backward()
+    step = tracer.trace
+    kept = {"full": skeletal_bytes(c, tokens)["input"], "none": sum(skeletal_bytes(c, tokens).values())}
+    extra = (c.n_layers - layers) * kept.get(strategy, 0)
+    events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
+    cached = replay(events)
+    return step.peak + extra, cached.peak_reserved - cached.peak_allocated
 
 
 def persistent_activation_bytes(c: ModelConfig, tokens: int, strategy: str) -> int:

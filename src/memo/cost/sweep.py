@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from ..figures import pyplot, save
 from ..units import format_count
 from .estimate import SYSTEMS, Estimate, estimate
-from .hardware import Efficiency, GPUSpec
+from .hardware import Band, GPUSpec
 
 
 def default_lengths(start: int = 32 * 1024, stop: int = 4 << 20) -> list[int]:
@@ -26,7 +26,7 @@ def sweep(
     gpu: GPUSpec,
     systems=SYSTEMS,
     sp: int | None = None,
-    eff: Efficiency = Efficiency(),
+    eff: Band | None = None,
 ) -> dict[str, list[Estimate]]:
     """Returns each system's estimate at each length."""
     return {s: [estimate(c, n, gpus, gpu, s, sp, eff) for n in lengths] for s in systems}
