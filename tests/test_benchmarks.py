@@ -94,3 +94,48 @@ def test_default_run_script_prints_the_readme_summary(tmp_path, capsys):
     assert default_run.main(["--out", str(tmp_path / "run"), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "model tiny  strategy memo" in out and "held-out loss" in out and "Held-out accuracy by step:" in out
+
+
+def test_backtest_table_at_toy_scale():
+    import backtest
+
+    from memo.config import ModelConfig
+    from memo.cost.estimate import Layout
+
+    toy = [
+        backtest.Run(
+            "toy source",
+            ModelConfig.preset("tiny-gpt"),
+            "A100-80GB",
+            2,
+            1024,
+            "deepspeed",
+            backtest.DATA_PARALLEL,
+            0.4,
+            "6N",
+            "a note",
+            micro_batch=2,
+        ),
+        backtest.Run(
+            "toy source",
+            ModelConfig.preset("tiny"),
+            "H100-SXM",
+            4,
+            4096,
+            "megatron",
+            Layout(tp=2, cp=2, recompute="selective"),
+            0.3,
+            "megatron-eq3",
+            attention="flash2",
+        ),
+    ]
+    rows = [backtest.predict(run) for run in toy]
+    for row in rows:
+        low, high = row["range"]
+        assert 0 < low < row["predicted"] < high and row["error_points"] == pytest.approx(
+            100 * (row["predicted"] - row["published"])
+        )
+    text = backtest.table(rows)
+    assert "| toy source; a note | tiny-gpt" in text and "megatron: tp=2 cp=2, selective recompute" in text
+    assert "median absolute error" in text and "of 2 rows within 5 points" in text
+    assert len({run.source for run in backtest.RUNS}) >= 3 and len(backtest.RUNS) >= 8

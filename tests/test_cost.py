@@ -6,11 +6,37 @@ import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cli import main
-from memo.cost.estimate import _compute_seconds, estimate, max_seq
-from memo.cost.hardware import GPUS, Efficiency, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
-from memo.cost.memory import persistent_activation_bytes, skeletal_bytes, traced_transient_peak
+from memo.cost.estimate import (
+    SYSTEMS,
+    Layout,
+    _compute_seconds,
+    _loss_peak,
+    device_bytes,
+    estimate,
+    layouts,
+    max_seq,
+    max_seq_range,
+)
+from memo.cost.hardware import (
+    GPUS,
+    SPEEDS,
+    Efficiency,
+    check_calibration_device,
+    efficiency_from_calibration,
+    gpu,
+    load_gpus,
+    published_band,
+)
+from memo.cost.memory import (
+    fragmentation_bytes,
+    persistent_activation_bytes,
+    skeletal_bytes,
+    traced_transient_peak,
+    traffic_bytes,
+)
 from memo.device import meta_kernels
-from memo.plan.trace import trace
+from memo.plan.caching_sim import replay
+from memo.plan.trace import SCRATCH, Tracer, trace, trace_iteration
 
 A800 = GPUS["A800-80GB"]
 GPT7B = ModelConfig.preset("gpt-7b")
@@ -78,8 +104,9 @@ def test_alpha_meets_copy_time_exactly_when_bandwidth_binds():
     assert 0 < est.alphas[0] < 1 and est.seconds["exposed_copy"] == pytest.approx(0, abs=1e-6)
     tokens = est.seq // est.sp
     b = skeletal_bytes(GPT7B, tokens)
-    copy = (b["input"] + b["attention"] + est.alphas[0] * b["other"]) / (8e9 * 0.8 / slow.host_link_shared_by)
-    assert copy == pytest.approx(_compute_seconds(GPT7B, est.seq, tokens, slow, Efficiency())["forward"], rel=1e-6)
+    eff = Efficiency(**{k: v for k, v in est.efficiency.items() if k != "source"})
+    copy = (b["input"] + b["attention"] + est.alphas[0] * b["other"]) / (8e9 * eff.host_link / slow.host_link_shared_by)
+    assert copy == pytest.approx(_compute_seconds(GPT7B, est.seq, tokens, slow, eff)["forward"], rel=1e-6)
 
 
 def test_longest_sequence_ranks_memo_above_the_baselines():
@@ -93,7 +120,7 @@ def test_longest_sequence_ranks_memo_above_the_baselines():
     "kwargs, message",
     [
         ({"sp": 3}, "must divide `--gpus`"),
-        ({"seq": 1001}, "multiple of `--sp`"),
+        ({"seq": 1001, "sp": 8}, "multiple of `--sp`"),
         ({"system": "alpa"}, "unknown system"),
     ],
 )
@@ -105,9 +132,11 @@ def test_impossible_settings_are_clear_errors(kwargs, message):
 
 def test_a_layout_one_system_cannot_run_is_reported_not_raised():
     gpt13b = ModelConfig.preset("gpt-13b")  # 40 heads: Ulysses cannot split them over 16 GPUs, Megatron (tp=8) can
-    ulysses = estimate(gpt13b, 1 << 20, 16, A800, "memo")
+    ulysses = estimate(gpt13b, 1 << 20, 16, A800, "memo", sp=16)
     assert not ulysses.fits and "40 attention heads cannot be split over 16 GPUs" in ulysses.why
-    assert estimate(gpt13b, 1 << 20, 16, A800, "megatron").why != ulysses.why
+    assert estimate(gpt13b, 1 << 20, 16, A800, "megatron", sp=16).why != ulysses.why
+    searched = estimate(gpt13b, 1 << 20, 16, A800, "memo")  # without --sp: Ulysses over 8, two sequences at once
+    assert searched.sp == 8 and searched.layout.startswith("ulysses=8")
 
 
 def test_unknown_gpu_lists_the_known_ones():
@@ -126,15 +155,27 @@ def test_user_gpu_file_extends_the_table_and_rejects_unknown_fields(tmp_path):
 
 
 def test_calibration_turns_measurements_into_efficiencies():
-    eff = efficiency_from_calibration(
-        {"matmul_flops_per_s": 156e12, "attention_flops_per_s": 93.6e12, "host_copy_bytes_per_s": 16e9}, A800
+    measured = {
+        "device": "NVIDIA A800-SXM4-80GB",
+        "matmul_flops_per_s": 156e12,
+        "attention_forward_flops_per_s": 93.6e12,
+        "attention_backward_flops_per_s": 62.4e12,
+        "hbm_bytes_per_s": 1.6e12,
+        "host_copy_bytes_per_s": 16e9,
+    }
+    band = efficiency_from_calibration(measured, A800)
+    mid = band.mid
+    assert (mid.matmul, mid.attention_forward, mid.attention_backward, mid.host_link) == pytest.approx(
+        (0.5, 0.3, 0.2, 0.5)
     )
-    assert (eff.matmul, eff.attention, eff.host_link) == pytest.approx((0.5, 0.3, 0.5))
+    assert band.low.matmul < mid.matmul < band.high.matmul and "A800" in band.source
+    with pytest.raises(ValueError, match="rerun `memo calibrate`"):  # a calibration from before per-phase speeds
+        efficiency_from_calibration({"matmul_flops_per_s": 1e12, "attention_flops_per_s": 1e12}, A800)
 
 
 @pytest.mark.parametrize("device", ["cpu", "NVIDIA H200"])
 def test_a_calibration_from_another_device_is_refused_naming_both(tmp_path, capsys, device):
-    measured = {"device": device, "matmul_flops_per_s": 1e12, "attention_flops_per_s": 1e12}
+    measured = {"device": device, "matmul_flops_per_s": 1e12, "attention_forward_flops_per_s": 1e12}
     (tmp_path / "c.json").write_text(json.dumps({**measured, "host_copy_bytes_per_s": 1e9}))
     argv = ["estimate", "--model", "gpt-7b", "--seq", "1M", "--gpus", "8", "--gpu", "A800-80GB"]
     assert main([*argv, "--calibration", str(tmp_path / "c.json")]) == 2
@@ -205,4 +246,209 @@ def test_calibrate_cli_measures_this_cpu(tmp_path, capsys):
     out = tmp_path / "calib.json"
     assert main(["calibrate", "--device", "cpu", "--out", str(out), "--json"]) == 0
     result = json.loads(out.read_text())
-    assert result["matmul_flops_per_s"] > 0 and result["host_copy_bytes_per_s"] > 0
+    assert result["matmul_flops_per_s"] > 0 and result["host_copy_bytes_per_s"] > 0 and result["hbm_bytes_per_s"] > 0
+    assert result["attention_forward_flops_per_s"] > 0 and result["attention_backward_flops_per_s"] > 0
+
+
+def test_calibrate_cli_times_a_runs_shape_per_gpu(tmp_path, capsys):
+    out = tmp_path / "calib.json"
+    argv = ["calibrate", "--device", "cpu", "--model", "tiny", "--seq", "2K", "--sp", "2", "--out", str(out)]
+    assert main(argv) == 0
+    tiny = ModelConfig.preset("tiny")
+    assert json.loads(out.read_text())["shape"] == {
+        "tokens": 1024,
+        "heads": tiny.n_heads // 2,
+        "kv_heads": max(tiny.n_kv_heads // 2, 1),
+        "head_dim": tiny.head_dim,
+        "hidden": tiny.hidden_size,
+        "ffn": tiny.ffn_hidden_size,
+    }
+    assert "attention backward" in capsys.readouterr().out
+    assert main(["calibrate", "--device", "cpu", "--model", "tiny"]) == 2  # --seq goes with --model
+    assert main(["calibrate", "--device", "cpu", "--model", "tiny", "--seq", "2K", "--sp", "3"]) == 2
+
+
+def _traced_loss_peak(loss, tokens: int, c: ModelConfig) -> int:
+    """Returns the peak bytes of the output layer's logits and a loss over them, forward and backward, less the
+    output layer's own gradients (a few (tokens x h) and (V x h) tensors)."""
+    hidden = torch.zeros(tokens, c.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    weight = torch.zeros(c.vocab_size, c.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    targets = torch.zeros(tokens, dtype=torch.long, device="meta")
+    tracer = Tracer()
+    with tracer:
+        loss(hidden @ weight.t(), targets).backward()
+    return tracer.trace.peak
+
+
+class _MegatronCrossEntropy(torch.autograd.Function):
+    """megatron/core/tensor_parallel/cross_entropy.py at tp = 1: one fp32 copy; max, exp and the division in
+    place; the softmax saved; its backward in place in that softmax."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        x = logits.float()
+        x -= x.max(dim=-1, keepdim=True).values
+        predicted = x.gather(1, targets[:, None]).squeeze(1)
+        torch.exp(x, out=x)
+        total = x.sum(dim=-1)
+        loss = torch.log(total) - predicted
+        x.div_(total[:, None])
+        ctx.save_for_backward(x, targets)
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, targets = ctx.saved_tensors
+        softmax[torch.arange(len(targets), device=softmax.device), targets] -= 1.0
+        softmax.mul_(grad)
+        return softmax, None  # fp32: autograd casts it to the logits' bf16
+
+
+def _megatron_loss(logits, targets):
+    return _MegatronCrossEntropy.apply(logits, targets)
+
+
+class _UlyssesCrossEntropy(torch.autograd.Function):
+    """Megatron-DeepSpeed's core/sequence_parallel/cross_entropy.py: a new fp32 softmax and its log; the softmax
+    saved, the backward in place in it."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        softmax = torch.softmax(logits, dim=-1)
+        loss = -softmax.log().gather(1, targets[:, None]).sum()
+        ctx.save_for_backward(softmax, targets)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, targets = ctx.saved_tensors
+        softmax[torch.arange(len(targets), device=softmax.device), targets] -= 1.0
+        return softmax.mul_(grad), None
+
+
+def _ulysses_loss(logits, targets):
+    output = logits  # gpt_model.py holds the bf16 output while the loss runs on `output.float()`
+    return _UlyssesCrossEntropy.apply(output.float(), targets)
+
+
+@pytest.mark.parametrize(
+    "system, layout, loss",
+    [
+        ("megatron", Layout(8), _megatron_loss),
+        ("deepspeed", Layout(ulysses=8), _ulysses_loss),
+    ],
+)
+def test_materialised_loss_term_against_a_traced_loss(system, layout, loss):
+    cfg, tokens = ModelConfig.preset("tiny-gpt"), 2048
+    traced = _traced_loss_peak(loss, tokens, cfg)
+    b = skeletal_bytes(cfg, tokens)
+    kept = cfg.n_layers * b["input"] + 2 * tokens * cfg.hidden_size * 2
+    modelled = _loss_peak(cfg, tokens, "full", system, layout) - kept
+    assert modelled == pytest.approx(traced, rel=0.05)
+
+
+def test_fragmentation_is_the_caching_allocators_replay_of_the_traced_step():
+    cfg, tokens = ModelConfig.preset("tiny-gpt"), 4096
+    policy = ActivationPolicy("full")
+    with torch.device("meta"):
+        model = Transformer(cfg, policy).to(torch.bfloat16)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    with meta_kernels("cuda"):
+        model(ids, labels=ids).backward()
+        step = trace_iteration(model, ids, scratch=True)
+    replayed = replay([(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"])
+    assert fragmentation_bytes(cfg, tokens, "full") == replayed.peak_reserved - replayed.peak_allocated > 0
+
+
+def test_memory_bound_traffic_extrapolates_to_a_deeper_model():
+    cfg, tokens = ModelConfig.preset("tiny-gpt", n_layers=8), 4096
+    with torch.device("meta"):
+        model = Transformer(cfg, ActivationPolicy("none")).to(torch.bfloat16)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    with meta_kernels("cuda"):
+        model(ids, labels=ids).backward()
+        step = trace_iteration(model, ids, scratch=True)
+    skip = ("mm", "attention", "empty")
+    written = sum(
+        e.nbytes for e in step.events if e.kind == "alloc" and e.op != SCRATCH and not any(k in str(e.op) for k in skip)
+    )
+    per_layer, outside = traffic_bytes(cfg, tokens, "none")  # traced with 4 layers
+    assert cfg.n_layers * per_layer + outside == pytest.approx(written, rel=0.01)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+@pytest.mark.parametrize("preset, gpus", [("gpt-13b", 16), ("llama3-8b", 16), ("gpt-7b", 8)])
+def test_layout_search_returns_only_layouts_the_system_supports(system, preset, gpus):
+    cfg, seq = ModelConfig.preset(preset), 1 << 20
+    found = layouts(cfg, seq, gpus, A800, system)
+    assert found and len(set(found)) == len(found)
+    for lay in found:
+        assert gpus % lay.sp == 0 and seq % lay.sp == 0
+        if system == "megatron":
+            assert lay.ulysses == 1 and lay.tp <= A800.gpus_per_node
+            assert cfg.n_heads % lay.tp == 0 and cfg.n_kv_heads % lay.tp == 0
+            assert lay.cp == 1 or seq % (2 * lay.cp) == 0
+            assert lay.recompute in ("selective", "full")
+        else:
+            assert lay.tp == lay.cp == 1 and cfg.n_heads % lay.ulysses == 0
+            if system == "deepspeed":
+                assert cfg.n_kv_heads % lay.ulysses == 0 and lay.recompute in ("none", "full")
+    assert all(lay.sp == 4 for lay in layouts(cfg, seq, gpus, A800, system, sp=4))
+
+
+def test_the_estimate_keeps_the_fastest_layout_that_fits():
+    best = estimate(GPT7B, 256 * 1024, 8, A800, "megatron")
+    for lay in layouts(GPT7B, 256 * 1024, 8, A800, "megatron"):
+        other = estimate(GPT7B, 256 * 1024, 8, A800, "megatron", layout=lay)
+        assert not other.fits or other.tokens_per_s <= best.tokens_per_s
+    assert best.fits and best.layout
+
+
+def test_every_prediction_has_a_range_and_names_its_dominant_term():
+    est = estimate(GPT7B, 1 << 20, 8, A800, "memo")
+    for key in ("step_seconds", "tokens_per_s", "mfu"):
+        low, high = est.ranges[key]
+        assert low < high
+    assert est.ranges["mfu"][0] < est.mfu < est.ranges["mfu"][1]
+    assert est.dominant.endswith("attention") and int(est.dominant.split("%")[0]) > 90
+    assert "FlashAttention-2" in est.efficiency["source"]
+    found = max_seq_range(GPT7B, 8, A800, "memo")
+    assert 0 < found["low"] <= found["mid"] <= found["high"]
+
+
+def test_published_efficiencies_follow_the_shape():
+    h100, a100 = GPUS["H100-SXM"], GPUS["A100-80GB"]
+    short, long = (published_band(a100, GPT7B, n, 32).mid for n in (1024, 16384))
+    assert short.attention_forward < long.attention_forward  # FlashAttention-2 is slower on short sequences
+    assert published_band(h100, GPT7B, 16384, 32).mid.attention_backward * h100.peak_flops == pytest.approx(
+        SPEEDS["H100"].attention["flash2"][128][1][-1][1] * 1e12
+    )
+    few = published_band(a100, GPT7B, 1024, 1).mid  # 8 blocks of 128 rows cannot fill 108 SMs
+    assert few.attention_forward == pytest.approx(short.attention_forward * 8 / 108)
+    small = ModelConfig.preset("llama3.2-1b")
+    assert published_band(h100, small, 16384, 32).mid.matmul < published_band(h100, GPT7B, 16384, 32).mid.matmul
+    assert "no published speeds" in published_band(dataclasses.replace(a100, name="MI300X"), GPT7B, 1024, 8).source
+
+
+def test_device_terms_of_each_system():
+    seq = 256 * 1024
+    megatron = device_bytes(GPT7B, seq, 8, "megatron", Layout(tp=4, cp=2, recompute="full"))
+    assert megatron["gather_buffer"] == (seq // 2) * GPT7B.hidden_size * 2
+    deepspeed = device_bytes(GPT7B, seq, 8, "deepspeed", Layout(ulysses=8, recompute="full"))
+    assert deepspeed["gather_buffer"] == 0 and deepspeed["runtime"] > 0
+    assert deepspeed["total"] == sum(v for k, v in deepspeed.items() if k != "total")
+    arena = device_bytes(GPT7B, seq, 8, "deepspeed", Layout(ulysses=8, recompute="full"), fragmentation=False)
+    assert arena["fragmentation"] == 0 and arena["total"] < deepspeed["total"]
+
+
+def test_a_measured_peak_far_from_its_prediction_is_a_warning():
+    from memo.cost.predict import compare
+
+    predicted = {"device_peak_bytes": 100, "step_transient_bytes": 100, "host_pool_bytes": 10, "mfu": 0.5}
+    close = compare(predicted, {"device_peak_bytes": 110, "host_pool_bytes": 10, "mfu": 0.4, "other": 1})
+    assert set(close["rows"]) == {"device_peak_bytes", "host_pool_bytes", "mfu"} and not close["warnings"]
+    far = compare(predicted, {"device_peak_bytes": 120, "step_transient_bytes": 80})
+    assert far["warnings"] == [
+        "measured device peak is 20% above the cost model's prediction",
+        "measured step transient is 20% below the cost model's prediction",
+    ]

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memo import ActivationPolicy, ModelConfig, Transformer
-from memo.cost.flops import model_flops_per_token, recompute_flops
+from memo.cost.flops import counted_flops_per_token, linear_params_per_layer, model_flops_per_token, recompute_flops
 from memo.reference import ReferenceTransformer
 
 aten = torch.ops.aten
@@ -76,3 +76,27 @@ def test_recompute_flops_are_exactly_what_the_model_runs_again(preset, policy):
     alphas = policy.layer_alphas(cfg.n_layers)
     extra = recompute_flops(cfg, s, policy.strategy, alphas, policy.reloaded_layers(cfg.n_layers))
     assert _count(Transformer(cfg, policy), ids) == model_flops_per_token(cfg, s, causal=False) * b * s + b * extra
+
+
+def _count_forward(model, ids) -> int:
+    with FlopCounterMode(display=False, custom_mapping=COUNTED) as counter, torch.no_grad():
+        model(ids, labels=ids)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_published_conventions_against_the_counted_flops(preset):
+    cfg, tokens = ModelConfig.preset(preset), 2 * 24
+    ids = torch.randint(0, 256, (2, 24))
+    model = ReferenceTransformer(cfg)
+    counted, forward = _count(model, ids), _count_forward(model, ids)
+    assert counted_flops_per_token(cfg, 24, "full") * tokens == counted
+    assert counted_flops_per_token(cfg, 24, "causal") * tokens == model_flops_per_token(cfg, 24) * tokens
+    # Megatron's equation 3 counts a fourth pass: the layers' forward again (the head is not recomputed)
+    head_forward = 2 * cfg.vocab_size * cfg.hidden_size * tokens
+    assert counted_flops_per_token(cfg, 24, "megatron-eq3") * tokens == counted + forward - head_forward
+    # 6N counts every parameter, the ones no matmul multiplies with too (embedding table, norms, biases)
+    idle = cfg.num_parameters() - cfg.n_layers * linear_params_per_layer(cfg) - cfg.vocab_size * cfg.hidden_size
+    assert counted_flops_per_token(cfg, 24, "6N") * tokens == pytest.approx(counted + 6 * idle * tokens)
+    with pytest.raises(ValueError, match="unknown FLOP convention"):
+        counted_flops_per_token(cfg, 24, "palm")

@@ -221,3 +221,16 @@ def test_the_device_path_plans_the_steps_stream_and_serves_it_from_one_arena(dev
     for ptr in kept:
         device_lib.memo_device_free(ptr, 512, 0, STREAM)
     assert arena.counters()["live_in_arena"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["memo", "none"])
+def test_memo_train_measures_the_steps_transient_peak_against_the_cost_models(tmp_path, capsys, strategy):
+    run = tmp_path / "run"
+    argv = ["train", "--model", "tiny-gpt", "--strategy", strategy, "--arena", "--seq-len", "512", "--steps", "5"]
+    assert main([*argv, "--batch-size", "2", "--out", str(run)]) == 0
+    out = capsys.readouterr()
+    assert "predicted per rank: device peak" in out.err and "step transient" in out.out
+    records = [__import__("json").loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "predicted" in records[0]
+    (compared,) = [r["measured_vs_predicted"] for r in records if "measured_vs_predicted" in r]
+    assert abs(compared["rows"]["step_transient_bytes"]["ratio"] - 1) < 0.15 and not compared["warnings"]

@@ -380,3 +380,19 @@ def test_alpha_per_layer_from_the_command_line_and_a_config_file(tmp_path, capsy
         main(["train", "--alpha", "0.1,x", "--steps", "1"])
     err = capsys.readouterr().err
     assert "`--alpha` must be a number in [0, 1], one per layer" in err and "_alpha" not in err
+
+
+def test_every_run_records_the_cost_models_prediction_and_the_measurements_beside_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--strategy", "memo", "--seq-len", "128", "--batch-size", "2", "--steps", "3", "--out", str(run)]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "predicted per rank: device peak" in out.err and "host pool" in out.err
+    assert "measured: host pool" in out.out and "(x1.00)" in out.out
+    records = read_metrics(run / "metrics.jsonl")
+    predicted = records[0]["predicted"]
+    assert predicted["device_peak_bytes"] == sum(
+        predicted[k] for k in ("model_state_bytes", "skeletal_buffer_bytes", "step_transient_bytes")
+    )
+    compared = records[-1]["measured_vs_predicted"]
+    assert compared["rows"]["host_pool_bytes"]["ratio"] == 1.0  # the host pool of the α it ran with, exactly

@@ -1,5 +1,7 @@
 """Bad or absurd input fails at once with one line on stderr (exit 2), before any run folder, model or trace."""
 
+import functools
+
 import pytest
 import torch
 
@@ -123,13 +125,13 @@ def test_estimate_plot_without_sweep_is_an_error(capsys, tmp_path):
 @pytest.mark.parametrize("seq", ["128M", "1T"])
 def test_estimate_at_absurd_lengths_traces_at_most_the_capped_length(capsys, monkeypatch, seq):
     traced = []
-    real = memory.traced_transient_peak.__wrapped__
+    real = memory._traced_step.__wrapped__
 
-    def spy(c, tokens, strategy, loss_chunk_tokens=4096):
+    def spy(c, tokens, *args, **kwargs):
         traced.append(tokens)
-        return real(c, tokens, strategy, loss_chunk_tokens)
+        return real(c, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(memory, "traced_transient_peak", spy)
+    monkeypatch.setattr(memory, "_traced_step", functools.lru_cache(spy))
     assert main([*ESTIMATE_7B, "--seq", seq, "--system", "memo", "--system", "megatron"]) == 0
     out = capsys.readouterr().out
     assert "| memo | no |" in out and "bytes" not in out  # the why-not column is in human units

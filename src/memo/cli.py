@@ -144,6 +144,8 @@ def _train(trainer: Trainer, as_json: bool) -> int:
             done = f"{trainer.run_dir} is already complete at step {trainer.step}"
             print(f"memo train: {done}: nothing to train (give a larger `--steps` to go on)", file=sys.stderr)
         return 0
+    if not quiet and not as_json:
+        print(_prediction_line(trainer.prediction), file=sys.stderr)
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=as_json or quiet)
     history, evals = [], []
     try:
@@ -161,6 +163,8 @@ def _train(trainer: Trainer, as_json: bool) -> int:
             trainer.discard()
         raise
     bar.close()
+    if as_json and trainer.comparison and not quiet:
+        print(json.dumps({"step": trainer.step, "measured_vs_predicted": trainer.comparison}))
     if not as_json and history:
         _print_summary(cfg, trainer, history, evals)
     return 0
@@ -213,7 +217,44 @@ def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None
     )
     if trainer.arena is not None and trainer.arena.plan is not None:
         print(_arena_line(trainer.arena.plan, history))
+    if trainer.comparison:
+        print(_comparison_line(trainer.comparison))
     print(f"metrics {trainer.run_dir / 'metrics.jsonl'}  picture: memo report {trainer.run_dir}")
+
+
+def _prediction_line(predicted: dict) -> str:
+    """Returns what the cost model predicts for this run, in one line."""
+    parts = [
+        f"device peak {format_bytes(predicted['device_peak_bytes'])} (states "
+        f"{format_bytes(predicted['model_state_bytes'])}, skeletal buffers "
+        f"{format_bytes(predicted['skeletal_buffer_bytes'])}, step transients "
+        f"{format_bytes(predicted['step_transient_bytes'])})"
+    ]
+    if "host_pool_bytes" in predicted:
+        parts.append(f"host pool {format_bytes(predicted['host_pool_bytes'])}")
+    if "step_seconds" in predicted:
+        low, high = predicted["step_seconds_range"]
+        parts.append(
+            f"step {predicted['step_seconds']:.3g} s ({low:.3g}-{high:.3g}) and MFU {100 * predicted['mfu']:.1f}% "
+            f"on {predicted['gpu']} ({predicted['dominant']})"
+        )
+    return "predicted per rank: " + ", ".join(parts)
+
+
+def _comparison_line(comparison: dict) -> str:
+    """Returns the run's measurements beside the cost model's predictions."""
+    cells = []
+    for key, row in comparison["rows"].items():
+        name = key.removesuffix("_bytes").replace("_", " ")
+        show = (
+            format_bytes
+            if key.endswith("_bytes")
+            else (lambda v: f"{100 * v:.1f}%")
+            if key == "mfu"
+            else (lambda v: f"{v:.3g} s")
+        )
+        cells.append(f"{name} {show(row['measured'])} vs {show(row['predicted'])} predicted (x{row['ratio']:.2f})")
+    return "measured: " + ("; ".join(cells) or "nothing the cost model predicts (on CPU: run with --arena)")
 
 
 def _arena_line(plan, history: list[dict]) -> str:
@@ -411,6 +452,7 @@ def _run_calibrate(args) -> int:
         print(f"matmul              {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
         print(f"attention forward   {result['attention_forward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
         print(f"attention backward  {result['attention_backward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
+        print(f"memory              {result['hbm_bytes_per_s'] / 1e9:.2f} GB/s (device copy, read + write)")
         print(f"host copy           {result['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
     return 0
 

@@ -1,5 +1,5 @@
 """`memo calibrate`: measure the current device's speeds for the cost model's phases, at one GPU's shape of a
-run: the layer's GEMMs, causal attention forward and backward apart, and host copy bandwidth."""
+run: the layer's GEMMs, causal attention forward and backward apart, memory bandwidth, host copy bandwidth."""
 
 from __future__ import annotations
 
@@ -65,6 +65,13 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, shape: Sha
     return forward / forward_s, 2.5 * forward / backward_s
 
 
+def measure_hbm_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Returns bytes/s a device-to-device copy moves (read and written): what memory-bound ops run at."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / dev.timed(lambda: dst.copy_(src), device, repeats=5)
+
+
 def calibrate(device: torch.device, shape: Shape | None = None) -> dict:
     """Returns measured throughputs of `device` (bf16 on CUDA, float32 on CPU) at `shape` (default: generic)."""
     cuda = dev.is_cuda(device)
@@ -79,5 +86,6 @@ def calibrate(device: torch.device, shape: Shape | None = None) -> dict:
         "matmul_flops_per_s": measure_matmul_flops(device, dtype, shape),
         "attention_forward_flops_per_s": attention_fwd,
         "attention_backward_flops_per_s": attention_bwd,
+        "hbm_bytes_per_s": measure_hbm_bandwidth(device, (1 << 30) if cuda else (256 << 20)),
         "host_copy_bytes_per_s": measure_copy_bandwidth(copy_src),
     }

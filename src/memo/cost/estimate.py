@@ -43,13 +43,23 @@ from .flops import (
     model_flops_per_token,
     recompute_flops,
 )
-from .hardware import POINTS, ZERO3_MAX_LIVE_PARAMETERS, Band, Efficiency, GPUSpec, published_band, runtime_bytes
+from .hardware import (
+    POINTS,
+    ZERO3_PREFETCH_PARAMETERS,
+    ZERO3_REDUCE_BUCKET_BYTES,
+    Band,
+    Efficiency,
+    GPUSpec,
+    published_band,
+    runtime_bytes,
+)
 from .memory import (
     BYTES_PER_PARAM,
     fragmentation_bytes,
     host_bytes_per_gpu,
     persistent_activation_bytes,
     skeletal_bytes,
+    traffic_bytes,
     transient_peak,
 )
 
@@ -62,6 +72,7 @@ RECOMPUTE = {  # what each system can recompute, as it ships
     "offload-all": ("offload",),
 }
 TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
+OFFLOADS = ("memo", "offload")  # the recomputations that keep skeletal tensors in host memory
 HOST_FRACTION = 0.9  # of a node's host memory that offload may use
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
 MAX_SEQ_RANGE = (
@@ -137,7 +148,10 @@ def layouts(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: 
             Layout(tp, d // tp, 1, r)
             for d in degrees
             for tp in (1, 2, 4, 8)
-            if d % tp == 0 and tp <= gpu.gpus_per_node and c.n_heads % tp == 0 and c.n_kv_heads % tp == 0
+            if d % tp == 0
+            and tp <= gpu.gpus_per_node
+            and c.n_heads % tp == 0
+            and c.n_kv_heads % tp == 0
             and (d == tp or seq % (2 * (d // tp)) == 0)
             for r in RECOMPUTE[system]
         ]
@@ -157,18 +171,23 @@ def estimate(
     layout: Layout | None = None,
     point: str = "mid",
     fragmentation: bool = True,
+    micro_batch: int = 1,
 ) -> Estimate:
-    """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences: of `layout`,
-    or of the best of `system`'s layouts (the fastest that fits; if none fits, the one needing least memory).
+    """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
+    of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
+    that fits; if none fits, the one needing least memory).
 
     `eff` is a measured band (`memo calibrate`); by default the published one for this GPU and shape. `point`
     (low, mid, high) picks the band member that decides α and fit; `fragmentation` False plans memory as
     an arena at LOAD would (no caching-allocator overhead).
     """
+    if micro_batch < 1:
+        raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
     candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
     if not candidates:
         return _unsupported(c, seq, gpus, gpu, system, sp)
-    results = [_evaluate(c, seq, gpus, gpu, system, lay, eff, point, fragmentation) for lay in candidates]
+    run = (c, seq, gpus, gpu, system)
+    results = [_evaluate(*run, lay, eff, point, fragmentation, micro_batch) for lay in candidates]
     fitting = [e for e in results if e.fits]
     if fitting:
         return max(fitting, key=lambda e: e.tokens_per_s)
@@ -184,33 +203,34 @@ def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str,
     return Estimate(system, seq, gpus, split, False, why, None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0)
 
 
-def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation) -> Estimate:
-    """Returns the estimate of one layout."""
-    tokens = seq // layout.sp  # per GPU
-    band = band or published_band(gpu, c, tokens, c.n_heads // layout.sp)
+def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation, batch) -> Estimate:
+    """Returns the estimate of one layout, `batch` sequences per micro-batch."""
+    tokens = batch * seq // layout.sp  # per GPU
+    # attention runs over the whole sequence (Ulysses, tp) or its context-parallel chunk, for the GPU's heads
+    band = band or published_band(gpu, c, seq // layout.cp, batch * c.n_heads // (layout.tp * layout.ulysses))
     eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * gpu.host_memory_per_node)
     t = _compute_seconds(c, seq, tokens, gpu, eff)
     why, alphas, host = "", None, 0
-    if system in ("memo", "offload-all"):
-        offloaded = _layout_policy(system).offloaded_layers(c.n_layers)
-        if system == "offload-all":
+    if layout.recompute in OFFLOADS:
+        offloaded = _layout_policy(layout).offloaded_layers(c.n_layers)
+        if layout.recompute == "offload":
             alphas = [1.0] * c.n_layers
         else:
             alphas, why = _solve_alphas(c, tokens, t["forward"], gpu, eff, host_capacity // node_gpus, offloaded)
         host = host_bytes_per_gpu(c, tokens, alphas, offloaded) * node_gpus if alphas else 0
         if host > host_capacity:
             why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
-    device = device_bytes(c, seq, gpus, system, layout, fragmentation)
+    device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch)
     if not why and device["total"] > gpu.hbm_bytes:
         why = f"device memory: needs {device['total'] / 2**30:.1f} GiB of {gpu.hbm_bytes / 2**30:.0f} GiB"
     timed = {p: _step_seconds(c, seq, tokens, system, gpus, layout, gpu, getattr(band, p), alphas) for p in POINTS}
     seconds = timed[point]
     step = sum(seconds.values())
-    dp = gpus // layout.sp
-    per_flop = dp / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
-    reloaded = _layout_policy(system).reloaded_layers(c.n_layers) if alphas else ()
+    sequences = gpus // layout.sp * batch  # per step
+    per_flop = sequences / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
+    reloaded = _layout_policy(layout).reloaded_layers(c.n_layers) if alphas else ()
     again = recompute_flops(c, seq, TRACED[layout.recompute], alphas, reloaded, causal=True)
     if layout.recompute == "selective":
         again = c.n_layers * layer_forward_flops(c, seq, causal=True)[1]
@@ -229,14 +249,17 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
         host,
         host_capacity,
         step,
-        dp * seq / step,
+        sequences * seq / step,
         model * per_flop / step,
         seconds,
         model_flops_per_token(c, seq, causal=False) * seq * per_flop / step,
         (model + again) * per_flop / step,
         str(layout),
-        {"step_seconds": (fast, slow), "tokens_per_s": (dp * seq / slow, dp * seq / fast),
-         "mfu": (model * per_flop / slow, model * per_flop / fast)},
+        {
+            "step_seconds": (fast, slow),
+            "tokens_per_s": (sequences * seq / slow, sequences * seq / fast),
+            "mfu": (model * per_flop / slow, model * per_flop / fast),
+        },
         dominant(seconds),
         {**dataclasses.asdict(eff), "source": band.source},
     )
@@ -276,21 +299,21 @@ def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
 
 
 def device_bytes(
-    c: ModelConfig, seq: int, gpus: int, system: str, layout: Layout, fragmentation: bool = True
+    c: ModelConfig, seq: int, gpus: int, system: str, layout: Layout, fragmentation: bool = True, batch: int = 1
 ) -> dict[str, int]:
     """Returns the per-GPU device memory of a system's layout, by term, and the total."""
-    tokens = seq // layout.sp
+    tokens = batch * seq // layout.sp
     strategy = TRACED[layout.recompute]
     transient = transient_peak(c, tokens, strategy)
     if system in ("megatron", "deepspeed"):
-        transient = max(transient, _loss_peak(c, tokens, strategy))
+        transient = max(transient, _loss_peak(c, tokens, strategy, system, layout))
     terms = {
         "model_states": _model_states(c, gpus, system, layout),
         "skeletal_buffers": persistent_activation_bytes(c, tokens, strategy),
         "transient_peak": transient,
-        # Megatron's sequence-parallel all-gather lands in one global buffer of the whole local sequence
-        # (megatron/core/tensor_parallel/layers.py, get_global_memory_buffer)
-        "gather_buffer": (seq // layout.cp) * c.hidden_size * 2 if layout.tp > 1 else 0,
+        # Megatron's output layer gathers the sequence-parallel input into a global buffer that only grows
+        # (megatron/core/utils.py GlobalMemoryBuffer; tensor_parallel/layers.py, the "mpu" buffer)
+        "gather_buffer": tokens * layout.tp * c.hidden_size * 2 if layout.tp > 1 else 0,
         "fragmentation": fragmentation_bytes(c, tokens, strategy) if fragmentation else 0,
         "runtime": runtime_bytes(_communicators(layout, gpus)),
     }
@@ -303,15 +326,21 @@ def _communicators(layout: Layout, gpus: int) -> int:
     return sum(n > 1 for n in (layout.tp, layout.cp, layout.ulysses, gpus // layout.sp, gpus))
 
 
-def _loss_peak(c: ModelConfig, tokens: int, strategy: str) -> int:
-    """Returns the transient bytes at the loss of a system that materialises the logits, as Megatron-LM and
-    Megatron-DeepSpeed do: every layer's kept tensors, the final hidden state and its norm, and the logits of
-    the local tokens in bf16 with the fp32 copy the cross-entropy works on (`fp16_lm_cross_entropy` off:
-    `output.float()`; vocab_parallel_cross_entropy keeps its softmax in that copy). With tensor parallelism
-    each GPU holds (s / cp) × (V / tp) logits: as many as `tokens` × V."""
+def _loss_peak(c: ModelConfig, tokens: int, strategy: str, system: str, layout: Layout) -> int:
+    """Returns the transient bytes at the loss of a system that materialises the logits: every layer's kept
+    tensors, the final hidden state and its norm, and per logit (each GPU holds `tokens` × V of them; with
+    tensor parallelism (s / cp) × (V / tp), as many):
+
+    - Megatron-LM (core >= 0.8): bf16 logits and the fp32 copy `vocab_parallel_cross_entropy` works in, in
+      place (megatron/core/tensor_parallel/cross_entropy.py): 2 + 4 bytes;
+    - Megatron-DeepSpeed: `output.float()` (gpt_model.py, `--fp16-lm-cross-entropy` off), then under Ulysses
+      a new fp32 softmax and its log (core/sequence_parallel/cross_entropy.py): 2 + 4 + 4 + 4 bytes; without
+      Ulysses Megatron's older loss, which subtracts the maximum out of place: 2 + 4 + 4.
+    """
     b = skeletal_bytes(c, tokens)
     kept = b["input"] if strategy == "full" else sum(b.values())
-    return c.n_layers * kept + 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * (2 + 4)
+    per_logit = 6 if system == "megatron" else 14 if layout.ulysses > 1 else 10
+    return c.n_layers * kept + 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * per_logit
 
 
 def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int:
@@ -320,13 +349,16 @@ def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int
     if system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
         return int(params * (2 + 4) / layout.tp + params * 12 / gpus)
     layer = linear_params_per_layer(c)
-    if system == "deepspeed":  # ZeRO-3: gathered bf16 parameters live up to stage3_max_live_parameters
-        return int(params * BYTES_PER_PARAM / gpus + 2 * min(ZERO3_MAX_LIVE_PARAMETERS, 2 * layer))
+    if system == "deepspeed":  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
+        # the current layer gathered plus the prefetch bucket, and the persistent bf16 reduce bucket
+        gathered = 2 * (layer + ZERO3_PREFETCH_PARAMETERS) + ZERO3_REDUCE_BUCKET_BYTES
+        return int(params * (2 + 2 + 12) / gpus + gathered)
     return int(params * BYTES_PER_PARAM / gpus + 2 * 2 * layer)  # FSDP2: current and prefetched layer
 
 
 def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, alphas):
-    """Returns the step time split into attention, matmul, recompute, exposed copy and communication."""
+    """Returns the step time split into attention, matmul, memory-bound ops, recompute, exposed copy and
+    communication."""
     n = c.n_layers
     t = _compute_seconds(c, seq, tokens, gpu, eff)
     fwd, bwd = t["forward"], 2 * t["matmul"] + t["attention_backward"]
@@ -338,12 +370,12 @@ def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, ef
     elif layout.recompute == "memo":
         local = 1 - c.ffn_hidden_size * c.hidden_size / linear_params_per_layer(c)  # all but w_down
         kept = alphas or [0.0] * n  # no feasible α: time it as α = 0 (the estimate already says it does not fit)
-        reloaded = set(_layout_policy(system).reloaded_layers(n))
+        reloaded = set(_layout_policy(layout).reloaded_layers(n))
         recompute = [(1 - kept[i]) * t["matmul"] * local if i in reloaded else 0.0 for i in range(n)]
     copy = [0.0] * n
-    if system in ("memo", "offload-all") and alphas:
+    if layout.recompute in OFFLOADS and alphas:
         b = skeletal_bytes(c, tokens)
-        policy = _layout_policy(system)
+        policy = _layout_policy(layout)
         reloaded = set(policy.reloaded_layers(n))
         bw = _host_bandwidth(gpu, eff)
         for i in policy.offloaded_layers(n):
@@ -352,18 +384,21 @@ def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, ef
             copy[i] = max(0.0, seconds - fwd) + prefetch
     comm = n * _layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t)
     head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
+    per_layer, outside = traffic_bytes(c, tokens, TRACED[layout.recompute])
     return {
         "attention": n * (t["attention"] + t["attention_backward"]),
         "matmul": n * 3 * t["matmul"] + head,
+        # what the trace's memory-bound ops write is read once more: twice those bytes at HBM speed
+        "memory_bound": 2 * (n * per_layer + outside) / (gpu.hbm_bytes_per_s * eff.hbm),
         "recompute": sum(recompute),
         "exposed_copy": sum(copy),
         "communication": comm,
     }
 
 
-def _layout_policy(system: str) -> ActivationPolicy:
-    """Returns which layers a memo-style system offloads and reloads, as the swap engine decides it."""
-    return ActivationPolicy("memo", offload_last_layers=system == "offload-all")
+def _layout_policy(layout: Layout) -> ActivationPolicy:
+    """Returns which layers a memo-style layout offloads and reloads, as the swap engine decides it."""
+    return ActivationPolicy("memo", offload_last_layers=layout.recompute == "offload")
 
 
 def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
@@ -378,7 +413,7 @@ def _layer_comm_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu, eff, 
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the recomputed forward
     seconds = 0.0
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of the (s/cp, h) activations per pass
-        tp_bytes = 4 * (seq // cp) * c.hidden_size * 2 * (tp - 1) / tp
+        tp_bytes = 4 * tokens * tp * c.hidden_size * 2 * (tp - 1) / tp
         seconds += passes * tp_bytes / _link(tp, gpu, eff)
     if cp > 1:  # ring exchange of k, v: overlapped with attention forward (twice if recomputed) and backward
         ring = 2 * g * d * tokens * 2 * (cp - 1) / _link(gpus, gpu, eff)

@@ -57,3 +57,28 @@ def recompute_flops(
     if strategy == "memo":
         return sum(local * (tokens - split_row(alphas[i], tokens)) for i in reloaded)
     return 0.0
+
+
+PUBLISHED_CONVENTIONS = {  # how published runs count the FLOPs their utilisation divides by the peak
+    "causal": MFU_CAUSAL,
+    "full": MFU_FULL + "; Korthikanti et al. 2022's MFU, 72·n·h²·(1 + s/6h + V/12nh) per token",
+    "6N": "6 x parameters (embeddings included) + 12·n·heads·head_dim·s per token (PaLM, app. B): torchtitan, "
+    "llm-foundry, FlashAttention-2's Table 1",
+    "megatron-eq3": "Megatron-LM's equation 3, 96·n·h²·(1 + s/6h + V/16nh) per token: full recomputation counted "
+    "(four passes), the full s x s matrix",
+}
+
+
+def counted_flops_per_token(c: ModelConfig, seq: int, convention: str) -> float:
+    """Returns the FLOPs per token a published run's convention counts (`PUBLISHED_CONVENTIONS`)."""
+    matmul, attention = layer_forward_flops(c, seq, 1)
+    head = 6.0 * c.vocab_size * c.hidden_size
+    if convention == "causal":
+        return model_flops_per_token(c, seq)
+    if convention == "full":
+        return model_flops_per_token(c, seq, causal=False)
+    if convention == "6N":
+        return 6.0 * c.num_parameters() + 3.0 * c.n_layers * attention
+    if convention == "megatron-eq3":
+        return 4.0 * c.n_layers * (matmul + attention) + head
+    raise ValueError(f"unknown FLOP convention {convention!r}; choose one of {', '.join(PUBLISHED_CONVENTIONS)}")

@@ -9,8 +9,8 @@ designs. Achieved fractions of these peaks are `Efficiency` parameters, measured
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ class GPUSpec:
     name: str
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bytes: int
+    hbm_bytes_per_s: float  # HBM bandwidth: the speed of memory-bound ops (norms, activations, casts)
     host_link_bytes_per_s: float  # PCIe, one direction, per GPU
     host_link_shared_by: int  # GPUs sharing one host link (PCIe switch) when all copy at once
     nvlink_bytes_per_s: float  # one direction, per GPU
@@ -49,6 +50,7 @@ class Efficiency:
     matmul: float
     attention_forward: float  # of the causal (half-matrix) forward FLOPs
     attention_backward: float  # of the causal backward FLOPs (2.5 × forward)
+    hbm: float = 0.80  # of the HBM bandwidth, for memory-bound ops
     host_link: float = 0.80
     nvlink: float = 0.70
     network: float = 0.70
@@ -86,52 +88,56 @@ GPUS: dict[str, GPUSpec] = {
         "A800-80GB",
         312e12,
         80 * GiB,
+        2039 * GB,
         _PCIE4,
         2,
         200 * GB,
         25 * GB,
         2 * TiB,
         8,
-        "NVIDIA A800 datasheet (312 TFLOPS bf16, NVLink 400 GB/s bidirectional, PCIe Gen4); "
+        "NVIDIA A800 datasheet (312 TFLOPS bf16, HBM2e 2039 GB/s, NVLink 400 GB/s bidirectional, PCIe Gen4); "
         "2 TB host memory per 8-GPU node as in the MEMO paper; 2 GPUs per PCIe switch (DGX A100 layout)",
     ),
     "A100-80GB": GPUSpec(
         "A100-80GB",
         312e12,
         80 * GiB,
+        2039 * GB,
         _PCIE4,
         2,
         300 * GB,
         25 * GB,
         2 * TiB,
         8,
-        "NVIDIA A100 datasheet (312 TFLOPS bf16, NVLink 600 GB/s bidirectional, PCIe Gen4); "
+        "NVIDIA A100 datasheet (312 TFLOPS bf16, HBM2e 2039 GB/s, NVLink 600 GB/s bidirectional, PCIe Gen4); "
         "DGX A100: 2 GPUs per PCIe switch, 200 Gb/s HDR per GPU, 2 TB host option",
     ),
     "H100-SXM": GPUSpec(
         "H100-SXM",
         989e12,
         80 * GiB,
+        3350 * GB,
         _PCIE5,
         1,
         450 * GB,
         50 * GB,
         2 * TiB,
         8,
-        "NVIDIA H100 SXM datasheet (989 TFLOPS bf16 dense, NVLink 900 GB/s bidirectional, PCIe Gen5); "
+        "NVIDIA H100 SXM datasheet (989 TFLOPS bf16 dense, HBM3 3.35 TB/s, NVLink 900 GB/s bidirectional, PCIe Gen5); "
         "DGX H100: 2 TB host memory, 400 Gb/s NDR per GPU",
     ),
     "H200": GPUSpec(
         "H200",
         989e12,
         141 * GB,
+        4800 * GB,
         _PCIE5,
         1,
         450 * GB,
         50 * GB,
         2 * TiB,
         8,
-        "NVIDIA H200 SXM datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e, NVLink 900 GB/s, PCIe Gen5); "
+        "NVIDIA H200 SXM datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5); "
         "DGX H200: 2 TB host memory, 400 Gb/s NDR per GPU",
     ),
 }
@@ -142,10 +148,11 @@ class KernelSpeeds:
     """Published achieved speeds of one GPU generation (TFLOP/s), each table with its source. Attention
     counts the causal half of the s × s matrix; backward FLOPs are 2.5 × forward's."""
 
-    attention_forward: dict[int, tuple[tuple[int, float], ...]]  # head dim -> ((sequence length, TFLOP/s), ...)
-    attention_backward: dict[int, tuple[tuple[int, float], ...]]
+    # kernel -> head dim -> (forward, backward), each ((sequence length, TFLOP/s), ...); "flash2" is PyTorch's
+    attention: dict[str, dict[int, tuple[tuple, tuple]]]
     matmul: tuple[tuple[int, float], ...]  # (hidden size of a layer's GEMMs, TFLOP/s)
     sms: int  # streaming multiprocessors: one attention block per 128 query rows and head must fill them
+    hbm: float  # achieved fraction of the HBM bandwidth by memory-bound ops
     host_link: float  # achieved fraction of the PCIe peak, pinned copies
     nvlink: float
     network: float
@@ -159,6 +166,13 @@ LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)  # the published attention benchm
 # arXiv 2307.08691, Fig. 4 (A100 80GB SXM4) and the H100 SXM5 figure of the same release
 # (Dao-AILab/flash-attention assets/flash2_{a100,h100}_fwd_bwd_benchmark.png)
 _FA2_A100 = {64: (88, 119, 140, 156, 165, 171), 128: (99, 133, 155, 173, 182, 189)}
+# the other kernels of the same A100 figure (what published runs before FlashAttention-2 used): FlashAttention
+# (v1), its Triton version, and standard attention in PyTorch (out of memory at 16K: its 8K speed stands there)
+_OTHERS_A100 = {
+    "flash1": {64: (58, 70, 77, 87, 92, 97), 128: (55, 62, 69, 76, 80, 83)},
+    "triton": {64: (59, 75, 79, 76, 79, 80), 128: (50, 61, 68, 74, 78, 80)},
+    "standard": {64: (15, 16, 17, 18, 18, 18), 128: (23, 28, 32, 32, 34, 34)},
+}
 _FA2_H100 = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 294, 308, 328)}
 # FlashAttention-2 forward alone on H100 SXM5, causal: Shah et al. 2024 (FlashAttention-3), arXiv 2407.08608, Fig. 5
 _FA2_H100_FORWARD = {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)}
@@ -179,17 +193,20 @@ def _split(combined: tuple, ratio: float) -> tuple[tuple, tuple]:
     return _apart(combined, tuple(c * (1 + 2.5 * ratio) / 3.5 for c in combined))
 
 
-_A100_ATTENTION = {d: _split(v, _A100_FORWARD_OVER_BACKWARD) for d, v in _FA2_A100.items()}
-_H100_ATTENTION = {d: _apart(v, _FA2_H100_FORWARD[d]) for d, v in _FA2_H100.items()}
+_A100_ATTENTION = {
+    kernel: {d: _split(v, _A100_FORWARD_OVER_BACKWARD) for d, v in table.items()}
+    for kernel, table in {"flash2": _FA2_A100, **_OTHERS_A100}.items()
+}
+_H100_ATTENTION = {"flash2": {d: _apart(v, _FA2_H100_FORWARD[d]) for d, v in _FA2_H100.items()}}
 SPEEDS: dict[str, KernelSpeeds] = {
     "A100": KernelSpeeds(
-        attention_forward={d: f for d, (f, _) in _A100_ATTENTION.items()},
-        attention_backward={d: b for d, (_, b) in _A100_ATTENTION.items()},
+        attention=_A100_ATTENTION,
         # bf16 GEMMs: 271 TFLOP/s (0.87) at the best shape searched (S. Bekman, ml-engineering, "Maximum
         # Achievable Matmul FLOPS"), "80-90% of the theoretical maximum" (FlashAttention-2, §1); no published
         # fall-off with size for A100: 0.80 at every size, the band covers the rest
         matmul=((1024, 250.0), (8192, 250.0)),
         sms=108,
+        hbm=0.80,  # assumed: elementwise kernels read and write at about 80% of the datasheet bandwidth
         host_link=0.78,  # 24.8 GB/s pinned on PCIe 4 x16 (NVIDIA developer forum, A100-SXM4-80GB)
         nvlink=0.70,  # nccl-tests all-to-all bus bandwidth 210 GB/s of 300 on DGX A100 (NVIDIA GTC25 S72583)
         network=0.70,  # no published figure used: the generic assumption
@@ -197,12 +214,12 @@ SPEEDS: dict[str, KernelSpeeds] = {
         source="FlashAttention-2 paper (A100 attention), ml-engineering matmul table, nccl-tests",
     ),
     "H100": KernelSpeeds(
-        attention_forward={d: f for d, (f, _) in _H100_ATTENTION.items()},
-        attention_backward={d: b for d, (_, b) in _H100_ATTENTION.items()},
+        attention=_H100_ATTENTION,
         # sm_90 bf16 GEMMs measured by OpenXLA (xla/service/gpu/model/matmul_interpolator_data.h): 632 TFLOP/s
         # at 2048^3, 783 at 4096^3 (0.79); 794.5 at the best shape searched (ml-engineering)
         matmul=((1024, 524.0), (2048, 632.0), (4096, 783.0)),
         sms=132,
+        hbm=0.80,
         host_link=0.86,  # 55.1 GB/s device-to-host of 64 on PCIe 5 x16 (nvbandwidth on H200, ml-engineering)
         nvlink=0.71,  # all-to-all bus bandwidth 320 GB/s of 450 on DGX H100 (NVIDIA GTC25 S72583)
         network=0.70,
@@ -217,25 +234,31 @@ CALIBRATION_SPREAD = 0.05
 CUDA_CONTEXT_BYTES = 512 << 20  # 300-700 MB with lazy module loading (pytorch/pytorch#107667, #28113)
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # PyTorch's cuBLAS workspace, CUBLAS_WORKSPACE_CONFIG ":4096:8" on Hopper
 NCCL_COMMUNICATOR_BYTES = 600 << 20  # 544-688 MB per communicator measured on A100 (NVIDIA/nccl#964)
-# DeepSpeed ZeRO-3 keeps at most this many gathered parameters (`stage3_max_live_parameters`, default 1e9)
-ZERO3_MAX_LIVE_PARAMETERS = 10**9
+# DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py): `stage3_prefetch_bucket_size` 5e7 parameters
+# gathered ahead of the current module, `reduce_bucket_size` 5e8 elements held in bf16 (stage3.py)
+ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
+ZERO3_REDUCE_BUCKET_BYTES = 2 * 5 * 10**8
 
 
-def published_band(spec: GPUSpec, c: ModelConfig, tokens: int, heads: int) -> Band:
-    """Returns the efficiency band of `spec`'s kernels at one GPU's shape: `tokens` tokens per GPU (the length
-    its attention runs at), `heads` query heads per GPU, `c`'s head dimension and hidden size. A GPU without
-    published speeds gets `GENERIC`, wide."""
+def published_band(spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kernel: str = "flash2") -> Band:
+    """Returns the efficiency band of `spec`'s kernels at one GPU's shape: attention over `tokens` tokens for
+    `heads` query heads (all sequences of a micro-batch), `c`'s head dimension and hidden size. A GPU without
+    published speeds gets `GENERIC`, wide. `kernel` names the attention kernel (default PyTorch's flash)."""
     speeds = next((v for k, v in SPEEDS.items() if k.lower() in spec.name.lower()), None)
     if speeds is None:
         return Band.around(GENERIC, 0.25, f"no published speeds for {spec.name}: generic efficiencies ±25%")
-    head_dim = min(speeds.attention_forward, key=lambda d: (abs(d - c.head_dim), d))
+    if kernel not in speeds.attention:
+        raise ValueError(f"no published {kernel!r} attention speeds for {spec.name}: {', '.join(speeds.attention)}")
+    head_dim = min(speeds.attention[kernel], key=lambda d: (abs(d - c.head_dim), d))
+    forward, backward = speeds.attention[kernel][head_dim]
     # fewer attention blocks than SMs leave SMs idle: the published runs always filled them
     fill = min(1.0, -(-tokens // 128) * heads / speeds.sms)
     peak = spec.peak_flops / 1e12
     mid = Efficiency(
         matmul=_interpolate(speeds.matmul, c.hidden_size) / peak,
-        attention_forward=fill * _interpolate(speeds.attention_forward[head_dim], tokens) / peak,
-        attention_backward=fill * _interpolate(speeds.attention_backward[head_dim], tokens) / peak,
+        attention_forward=fill * _interpolate(forward, tokens) / peak,
+        attention_backward=fill * _interpolate(backward, tokens) / peak,
+        hbm=speeds.hbm,
         host_link=speeds.host_link,
         nvlink=speeds.nvlink,
         network=speeds.network,
@@ -290,6 +313,7 @@ def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Band:
         matmul=ratio("matmul_flops_per_s", spec.peak_flops),
         attention_forward=ratio("attention_forward_flops_per_s", spec.peak_flops),
         attention_backward=ratio("attention_backward_flops_per_s", spec.peak_flops),
+        hbm=ratio("hbm_bytes_per_s", spec.hbm_bytes_per_s),
         host_link=ratio("host_copy_bytes_per_s", spec.host_link_bytes_per_s),
     )
     shape = calibration.get("shape", {})

@@ -16,7 +16,7 @@ from ..device import meta_kernels
 from ..layer import DecoderLayer, bytes_by_role
 from ..model import Transformer
 from ..plan.caching_sim import replay
-from ..plan.trace import Tracer
+from ..plan.trace import SCRATCH, trace_iteration, windows
 from ..policy import ActivationPolicy
 
 # bf16 weights + fp32 gradient + fp32 Adam master weights, m and v (mixed-precision training)
@@ -37,12 +37,13 @@ def _specs(c: ModelConfig, tokens: int, dtype):
     return layer.skeletal_specs(1, tokens, dtype, "meta")
 
 
-def transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> int:
+def transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096, **step) -> int:
     """Returns the peak bytes allocated during a steady-state step. The step is traced at the powers of two
     around `tokens` (at most `TRACE_TOKENS`) and the line between them read at `tokens`: every phase's
     tensors are token rows, the loss chunk is fixed, so the peak is linear in tokens between two traces and
-    past the last one; a few traces then serve any length (a search over lengths and layouts included)."""
-    return _on_line(c, tokens, strategy, loss_chunk_tokens, 0)
+    past the last one; a few traces then serve any length (a search over lengths and layouts included).
+    `step` may name the `dtype` (bf16) and the `kernels` (cuda) of the step traced."""
+    return _on_line(c, tokens, strategy, loss_chunk_tokens, 0, **step)
 
 
 def fragmentation_bytes(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> int:
@@ -51,12 +52,12 @@ def fragmentation_bytes(c: ModelConfig, tokens: int, strategy: str, loss_chunk_t
     return _on_line(c, tokens, strategy, loss_chunk_tokens, 1)
 
 
-def _on_line(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int, which: int) -> int:
+def _on_line(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int, which: int, **step) -> int:
     lo, hi = _bracket(tokens)
-    at_hi = _traced_step(c, hi, strategy, loss_chunk_tokens)[which]
+    at_hi = _traced_step(c, hi, strategy, loss_chunk_tokens, **step)[which]
     if hi == tokens:
         return at_hi
-    at_lo = _traced_step(c, lo, strategy, loss_chunk_tokens)[which]
+    at_lo = _traced_step(c, lo, strategy, loss_chunk_tokens, **step)[which]
     return max(0, at_lo + (at_hi - at_lo) * (tokens - lo) // (hi - lo))
 
 
@@ -79,41 +80,63 @@ def traced_transient_peak(c: ModelConfig, tokens: int, strategy: str, loss_chunk
     return _traced_step(c, tokens, strategy, loss_chunk_tokens)[0]
 
 
+def traffic_bytes(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int = 4096) -> tuple[int, int]:
+    """Returns (per layer, outside the layers) bytes that the step's memory-bound ops write, from its trace: the
+    outputs of every op but matmuls, attention and empty allocations (norms, activations, residual adds, RoPE,
+    casts, the loss's softmax...), which run at HBM speed, not at tensor-core speed."""
+    return _on_line(c, tokens, strategy, loss_chunk_tokens, 2), _on_line(c, tokens, strategy, loss_chunk_tokens, 3)
+
+
+COMPUTE_BOUND = ("mm", "attention", "empty")  # op names holding these: timed at FLOP/s, or writing nothing
+
+
 @lru_cache(maxsize=128)
-def _traced_step(c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int) -> tuple[int, int]:
-    """Returns (the traced step's peak, the caching allocator's worst reserved - allocated); see the callers."""
+def _traced_step(
+    c: ModelConfig, tokens: int, strategy: str, loss_chunk_tokens: int, dtype=torch.bfloat16, kernels: str = "cuda"
+) -> tuple[int, int, int, int]:
+    """Returns the traced step's (peak, caching allocator's reserved beyond its peak, memory-bound bytes written
+    per layer and outside the layers); see the callers."""
     layers = min(c.n_layers, TRACE_LAYERS)
     small = dataclasses.replace(c, n_layers=layers)
     policy = ActivationPolicy(strategy, alpha=0.5 if strategy == "memo" else None, host_budget_bytes=1 << 60)
     with torch.device("meta"):
-        model = Transformer(small, policy, loss_chunk_tokens=loss_chunk_tokens).to(torch.bfloat16)
+        model = Transformer(small, policy, loss_chunk_tokens=loss_chunk_tokens).to(dtype)
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    tracer = Tracer(scratch=True)
-    with meta_kernels("cuda"):  # a GPU step allocates what the CUDA attention kernels allocate
+    with meta_kernels(kernels):  # a GPU step allocates what the CUDA attention kernels allocate
         model(ids, labels=ids).backward()  # sizes the store and creates .grad
-        with tracer:
-            model(ids, labels=ids).backward()
-    step = tracer.trace
-    kept = {"full": skeletal_bytes(c, tokens)["input"], "none": sum(skeletal_bytes(c, tokens).values())}
+        step = trace_iteration(model, ids, scratch=kernels == "cuda")
+    b = skeletal_bytes(c, tokens, dtype)
+    kept = {"full": b["input"], "none": sum(b.values())}
     extra = (c.n_layers - layers) * kept.get(strategy, 0)
-    events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
-    cached = replay(events)
-    return step.peak + extra, cached.peak_reserved - cached.peak_allocated
+    cached = replay([(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"])
+    written = [
+        e.nbytes if e.kind == "alloc" and e.op != SCRATCH and not any(k in str(e.op) for k in COMPUTE_BOUND) else 0
+        for e in step.events
+    ]
+    in_layers = sum(sum(written[lo:hi]) for lo, hi in windows(step).values())
+    return (
+        step.peak + extra,
+        cached.peak_reserved - cached.peak_allocated,
+        in_layers // layers,
+        sum(written) - in_layers,
+    )
 
 
-def persistent_activation_bytes(c: ModelConfig, tokens: int, strategy: str) -> int:
+def persistent_activation_bytes(c: ModelConfig, tokens: int, strategy: str, dtype=torch.bfloat16) -> int:
     """Returns device bytes a strategy allocates once for skeletal tensors (rounding buffers or scratch)."""
-    per_layer = sum(skeletal_bytes(c, tokens).values())
+    b = skeletal_bytes(c, tokens, dtype)
     if strategy == "memo":
-        return 2 * per_layer  # two rounding buffers (§4)
+        return 2 * sum(b.values())  # two rounding buffers (§4)
     if strategy == "full":
-        return per_layer - skeletal_bytes(c, tokens)["input"]  # one shared recompute scratch layer
+        return sum(b.values()) - b["input"]  # one shared recompute scratch layer
     return 0
 
 
-def host_bytes_per_gpu(c: ModelConfig, tokens: int, alphas: list[float], offloaded: list[int]) -> int:
+def host_bytes_per_gpu(
+    c: ModelConfig, tokens: int, alphas: list[float], offloaded: list[int], dtype=torch.bfloat16
+) -> int:
     """Returns the host bytes one GPU's offload needs: input, attention and α of the rest per layer (§3)."""
-    b = skeletal_bytes(c, tokens)
+    b = skeletal_bytes(c, tokens, dtype)
     return int(sum(b["input"] + b["attention"] + alphas[i] * b["other"] for i in offloaded))
 
 

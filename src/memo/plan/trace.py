@@ -154,6 +154,52 @@ def trace(fn, *args, **kwargs) -> tuple[Trace, object]:
     return tracer.trace, result
 
 
+def trace_iteration(
+    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer | None = None, scratch: bool = False
+) -> Trace:
+    """Returns the allocation trace of one training step (and `optimizer`'s update, if given), with marks where
+    each layer's forward and backward start and end (module hooks for the forward, gradient hooks on its
+    output and input for the backward); `scratch` adds kernel-internal scratch (`plan.scratch`)."""
+    tracer = Tracer(scratch)
+
+    def pre(module, args):
+        tracer.mark(("fwd", module.index, "start"))
+
+    def post(module, args, output):
+        tracer.mark(("fwd", module.index, "end"))
+        if output.requires_grad:
+            output.register_hook(lambda g, i=module.index: tracer.mark(("bwd", i, "start")))
+        if args[0].requires_grad:
+            args[0].register_hook(lambda g, i=module.index: tracer.mark(("bwd", i, "end")))
+
+    handles = [
+        h for layer in model.layers for h in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post))
+    ]
+    try:
+        with tracer:
+            model(ids, labels=ids).backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return tracer.trace
+
+
+def windows(t: Trace) -> dict[tuple[str, int], tuple[int, int]]:
+    """Returns (phase, layer) -> (first event, last event) of each layer's forward and backward."""
+    opened, spans = {}, {}
+    for i, e in enumerate(t.events):
+        if e.kind == "mark":
+            phase, layer, edge = e.op
+            if edge == "start":
+                opened[(phase, layer)] = i
+            elif (phase, layer) in opened:
+                spans[(phase, layer)] = (opened.pop((phase, layer)), i)
+    return spans
+
+
 class _DataOnlyUnpickler(pickle.Unpickler):
     """Unpickles plain data (dicts, lists, strings, numbers) and refuses every class or function."""
 

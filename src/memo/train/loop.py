@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import time
 from datetime import datetime
 from functools import partial
@@ -33,6 +34,7 @@ from .. import parallel
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
+from ..cost.predict import compare, host_pool_bytes, predict_run
 from ..files import write_text
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
@@ -101,6 +103,9 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
         self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, causal=False)
         self.peak_flops = _peak_flops(self.device)
+        self.prediction = self._predict() if self.rank == 0 else None
+        self.steady: list[dict] = []  # the records of this run's steps after its first (warm-up, sizing)
+        self.comparison: dict | None = None  # measured against predicted, once the run is done
 
     def _start(self, resume: bool) -> None:
         """Reads the checkpoint to resume, builds model, data and optimizer, and (rank 0) writes the run folder."""
@@ -224,22 +229,31 @@ class Trainer:
 
     def records(self, stop: StopRequest | None = None) -> Iterator[dict]:
         """Trains; yields each step's record, then (at evaluation steps) an evaluation record. When `stop` has
-        caught a signal, the run ends after the current step with a checkpoint (`signals.Interrupted`)."""
+        caught a signal, the run ends after the current step with a checkpoint (`signals.Interrupted`). A run
+        that ends writes its measurements against the cost model's prediction (`comparison`)."""
         planned = self.arena or contextlib.nullcontext()
         try:
             with planned:
                 yield from self._steps(stop)
+            if self.prediction is not None and self.steady:
+                self.comparison = compare(self.prediction, self._measured())
+                self._write({"step": self.step, "measured_vs_predicted": self.comparison})
+                for warning in self.comparison["warnings"]:
+                    log.warning(warning)
         finally:
             if self.log is not None:
                 self.log.close()
             self._unlock()  # the run's files are written: another trainer may take the folder
 
     def _steps(self, stop: StopRequest | None) -> Iterator[dict]:
+        first = self.step + 1
         while self.step < self.cfg.steps:
             self.step += 1
             record = self._train_step()
             if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
                 record = self._skip(record)
+            elif self.step > first:
+                self.steady.append(record)
             self._write(record)
             yield record
             if self.held_out is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
@@ -280,6 +294,47 @@ class Trainer:
         if self.mesh:
             dist.all_reduce(caught, op=dist.ReduceOp.MAX)
         return int(caught)
+
+    def _predict(self) -> dict:
+        """Returns (and records) what the cost model predicts for this run on this rank."""
+        cfg, model = self.cfg, self.model
+        world = self.mesh.size() if self.mesh else 1
+        micro = max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1)
+        spec = gpu_of(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        predicted = predict_run(
+            model.config,
+            cfg.seq_len,
+            micro,
+            world,
+            cfg.sp,
+            model.policy,
+            DTYPES[cfg.dtype],
+            model.loss_chunk_tokens,
+            self.device.type,
+            spec,
+        )
+        self._write({"step": self.step, "predicted": predicted})
+        return predicted
+
+    def _measured(self) -> dict:
+        """Returns this run's steady steps as the quantities `predict_run` predicts: memory peaks, the host pool at
+        the α it ran with, and on a GPU the median step time and MFU."""
+        last, cfg = self.steady[-1], self.cfg
+        measured = {"host_pool_bytes": last["host_pool_bytes"] or None}
+        if last["alphas"] and self.prediction.get("host_pool_bytes") is None:  # α was solved in the first step
+            world = self.mesh.size() if self.mesh else 1
+            tokens = max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1) * cfg.seq_len // cfg.sp
+            self.prediction["host_pool_bytes"] = host_pool_bytes(
+                self.model.config, tokens, self.model.policy, last["alphas"], DTYPES[cfg.dtype]
+            )
+        if "device_peak_allocated" in last:
+            measured["device_peak_bytes"] = max(r["device_peak_allocated"] for r in self.steady)
+        if last.get("arena_load_bytes"):  # the planned allocator's recorded step: its transient peak
+            measured["step_transient_bytes"] = last["arena_load_bytes"]
+        if last["mfu"] is not None:
+            measured["step_seconds"] = statistics.median(r["seconds"] for r in self.steady)
+            measured["mfu"] = statistics.median(r["mfu"] for r in self.steady)
+        return measured
 
     def _write(self, record: dict) -> None:
         if self.log is not None:

@@ -1,0 +1,306 @@
+"""The cost model against published training runs: each row a real run (model, GPUs, length, the layout it
+used), its published utilisation, and `memo estimate`'s prediction counted in the source's own convention
+(`cost.flops.PUBLISHED_CONVENTIONS`). One set of efficiencies per GPU generation (`cost.hardware.SPEEDS`, the
+published kernel speeds), never fitted to these rows. Prints a Markdown table and the median absolute error in
+utilisation points; `--json` for the rows.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/backtest.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+
+from memo.config import ModelConfig
+from memo.cost.estimate import Layout, estimate
+from memo.cost.flops import counted_flops_per_token
+from memo.cost.hardware import gpu, published_band
+from memo.units import format_count
+
+FA2 = "Dao 2023, FlashAttention-2, arXiv 2307.08691, Table 1"
+MEGATRON = "Narayanan et al. 2021, Megatron-LM on GPU clusters, arXiv 2104.04473, Table 1"
+KORTHIKANTI = "Korthikanti et al. 2022, Reducing activation recomputation, arXiv 2205.05198, Table 5"
+TORCHTITAN = "torchtitan docs/performance.md (commit 1ea476e9f, April 2024)"
+FOUNDRY = "MosaicML llm-foundry, scripts/train/benchmarking/README.md"
+IBM = "IBM and PyTorch, Maximizing training throughput using PyTorch FSDP, pytorch.org blog, 2024-03-13"
+MEMO = "Zhao et al., MEMO, SIGMOD 2025, arXiv 2407.12117, abstract"
+
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, biases: bool = True) -> ModelConfig:
+    """Returns a GPT shape (GeLU MLP of 4h, tied embeddings as GPT-2, Megatron and MPT ship them)."""
+    return ModelConfig(
+        "gpt",
+        layers,
+        hidden,
+        heads,
+        4 * hidden,
+        vocab,
+        tie_embeddings=True,
+        name=f"gpt {layers}x{hidden}",
+        qkv_bias=biases,
+        out_bias=biases,
+        mlp_bias=biases,
+    )
+
+
+def _mpt(layers: int, hidden: int, heads: int) -> ModelConfig:
+    return _gpt(layers, hidden, heads, 50368, biases=False)
+
+
+GPT3_1B3, GPT3_2B7 = _gpt(24, 2048, 16, 50257), _gpt(32, 2560, 32, 50257)
+LLAMA2_7B = ModelConfig("llama", 32, 4096, 32, 11008, 32000, name="llama2-7b")
+LLAMA3_8B = ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, name="llama3-8b")
+DATA_PARALLEL = Layout(recompute="none")  # every GPU a whole sequence, states sharded (ZeRO / FSDP)
+CHECKPOINTED = Layout(recompute="full")
+# Megatron-LM before FlashAttention: its fused softmax over the materialised s x s scores, timed as the
+# standard attention of FlashAttention-2's Fig. 4
+OLD_MEGATRON = {"note": "fused softmax attention", "attention": "standard"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published training run and the figure it reports."""
+
+    source: str
+    model: ModelConfig
+    gpu: str
+    gpus: int
+    seq: int
+    system: str  # the estimate's system closest to what the run used
+    layout: Layout
+    published: float  # utilisation in the source's convention, a fraction of the GPU's peak
+    convention: str  # cost.flops.PUBLISHED_CONVENTIONS
+    note: str = ""
+    micro_batch: int = 1  # sequences per GPU (per sequence-parallel group) at once, where published
+    attention: str = "flash2"  # the attention kernel the run used (cost.hardware.KernelSpeeds.attention)
+
+
+A100, H100, A800 = "A100-80GB", "H100-SXM", "A800-80GB"
+RUNS = [
+    Run(FA2, GPT3_1B3, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 196 / 312, "6N", "196 TFLOP/s"),
+    Run(FA2, GPT3_1B3, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 220 / 312, "6N", "220 TFLOP/s"),
+    Run(FA2, GPT3_2B7, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 205 / 312, "6N", "205 TFLOP/s; heads 32 or 20"),
+    Run(FA2, GPT3_2B7, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 225 / 312, "6N", "225 TFLOP/s"),
+    Run(
+        MEGATRON,
+        _gpt(24, 2304, 24, 51200),
+        A100,
+        32,
+        2048,
+        "megatron",
+        Layout(1),
+        137 / 312,
+        "megatron-eq3",
+        **OLD_MEGATRON,
+    ),
+    Run(
+        MEGATRON,
+        _gpt(30, 3072, 32, 51200),
+        A100,
+        64,
+        2048,
+        "megatron",
+        Layout(2),
+        138 / 312,
+        "megatron-eq3",
+        **OLD_MEGATRON,
+    ),
+    Run(
+        MEGATRON,
+        _gpt(36, 4096, 32, 51200),
+        A100,
+        128,
+        2048,
+        "megatron",
+        Layout(4),
+        142 / 312,
+        "megatron-eq3",
+        **OLD_MEGATRON,
+    ),
+    Run(
+        MEGATRON,
+        _gpt(40, 6144, 48, 51200),
+        A100,
+        256,
+        2048,
+        "megatron",
+        Layout(8),
+        135 / 312,
+        "megatron-eq3",
+        **OLD_MEGATRON,
+    ),
+    Run(
+        KORTHIKANTI,
+        _gpt(48, 6144, 64, 51200),
+        A100,
+        8,
+        2048,
+        "megatron",
+        Layout(8, recompute="selective"),
+        0.415,
+        "full",
+        "22B, sequence parallel",
+        micro_batch=4,
+        attention="standard",
+    ),
+    Run(
+        TORCHTITAN,
+        LLAMA3_8B,
+        A100,
+        64,
+        8192,
+        "deepspeed",
+        DATA_PARALLEL,
+        0.582,
+        "6N",
+        "FSDP, op-level selective checkpointing (no matmul recomputed)",
+    ),
+    Run(
+        FOUNDRY,
+        _mpt(32, 4096, 32),
+        A100,
+        8,
+        65536,
+        "deepspeed",
+        CHECKPOINTED,
+        0.4697,
+        "6N",
+        "mpt-7b",
+        attention="triton",
+    ),
+    Run(
+        FOUNDRY,
+        _mpt(32, 4096, 32),
+        A100,
+        8,
+        32768,
+        "deepspeed",
+        CHECKPOINTED,
+        0.4946,
+        "6N",
+        "mpt-7b",
+        2,
+        attention="triton",
+    ),
+    Run(
+        FOUNDRY,
+        _mpt(32, 4096, 32),
+        A100,
+        8,
+        8192,
+        "deepspeed",
+        CHECKPOINTED,
+        0.5447,
+        "6N",
+        "mpt-7b",
+        8,
+        attention="triton",
+    ),
+    Run(
+        FOUNDRY,
+        _mpt(40, 5120, 40),
+        A100,
+        8,
+        32768,
+        "deepspeed",
+        CHECKPOINTED,
+        0.5169,
+        "6N",
+        "mpt-13b",
+        attention="triton",
+    ),
+    Run(
+        FOUNDRY,
+        _mpt(24, 2048, 16),
+        A100,
+        8,
+        32768,
+        "deepspeed",
+        DATA_PARALLEL,
+        0.5552,
+        "6N",
+        "mpt-1b",
+        attention="triton",
+    ),
+    Run(FOUNDRY, _mpt(32, 4096, 32), H100, 8, 65536, "deepspeed", CHECKPOINTED, 0.2859, "6N", "mpt-7b"),
+    Run(FOUNDRY, _mpt(32, 4096, 32), H100, 8, 8192, "deepspeed", CHECKPOINTED, 0.3714, "6N", "mpt-7b", 8),
+    Run(FOUNDRY, _mpt(32, 4096, 32), H100, 128, 2048, "deepspeed", DATA_PARALLEL, 0.4571, "6N", "mpt-7b", 6),
+    Run(IBM, LLAMA2_7B, A100, 128, 4096, "deepspeed", DATA_PARALLEL, 0.57, "6N", "FSDP, SDPA flash", 2),
+    Run(IBM, LLAMA2_7B, H100, 96, 4096, "deepspeed", DATA_PARALLEL, 0.37, "6N", "FSDP, SDPA flash", 2),
+    Run(
+        MEMO,
+        ModelConfig.preset("gpt-7b"),
+        A800,
+        8,
+        1 << 20,
+        "memo",
+        Layout(ulysses=8, recompute="memo"),
+        0.523,
+        "causal",
+        "convention inferred: counting the full matrix would pass 100%",
+    ),
+]
+
+
+def predict(run: Run) -> dict:
+    """Returns the run's row: what was published and what the cost model predicts, in the source's convention."""
+    spec, lay = gpu(run.gpu), run.layout
+    heads = run.micro_batch * run.model.n_heads // (lay.tp * lay.ulysses)
+    band = published_band(spec, run.model, run.seq // lay.cp, heads, run.attention)
+    e = estimate(run.model, run.seq, run.gpus, spec, run.system, eff=band, layout=lay, micro_batch=run.micro_batch)
+    per_gpu = e.tokens_per_s / run.gpus
+    counted = counted_flops_per_token(run.model, run.seq, run.convention)
+    predicted = counted * per_gpu / spec.peak_flops
+    low, high = (counted * t / run.gpus / spec.peak_flops for t in e.ranges["tokens_per_s"])
+    return {
+        "source": run.source,
+        "model": f"{run.model.name} ({run.model.num_parameters() / 1e9:.1f}B)",
+        "gpus": f"{run.gpus}x {run.gpu}",
+        "seq": run.seq,
+        "layout": f"{run.system}: {run.layout}",
+        "convention": run.convention,
+        "published": run.published,
+        "predicted": predicted,
+        "range": (low, high),
+        "error_points": 100 * (predicted - run.published),
+        "dominant": e.dominant,
+        "note": run.note,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """Returns the rows as Markdown, with the median absolute error."""
+    lines = [
+        "| source | model | GPUs | seq | layout | convention | published | predicted (range) | error (points) |",
+        "|---|---|---|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        low, high = r["range"]
+        lines.append(
+            f"| {r['source']}{'; ' + r['note'] if r['note'] else ''} | {r['model']} | {r['gpus']} | "
+            f"{format_count(r['seq'])} | {r['layout']} | {r['convention']} | {100 * r['published']:.1f}% | "
+            f"{100 * r['predicted']:.1f}% ({100 * low:.1f}-{100 * high:.1f}) | {r['error_points']:+.1f} |"
+        )
+    errors = [abs(r["error_points"]) for r in rows]
+    lines.append(
+        f"\nmedian absolute error {statistics.median(errors):.1f} points, largest {max(errors):.1f}, "
+        f"{sum(e <= 5 for e in errors)} of {len(rows)} rows within 5 points"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = p.parse_args(argv)
+    rows = [predict(run) for run in RUNS]
+    print(json.dumps(rows) if args.json else table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""What the cost model predicts for one `memo train` run, and how the run's measurements compare: every run
+tests the model (memory terms everywhere; step time and MFU on a GPU the model knows)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..policy import ActivationPolicy
+from .estimate import Layout, estimate
+from .hardware import GPUSpec
+from .memory import host_bytes_per_gpu, persistent_activation_bytes, training_lower_bound, transient_peak
+
+OFF_BY = 0.15  # a measured peak further than this from its prediction is a warning
+
+
+def predict_run(
+    c: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    world: int,
+    sp: int,
+    policy: ActivationPolicy,
+    dtype: torch.dtype,
+    loss_chunk_tokens: int,
+    kernels: str,
+    spec: GPUSpec | None = None,
+) -> dict:
+    """Returns one rank's predicted memory (model states, skeletal buffers, the step's transient peak traced at
+    the run's dtype and kernels, their sum, and memo's host pool when α is known) and, on a known GPU, the step
+    time and MFU with their ranges."""
+    tokens = micro_batch * seq // sp
+    states = training_lower_bound(c, tokens, policy, dtype, shards=world)["states"]
+    buffers = persistent_activation_bytes(c, tokens, policy.strategy, dtype)
+    transient = transient_peak(c, tokens, policy.strategy, loss_chunk_tokens, dtype=dtype, kernels=kernels)
+    predicted = {
+        "device_peak_bytes": states + buffers + transient,
+        "model_state_bytes": states,
+        "skeletal_buffer_bytes": buffers,
+        "step_transient_bytes": transient,
+    }
+    alphas = policy.layer_alphas(c.n_layers) if policy.strategy == "memo" else None
+    if alphas:
+        predicted["host_pool_bytes"] = host_pool_bytes(c, tokens, policy, alphas, dtype)
+    if spec is not None:
+        e = estimate(
+            c, seq, world, spec, "memo", layout=Layout(ulysses=sp, recompute=policy.strategy), micro_batch=micro_batch
+        )
+        predicted.update(
+            gpu=spec.name,
+            step_seconds=e.step_seconds,
+            step_seconds_range=e.ranges["step_seconds"],
+            mfu=e.mfu,
+            mfu_range=e.ranges["mfu"],
+            dominant=e.dominant,
+        )
+    return predicted
+
+
+def host_pool_bytes(c: ModelConfig, tokens: int, policy: ActivationPolicy, alphas: list[float], dtype) -> int:
+    """Returns the host pool memo's offload fills at these α (§3)."""
+    return host_bytes_per_gpu(c, tokens, alphas, policy.offloaded_layers(c.n_layers), dtype)
+
+
+def compare(predicted: dict, measured: dict) -> dict:
+    """Returns {quantity: {predicted, measured, ratio}} for what both have, and the warnings: a measured
+    memory peak more than `OFF_BY` away from its prediction."""
+    rows, warnings = {}, []
+    for key, value in measured.items():
+        if key in predicted and value is not None and predicted[key]:
+            rows[key] = {"predicted": predicted[key], "measured": value, "ratio": value / predicted[key]}
+    for key in ("device_peak_bytes", "step_transient_bytes"):
+        if key in rows and abs(rows[key]["ratio"] - 1) > OFF_BY:
+            off = rows[key]["ratio"] - 1
+            warnings.append(
+                f"measured {key.removesuffix('_bytes').replace('_', ' ')} is {abs(off):.0%} "
+                f"{'above' if off > 0 else 'below'} the cost model's prediction"
+            )
+    return {"rows": rows, "warnings": warnings}
