@@ -49,6 +49,7 @@ RUNS = (
 GPU_FIELDS = {
     "peak_flops": 362e12,
     "hbm_bytes": 48e9,
+    "hbm_bytes_per_s": 864e9,
     "host_link_bytes_per_s": 25e9,
     "host_link_shared_by": 1,
     "nvlink_bytes_per_s": 25e9,
@@ -231,6 +232,8 @@ CASES = [
     Case("calibrate --device tpu9"),
     Case("calibrate --device cuda"),
     Case("calibrate --out no-such-folder/calibration.json"),
+    Case("calibrate --model tiny"),
+    Case("calibrate --model tiny --seq 2K --sp 3"),
     # dsa
     Case("dsa missing.csv"),
     Case("dsa garbled.csv"),

@@ -71,7 +71,7 @@ def _losses(stdout: str) -> dict[int, tuple[float, ...]]:
     for record in map(json.loads, stdout.splitlines()):
         if "loss" in record:
             out[record["step"]] = (record["loss"], record["grad_norm"])
-        else:
+        elif "eval_loss" in record:
             out[-record["step"]] = (record["eval_loss"], record["eval_accuracy"])
     return out
 

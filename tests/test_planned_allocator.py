@@ -229,7 +229,7 @@ def test_memo_train_measures_the_steps_transient_peak_against_the_cost_models(tm
     argv = ["train", "--model", "tiny-gpt", "--strategy", strategy, "--arena", "--seq-len", "512", "--steps", "5"]
     assert main([*argv, "--batch-size", "2", "--out", str(run)]) == 0
     out = capsys.readouterr()
-    assert "predicted per rank: device peak" in out.err and "step transient" in out.out
+    assert "predicted per rank: device peak" in out.out and "step transient" in out.out
     records = [__import__("json").loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "predicted" in records[0]
     (compared,) = [r["measured_vs_predicted"] for r in records if "measured_vs_predicted" in r]

@@ -144,8 +144,13 @@ def _train(trainer: Trainer, as_json: bool) -> int:
             done = f"{trainer.run_dir} is already complete at step {trainer.step}"
             print(f"memo train: {done}: nothing to train (give a larger `--steps` to go on)", file=sys.stderr)
         return 0
-    if not quiet and not as_json:
-        print(_prediction_line(trainer.prediction), file=sys.stderr)
+    if not quiet:  # before the first step, what the cost model expects of this run
+        print(
+            json.dumps({"step": trainer.step, "predicted": trainer.prediction})
+            if as_json
+            else _prediction_line(trainer.prediction),
+            flush=True,
+        )
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=as_json or quiet)
     history, evals = [], []
     try:
