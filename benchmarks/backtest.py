@@ -44,35 +44,27 @@ SOURCES = {
 }
 
 
-def _gpt(layers: int, hidden: int, heads: int, vocab: int, biases: bool = True) -> ModelConfig:
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, name: str = "", biases: bool = True) -> ModelConfig:
     """Returns a GPT shape (GeLU MLP of 4h, tied embeddings as GPT-2, Megatron and MPT ship them)."""
-    return ModelConfig(
-        "gpt",
-        layers,
-        hidden,
-        heads,
-        4 * hidden,
-        vocab,
-        tie_embeddings=True,
-        name=f"gpt {layers}x{hidden}",
-        qkv_bias=biases,
-        out_bias=biases,
-        mlp_bias=biases,
-    )
+    flags = {"qkv_bias": biases, "out_bias": biases, "mlp_bias": biases}
+    name = name or f"gpt {layers}x{hidden}"
+    return ModelConfig("gpt", layers, hidden, heads, 4 * hidden, vocab, tie_embeddings=True, name=name, **flags)
 
 
-def _mpt(layers: int, hidden: int, heads: int) -> ModelConfig:
-    return _gpt(layers, hidden, heads, 50368, biases=False)
+def _mpt(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
+    return _gpt(layers, hidden, heads, 50368, name, biases=False)
 
 
-GPT3_1B3, GPT3_2B7 = _gpt(24, 2048, 16, 50257), _gpt(32, 2560, 32, 50257)
+GPT3_1B3, GPT3_2B7 = _gpt(24, 2048, 16, 50257, "gpt3-1.3b"), _gpt(32, 2560, 32, 50257, "gpt3-2.7b")
 LLAMA2_7B = ModelConfig("llama", 32, 4096, 32, 11008, 32000, name="llama2-7b")
 LLAMA3_8B = ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, name="llama3-8b")
+SHOWN = {"deepspeed": "ZeRO-3/FSDP"}  # the estimate's deepspeed system, as data-parallel runs use it
 DATA_PARALLEL = Layout(recompute="none")  # every GPU a whole sequence, states sharded (ZeRO / FSDP)
 CHECKPOINTED = Layout(recompute="full")
 # Megatron-LM before FlashAttention: its fused softmax over the materialised s x s scores, timed as the
 # standard attention of FlashAttention-2's Fig. 4
 OLD_MEGATRON = {"note": "fused softmax attention", "attention": "standard"}
+EQ3 = "megatron-eq3"
 
 
 @dataclass(frozen=True)
@@ -94,172 +86,38 @@ class Run:
 
 
 A100, H100, A800 = "A100-80GB", "H100-SXM", "A800-80GB"
-H100_MPT = "mpt-7b, FSDP, Triton attention timed as FlashAttention-2"
-RUNS = [
-    Run(FA2, GPT3_1B3, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 196 / 312, "6N", "196 TFLOP/s"),
-    Run(FA2, GPT3_1B3, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 220 / 312, "6N", "220 TFLOP/s"),
-    Run(FA2, GPT3_2B7, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 205 / 312, "6N", "205 TFLOP/s; heads 32 or 20"),
-    Run(FA2, GPT3_2B7, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 225 / 312, "6N", "225 TFLOP/s"),
-    Run(
-        MEGATRON,
-        _gpt(24, 2304, 24, 51200),
-        A100,
-        32,
-        2048,
-        "megatron",
-        Layout(1),
-        137 / 312,
-        "megatron-eq3",
-        **OLD_MEGATRON,
-    ),
-    Run(
-        MEGATRON,
-        _gpt(30, 3072, 32, 51200),
-        A100,
-        64,
-        2048,
-        "megatron",
-        Layout(2),
-        138 / 312,
-        "megatron-eq3",
-        **OLD_MEGATRON,
-    ),
-    Run(
-        MEGATRON,
-        _gpt(36, 4096, 32, 51200),
-        A100,
-        128,
-        2048,
-        "megatron",
-        Layout(4),
-        142 / 312,
-        "megatron-eq3",
-        **OLD_MEGATRON,
-    ),
-    Run(
-        MEGATRON,
-        _gpt(40, 6144, 48, 51200),
-        A100,
-        256,
-        2048,
-        "megatron",
-        Layout(8),
-        135 / 312,
-        "megatron-eq3",
-        **OLD_MEGATRON,
-    ),
-    Run(
-        KORTHIKANTI,
-        _gpt(48, 6144, 64, 51200),
-        A100,
-        8,
-        2048,
-        "megatron",
-        Layout(8, recompute="selective"),
-        0.415,
-        "full",
-        "22B, sequence parallel",
-        micro_batch=4,
-        attention="standard",
-    ),
-    Run(
-        TORCHTITAN,
-        LLAMA3_8B,
-        A100,
-        64,
-        8192,
-        "deepspeed",
-        DATA_PARALLEL,
-        0.582,
-        "6N",
-        "FSDP, op-level selective checkpointing (no matmul recomputed)",
-    ),
-    Run(
-        FOUNDRY,
-        _mpt(32, 4096, 32),
-        A100,
-        8,
-        65536,
-        "deepspeed",
-        CHECKPOINTED,
-        0.4697,
-        "6N",
-        "mpt-7b, FSDP, Triton attention",
-        attention="triton",
-    ),
-    Run(
-        FOUNDRY,
-        _mpt(32, 4096, 32),
-        A100,
-        8,
-        32768,
-        "deepspeed",
-        CHECKPOINTED,
-        0.4946,
-        "6N",
-        "mpt-7b, FSDP, Triton attention",
-        2,
-        attention="triton",
-    ),
-    Run(
-        FOUNDRY,
-        _mpt(32, 4096, 32),
-        A100,
-        8,
-        8192,
-        "deepspeed",
-        CHECKPOINTED,
-        0.5447,
-        "6N",
-        "mpt-7b, FSDP, Triton attention",
-        8,
-        attention="triton",
-    ),
-    Run(
-        FOUNDRY,
-        _mpt(40, 5120, 40),
-        A100,
-        8,
-        32768,
-        "deepspeed",
-        CHECKPOINTED,
-        0.5169,
-        "6N",
-        "mpt-13b, FSDP, Triton attention",
-        attention="triton",
-    ),
-    Run(
-        FOUNDRY,
-        _mpt(24, 2048, 16),
-        A100,
-        8,
-        32768,
-        "deepspeed",
-        DATA_PARALLEL,
-        0.5552,
-        "6N",
-        "mpt-1b, FSDP, Triton attention",
-        attention="triton",
-    ),
-    # Triton attention's speed on H100 is unpublished: FlashAttention-2's stands for it
-    Run(FOUNDRY, _mpt(32, 4096, 32), H100, 8, 65536, "deepspeed", CHECKPOINTED, 0.2859, "6N", H100_MPT),
-    Run(FOUNDRY, _mpt(32, 4096, 32), H100, 8, 8192, "deepspeed", CHECKPOINTED, 0.3714, "6N", H100_MPT, 8),
-    Run(FOUNDRY, _mpt(32, 4096, 32), H100, 128, 2048, "deepspeed", DATA_PARALLEL, 0.4571, "6N", H100_MPT, 6),
-    Run(IBM, LLAMA2_7B, A100, 128, 4096, "deepspeed", DATA_PARALLEL, 0.57, "6N", "FSDP, SDPA flash", 2),
-    Run(IBM, LLAMA2_7B, H100, 96, 4096, "deepspeed", DATA_PARALLEL, 0.37, "6N", "FSDP, SDPA flash", 2),
-    Run(
-        MEMO,
-        ModelConfig.preset("gpt-7b"),
-        A800,
-        8,
-        1 << 20,
-        "memo",
-        Layout(ulysses=8, recompute="memo"),
-        0.523,
-        "causal",
-        "convention inferred: counting the full matrix would pass 100%",
-    ),
+MPT_7B, MPT_13B, MPT_1B = _mpt(32, 4096, 32, "mpt-7b"), _mpt(40, 5120, 40, "mpt-13b"), _mpt(24, 2048, 16, "mpt-1b")
+TRITON = {"note": "FSDP, Triton attention", "attention": "triton"}  # llm-foundry's attn_impl default then
+H100_TRITON = {"note": "FSDP, Triton attention (unpublished on H100: timed as FlashAttention-2)"}
+FSDP = {"note": "FSDP, SDPA flash"}
+SELECTIVE_OPS = {"note": "FSDP, op-level selective checkpointing: no matmul recomputed"}
+# fmt: off
+RUNS = [  # source, model, GPU, GPUs, length, system, layout, published utilisation, convention, extra
+    Run(FA2, GPT3_1B3, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 196 / 312, "6N"),
+    Run(FA2, GPT3_1B3, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 220 / 312, "6N"),
+    Run(FA2, GPT3_2B7, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 205 / 312, "6N", note="heads 32 or 20"),
+    Run(FA2, GPT3_2B7, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 225 / 312, "6N"),
+    Run(MEGATRON, _gpt(24, 2304, 24, 51200), A100, 32, 2048, "megatron", Layout(1), 137 / 312, EQ3, **OLD_MEGATRON),
+    Run(MEGATRON, _gpt(30, 3072, 32, 51200), A100, 64, 2048, "megatron", Layout(2), 138 / 312, EQ3, **OLD_MEGATRON),
+    Run(MEGATRON, _gpt(36, 4096, 32, 51200), A100, 128, 2048, "megatron", Layout(4), 142 / 312, EQ3, **OLD_MEGATRON),
+    Run(MEGATRON, _gpt(40, 6144, 48, 51200), A100, 256, 2048, "megatron", Layout(8), 135 / 312, EQ3, **OLD_MEGATRON),
+    Run(KORTHIKANTI, _gpt(48, 6144, 64, 51200), A100, 8, 2048, "megatron", Layout(8, recompute="selective"), 0.415,
+        "full", note="22B, sequence parallel, fused softmax attention", micro_batch=4, attention="standard"),
+    Run(TORCHTITAN, LLAMA3_8B, A100, 64, 8192, "deepspeed", DATA_PARALLEL, 0.582, "6N", **SELECTIVE_OPS),
+    Run(FOUNDRY, MPT_7B, A100, 8, 65536, "deepspeed", CHECKPOINTED, 0.4697, "6N", **TRITON),
+    Run(FOUNDRY, MPT_7B, A100, 8, 32768, "deepspeed", CHECKPOINTED, 0.4946, "6N", micro_batch=2, **TRITON),
+    Run(FOUNDRY, MPT_7B, A100, 8, 8192, "deepspeed", CHECKPOINTED, 0.5447, "6N", micro_batch=8, **TRITON),
+    Run(FOUNDRY, MPT_13B, A100, 8, 32768, "deepspeed", CHECKPOINTED, 0.5169, "6N", **TRITON),
+    Run(FOUNDRY, MPT_1B, A100, 8, 32768, "deepspeed", DATA_PARALLEL, 0.5552, "6N", **TRITON),
+    Run(FOUNDRY, MPT_7B, H100, 8, 65536, "deepspeed", CHECKPOINTED, 0.2859, "6N", **H100_TRITON),
+    Run(FOUNDRY, MPT_7B, H100, 8, 8192, "deepspeed", CHECKPOINTED, 0.3714, "6N", micro_batch=8, **H100_TRITON),
+    Run(FOUNDRY, MPT_7B, H100, 128, 2048, "deepspeed", DATA_PARALLEL, 0.4571, "6N", micro_batch=6, **H100_TRITON),
+    Run(IBM, LLAMA2_7B, A100, 128, 4096, "deepspeed", DATA_PARALLEL, 0.57, "6N", micro_batch=2, **FSDP),
+    Run(IBM, LLAMA2_7B, H100, 96, 4096, "deepspeed", DATA_PARALLEL, 0.37, "6N", micro_batch=2, **FSDP),
+    Run(MEMO, ModelConfig.preset("gpt-7b"), A800, 8, 1 << 20, "memo", Layout(ulysses=8, recompute="memo"), 0.523,
+        "causal", note="convention inferred: counting the full matrix would pass 100%"),
 ]
+# fmt: on
 
 
 def predict(run: Run) -> dict:
@@ -277,7 +135,7 @@ def predict(run: Run) -> dict:
         "model": f"{run.model.name} ({run.model.num_parameters() / 1e9:.1f}B)",
         "gpus": f"{run.gpus}x {run.gpu}",
         "seq": run.seq,
-        "layout": f"{run.system}: {run.layout}",
+        "layout": f"{SHOWN.get(run.system, run.system)}: {run.layout}",
         "convention": run.convention,
         "published": run.published,
         "predicted": predicted,
