@@ -103,7 +103,7 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
         self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, causal=False)
         self.peak_flops = _peak_flops(self.device)
-        self.prediction = self._predict() if self.rank == 0 else None
+        self.prediction = self._predict() if self.rank == 0 and self.step < cfg.steps else None  # a run to go
         self.steady: list[dict] = []  # the records of this run's steps after its first (warm-up, sizing)
         self.comparison: dict | None = None  # measured against predicted, once the run is done
 
