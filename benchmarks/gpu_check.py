@@ -444,6 +444,10 @@ def planned(ctx: Context) -> None:
         records = _train_records(flags + extra, ctx.path.with_name(f"planned_{name}"))
         steady = [r for r in records if "loss" in r][3:]  # steps 1-3 make the state and the plan
         runs[name] = {"step_s": statistics.median(r["seconds"] for r in steady), "last": steady[-1] if steady else {}}
+        # every memo train run measures the cost model's prediction of it (memory; on a known GPU time and MFU)
+        runs[name]["vs_prediction"] = next(
+            (r["measured_vs_predicted"] for r in records if "measured_vs_predicted" in r), None
+        )
         ctx.put(name, runs[name])
     last = runs["planned_allocator"]["last"]
     held = last.get("arena_bytes", 0) + last.get("arena_pass_peak_bytes", 0)

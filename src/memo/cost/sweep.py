@@ -33,12 +33,16 @@ def sweep(
 
 
 def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str) -> None:
-    """Writes MFU against sequence length (log scale), one line per system; lengths that do not fit are not drawn."""
+    """Writes MFU against sequence length (log scale), one line per system with its efficiency band shaded;
+    lengths that do not fit are not drawn."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for system, estimates in results.items():
         fitting = [e for e in estimates if e.fits]
-        ax.plot([e.seq for e in fitting], [100 * e.mfu for e in fitting], marker="o", label=system)
+        x = [e.seq for e in fitting]
+        (line,) = ax.plot(x, [100 * e.mfu for e in fitting], marker="o", label=system)
+        low, high = ([100 * e.ranges["mfu"][i] for e in fitting] for i in (0, 1))
+        ax.fill_between(x, low, high, color=line.get_color(), alpha=0.15, linewidth=0)  # the efficiency band
     ax.set_xscale("log", base=2)
     lengths = [e.seq for e in next(iter(results.values()))]
     ax.set_xticks(lengths, [format_count(n) for n in lengths])
