@@ -16,9 +16,10 @@ import sys
 from dataclasses import dataclass
 
 from memo.config import ModelConfig
+from memo.cost.efficiency import published_band
 from memo.cost.estimate import Layout, estimate
 from memo.cost.flops import counted_flops_per_token
-from memo.cost.hardware import gpu, published_band
+from memo.cost.hardware import gpu
 from memo.units import format_count
 
 FA2, MEGATRON, KORTHIKANTI, TORCHTITAN, FOUNDRY, IBM, MEMO = (

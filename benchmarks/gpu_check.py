@@ -471,8 +471,9 @@ def _train_records(flags: list[str], out: Path) -> list[dict]:
 def prediction(ctx: Context) -> None:
     from memo import ActivationPolicy
     from memo.cost.calibrate import calibrate
+    from memo.cost.efficiency import efficiency_from_calibration
     from memo.cost.estimate import estimate
-    from memo.cost.hardware import GPUS, efficiency_from_calibration
+    from memo.cost.hardware import GPUS
 
     strategies = _strategies()
     calibration = calibrate(ctx.device)

@@ -6,6 +6,13 @@ import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cli import main
+from memo.cost.efficiency import (
+    SPEEDS,
+    Efficiency,
+    check_calibration_device,
+    efficiency_from_calibration,
+    published_band,
+)
 from memo.cost.estimate import (
     SYSTEMS,
     Layout,
@@ -17,16 +24,7 @@ from memo.cost.estimate import (
     max_seq,
     max_seq_range,
 )
-from memo.cost.hardware import (
-    GPUS,
-    SPEEDS,
-    Efficiency,
-    check_calibration_device,
-    efficiency_from_calibration,
-    gpu,
-    load_gpus,
-    published_band,
-)
+from memo.cost.hardware import GPUS, gpu, load_gpus
 from memo.cost.memory import (
     fragmentation_bytes,
     persistent_activation_bytes,

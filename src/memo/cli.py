@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from .config import PRESETS, ModelConfig
 from .cost.calibrate import Shape, calibrate
+from .cost.efficiency import check_calibration_device, efficiency_from_calibration
 from .cost.estimate import CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
-from .cost.hardware import GPUS, check_calibration_device, efficiency_from_calibration, gpu, load_gpus
+from .cost.hardware import GPUS, gpu, load_gpus
 from .cost.memory import training_lower_bound
 from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device

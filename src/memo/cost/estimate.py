@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..policy import ActivationPolicy, AlphaProblem, solve_alpha
+from .efficiency import POINTS, Band, Efficiency, published_band
 from .flops import (
     HFU,
     MFU_CAUSAL,
@@ -43,16 +44,7 @@ from .flops import (
     model_flops_per_token,
     recompute_flops,
 )
-from .hardware import (
-    POINTS,
-    ZERO3_PREFETCH_PARAMETERS,
-    ZERO3_REDUCE_BUCKET_BYTES,
-    Band,
-    Efficiency,
-    GPUSpec,
-    published_band,
-    runtime_bytes,
-)
+from .hardware import GPUSpec, runtime_bytes
 from .memory import (
     BYTES_PER_PARAM,
     fragmentation_bytes,
@@ -73,6 +65,10 @@ RECOMPUTE = {  # what each system can recompute, as it ships
 }
 TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
 OFFLOADS = ("memo", "offload")  # the recomputations that keep skeletal tensors in host memory
+# DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py): `stage3_prefetch_bucket_size` 5e7 parameters
+# gathered ahead of the current module, `reduce_bucket_size` 5e8 elements held in bf16 (stage3.py)
+ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
+ZERO3_REDUCE_BUCKET_BYTES = 2 * 5 * 10**8
 HOST_FRACTION = 0.9  # of a node's host memory that offload may use
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
 MAX_SEQ_RANGE = (

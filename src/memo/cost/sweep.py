@@ -7,8 +7,9 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..figures import pyplot, save
 from ..units import format_count
+from .efficiency import Band
 from .estimate import SYSTEMS, Estimate, estimate
-from .hardware import Band, GPUSpec
+from .hardware import GPUSpec
 
 
 def default_lengths(start: int = 32 * 1024, stop: int = 4 << 20) -> list[int]:
