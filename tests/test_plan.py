@@ -1,13 +1,15 @@
 import json
 
 import numpy as np
+import torch
 
-from memo import ActivationPolicy, ModelConfig
+from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cli import main
+from memo.device import meta_kernels
 from memo.plan.bilevel import plan
 from memo.plan.problem import Problem, check_placement, max_load, read_csv, write_csv
-from memo.plan.scratch import flash_backward_bytes
-from memo.plan.trace import SCRATCH
+from memo.plan.scratch import efficient_backward_bytes, flash_backward_bytes
+from memo.plan.trace import SCRATCH, Tracer
 
 
 def test_bilevel_plan_of_a_tiny_model_is_valid_and_layer_blocks_never_overlap():
@@ -50,6 +52,28 @@ def test_flash_backward_scratch_follows_the_shipped_kernel_sizes():
     want = 32 * 1024 * 4 + 1024 * 32 * 128 * 4 + 2 * 1000 * 32 * 128 * 2
     assert flash_backward_bytes(1, 1000, 1000, 32, 8, 128, 2) == want
     assert flash_backward_bytes(1, 1024, 1024, 8, 8, 72, 2) == 8 * 1024 * 4 + 1024 * 8 * 96 * 4  # d 72 -> 96
+
+
+def test_efficient_backward_scratch_follows_the_shipped_kernel_sizes():
+    # b=1, 32 heads, 8192 tokens, worked by hand from kernel_backward.h's workspace_size() and the kernel
+    # cutlassB.h picks on sm80/sm90: 16-bit 128x128 tiles (64x64 at head dim 64), fp32 128x64; plus delta
+    assert efficient_backward_bytes(1, 8192, 32, 128, 128, 2) == 135_299_072
+    assert efficient_backward_bytes(1, 8192, 32, 64, 64, 2) == 68_222_976
+    assert efficient_backward_bytes(1, 8192, 32, 128, 128, 4) == 136_314_880  # delta's fp32 product is the peak
+    assert efficient_backward_bytes(1, 8192, 32, 64, 64, 4) == 69_206_016
+
+
+def test_a_float32_gpu_step_traces_the_efficient_kernels_scratch():
+    cfg, tokens = ModelConfig.preset("tiny"), 512
+    with torch.device("meta"):
+        model = Transformer(cfg, ActivationPolicy("none"))
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    tracer = Tracer(scratch=True)
+    with meta_kernels("cuda"), tracer:  # float32 on CUDA takes the memory-efficient kernel
+        model(ids, labels=ids).backward()
+    sizes = [e.nbytes for e in tracer.trace.events if e.op == SCRATCH and e.kind == "alloc"]
+    want = efficient_backward_bytes(1, tokens, cfg.n_heads, cfg.head_dim, cfg.head_dim, 4)
+    assert sizes == [want] * cfg.n_layers
 
 
 def test_plan_cli_reports_load_arena_and_allocator(capsys, tmp_path):

@@ -7,8 +7,16 @@ FlashAttention-2 backward, as PyTorch ships it (`aten/src/ATen/native/transforme
 flash_api.cpp`, `mha_bwd`): `softmax_d` fp32 (b, h, s_q rounded up to 128); `dq_accum` fp32 (b, s_q rounded to
 128, h, d rounded to 32, or to 64 above 128) on its default, non-deterministic path; and with grouped-query
 attention `dk_expanded` and `dv_expanded` in the inputs' dtype (b, s_k, h, d), summed into dk and dv after the
-kernel. Not modelled yet: the memory-efficient attention backward's workspace, which depends on the kernel's
-tile configuration (`p.workspace_size()` in `attention_backward.cu`), and cuBLAS workspaces.
+kernel.
+
+Memory-efficient attention backward (`aten/src/ATen/native/transformers/cuda/attention_backward.cu`,
+`_efficient_attention_backward`, with `mem_eff_attention/kernel_backward.h` and the sm80 kernel list of
+`kernels/cutlassB.h`, which sm90 uses too; memo takes this kernel for fp32): `delta` fp32 (b, h, s_q) — for
+fp32 computed outside the kernel as (dout · out) summed over the head, a (b, s_q, h, dv + 2) fp32 moment —
+and the `workspace` of `Params::workspace_size()`, whose gradQ part is ceil(s_q / BI) · ceil(d / BJ) tiles of
+BI · BJ floats and a 16-byte header per (b, h), rounded to 4 floats; the tile is 128 × 128 for 16-bit inputs
+and 128 × 64 for fp32 above head dim 64, 64 × 64 at most 64. Neither configuration accumulates dk, dv in the
+workspace. cuBLAS's workspace is allocated once per handle, not per call: the cost model counts it apart.
 """
 
 from __future__ import annotations
@@ -48,7 +56,26 @@ def _flash_backward(args) -> int:
     return flash_backward_bytes(b, s, k.shape[1], h, k.shape[2], d, q.element_size())
 
 
+def efficient_backward_bytes(b: int, s_q: int, heads: int, d: int, dv: int, itemsize: int) -> int:
+    """Returns the scratch the memory-efficient attention backward allocates for one call (see the docstring)."""
+    block_i, block_j = (128, 128 if itemsize == 2 else 64) if d > 64 else (64, 64)
+    tiles = -(-s_q // block_i) * -(-d // block_j)
+    workspace = FP32 * b * heads * _round(tiles * (block_i * block_j + 4), 4)
+    delta = FP32 * b * heads * s_q
+    if itemsize == 2:  # 16-bit kernels compute delta themselves
+        return delta + workspace
+    return max(FP32 * b * s_q * heads * (dv + 2), delta + workspace)
+
+
+def _sdpa_efficient_backward(args) -> int:
+    """aten._scaled_dot_product_efficient_attention_backward: query (b, h, s, d), value (b, h, s_k, dv)."""
+    q, v = args[1], args[3]
+    b, h, s, d = q.shape
+    return efficient_backward_bytes(b, s, h, d, v.shape[-1], q.element_size())
+
+
 REGISTRY = {
+    aten._scaled_dot_product_efficient_attention_backward.default: _sdpa_efficient_backward,
     aten._scaled_dot_product_flash_attention_backward.default: _sdpa_flash_backward,
     aten._flash_attention_backward.default: _flash_backward,
 }
