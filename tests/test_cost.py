@@ -255,6 +255,7 @@ def test_calibrate_cli_times_a_runs_shape_per_gpu(tmp_path, capsys):
     tiny = ModelConfig.preset("tiny")
     assert json.loads(out.read_text())["shape"] == {
         "tokens": 1024,
+        "attention_tokens": 2048,
         "heads": tiny.n_heads // 2,
         "kv_heads": max(tiny.n_kv_heads // 2, 1),
         "head_dim": tiny.head_dim,

@@ -454,7 +454,10 @@ def _run_calibrate(args) -> int:
         print(json.dumps(result))
     else:
         shape = result["shape"]
-        print(f"device {result['device']} ({result['dtype']}), {shape['tokens']} tokens x {shape['heads']} heads")
+        print(
+            f"device {result['device']} ({result['dtype']}): GEMMs of {shape['tokens']} tokens, attention over "
+            f"{shape['attention_tokens']} tokens x {shape['heads']} heads"
+        )
         print(f"matmul              {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
         print(f"attention forward   {result['attention_forward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
         print(f"attention backward  {result['attention_backward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")

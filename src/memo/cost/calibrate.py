@@ -18,10 +18,12 @@ ATTENTION_TOKENS = {"cuda": 1 << 17, "cpu": 4096}  # longest attention timed (pu
 
 @dataclass(frozen=True)
 class Shape:
-    """One GPU's share of a run: `tokens` tokens of `heads` query heads (`kv_heads` key/value) of `head_dim`,
-    and the layer's `hidden` and `ffn` sizes."""
+    """One GPU's share of a run under Ulysses: `tokens` token rows through the layer's GEMMs (`hidden`, `ffn`),
+    and attention over the whole sequence (`attention_tokens`) for `heads` query heads (`kv_heads` key/value)
+    of `head_dim`."""
 
     tokens: int
+    attention_tokens: int
     heads: int
     kv_heads: int
     head_dim: int
@@ -33,10 +35,13 @@ class Shape:
         if seq <= 0 or seq % sp or c.n_heads % sp:
             raise ValueError(f"`--seq` ({seq}) and the {c.n_heads} heads of {c.name} must split over `--sp` {sp}")
         kv = max(c.n_kv_heads // sp, 1)
-        return cls(seq // sp, c.n_heads // sp, kv, c.head_dim, c.hidden_size, c.ffn_hidden_size)
+        return cls(seq // sp, seq, c.n_heads // sp, kv, c.head_dim, c.hidden_size, c.ffn_hidden_size)
 
 
-GENERIC_SHAPE = {"cuda": Shape(16384, 16, 16, 128, 4096, 11008), "cpu": Shape(2048, 16, 16, 128, 1024, 2816)}
+GENERIC_SHAPE = {
+    "cuda": Shape(16384, 16384, 16, 16, 128, 4096, 11008),
+    "cpu": Shape(2048, 2048, 16, 16, 128, 1024, 2816),
+}
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, shape: Shape) -> float:
@@ -51,7 +56,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, shape: Shape)
 def measure_attention_flops(device: torch.device, dtype: torch.dtype, shape: Shape) -> tuple[float, float]:
     """Returns FLOP/s of causal attention forward and of its backward, counting the causal (half-matrix) work
     and backward as 2.5 × forward, at `shape` (its length capped at `ATTENTION_TOKENS`)."""
-    seq = min(shape.tokens, ATTENTION_TOKENS[device.type])
+    seq = min(shape.attention_tokens, ATTENTION_TOKENS[device.type])
 
     def heads(n: int) -> torch.Tensor:
         return torch.randn(1, seq, n, shape.head_dim, device=device, dtype=dtype).transpose(1, 2)

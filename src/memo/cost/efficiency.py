@@ -203,5 +203,5 @@ def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Band:
         host_link=ratio("host_copy_bytes_per_s", spec.host_link_bytes_per_s),
     )
     shape = calibration.get("shape", {})
-    where = f" at {shape.get('tokens')} tokens x {shape.get('heads')} heads per GPU" if shape else ""
+    where = f" at {shape.get('attention_tokens')} tokens x {shape.get('heads')} heads per GPU" if shape else ""
     return Band.around(mid, CALIBRATION_SPREAD, f"memo calibrate on {calibration.get('device')}{where}")
