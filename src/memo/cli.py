@@ -249,17 +249,17 @@ def _prediction_line(predicted: dict) -> str:
 
 def _comparison_line(comparison: dict) -> str:
     """Returns the run's measurements beside the cost model's predictions."""
-    cells = []
-    for key, row in comparison["rows"].items():
-        name = key.removesuffix("_bytes").replace("_", " ")
-        show = (
-            format_bytes
-            if key.endswith("_bytes")
-            else (lambda v: f"{100 * v:.1f}%")
-            if key == "mfu"
-            else (lambda v: f"{v:.3g} s")
-        )
-        cells.append(f"{name} {show(row['measured'])} vs {show(row['predicted'])} predicted (x{row['ratio']:.2f})")
+
+    def shown(key: str, value: float) -> str:
+        if key.endswith("_bytes"):
+            return format_bytes(value)
+        return f"{100 * value:.1f}%" if key == "mfu" else f"{value:.3g} s"
+
+    cells = [
+        f"{key.removesuffix('_bytes').replace('_', ' ')} {shown(key, row['measured'])} vs "
+        f"{shown(key, row['predicted'])} predicted (x{row['ratio']:.2f})"
+        for key, row in comparison["rows"].items()
+    ]
     return "measured: " + ("; ".join(cells) or "nothing the cost model predicts (on CPU: run with --arena)")
 
 

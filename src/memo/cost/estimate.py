@@ -16,7 +16,7 @@ that fits and saying which:
 - `offload-all`: as `memo` but every skeletal tensor of every layer goes to host (α = 1, nothing recomputed).
 
 Time per layer = matmuls and causal attention forward and backward at per-phase efficiencies (published for
-the GPU and shape, `hardware.published_band`, or measured by `memo calibrate`), plus recomputation, plus the
+the GPU and shape, `efficiency.published_band`, or measured by `memo calibrate`), plus recomputation, plus the
 part of each host copy that does not hide behind the layer's compute, plus communication (all-to-all and
 tensor-parallel collectives on the critical path; parameter gathers and context-parallel rings overlapped
 with compute). Data-parallel gradient reduction and the optimizer step are left out (once per step,

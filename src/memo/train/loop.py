@@ -299,7 +299,7 @@ class Trainer:
         """Returns (and records) what the cost model predicts for this run on this rank."""
         cfg, model = self.cfg, self.model
         world = self.mesh.size() if self.mesh else 1
-        micro = max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1)
+        micro = sequences_per_rank(cfg, world)
         spec = gpu_of(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         predicted = predict_run(
             model.config,
@@ -322,8 +322,7 @@ class Trainer:
         last, cfg = self.steady[-1], self.cfg
         measured = {"host_pool_bytes": last["host_pool_bytes"] or None}
         if last["alphas"] and self.prediction.get("host_pool_bytes") is None:  # α was solved in the first step
-            world = self.mesh.size() if self.mesh else 1
-            tokens = max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1) * cfg.seq_len // cfg.sp
+            tokens = sequences_per_rank(cfg, self.mesh.size() if self.mesh else 1) * (cfg.seq_len // cfg.sp)
             self.prediction["host_pool_bytes"] = host_pool_bytes(
                 self.model.config, tokens, self.model.policy, last["alphas"], DTYPES[cfg.dtype]
             )
@@ -495,14 +494,18 @@ def _arena_record(arena: PlannedAllocator, before: dict) -> dict:
     }
 
 
+def sequences_per_rank(cfg: TrainConfig, world: int) -> int:
+    """Returns the sequences one rank runs at once: its data-parallel share of a micro-batch, at least one."""
+    return max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1)
+
+
 def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None) -> None:
     """Raises ValueError when the run cannot fit: a lower bound of the memory one rank needs (model states,
     the strategy's skeletal activations, memo's host pool; no tracing) against what `device` has free, and the
     host pool against the host budget. Seconds at any length, before any folder, model or progress bar."""
     config = model_config(cfg)
     world = mesh.size() if mesh else 1
-    dp = world // cfg.sp
-    tokens = max(cfg.batch_size // cfg.grad_accum // dp, 1) * (cfg.seq_len // cfg.sp)
+    tokens = sequences_per_rank(cfg, world) * (cfg.seq_len // cfg.sp)
     need = training_lower_bound(config, tokens, cfg.policy(), DTYPES[cfg.dtype], shards=world)
     free = dev.free_memory_bytes(device)
     on_device = need["states"] + need["activations"] + (need["host_pool"] if device.type == "cpu" else 0)
