@@ -25,6 +25,19 @@ POLICIES = {
     "memo-per-layer": ActivationPolicy("memo", alpha=[0.1, 0.55, 0.9, 0.3]),
     "memo-all-layers": ActivationPolicy("memo", alpha=[0.8, 0.25, 0.37, 0.6], offload_last_layers=True),
 }
+# token tiles that divide no sequence length below, and per-layer plans (docs/method.md §3)
+TILED = {
+    "none-tile-16": ActivationPolicy("none", tile_tokens=16),
+    "full-tile-7": ActivationPolicy("full", tile_tokens=7),
+    "memo-a0.37-tile-8": ActivationPolicy("memo", alpha=0.37, tile_tokens=8),
+    "memo-a1-tile-5": ActivationPolicy("memo", alpha=1.0, tile_tokens=5),
+    "plan-tile-6": ActivationPolicy("memo", alpha=0.6, plan=("checkpoint", "memo", "keep", "memo"), tile_tokens=6),
+    "plan-all-offloaded-tile-4": ActivationPolicy(
+        "memo", alpha=[0.1, 0.5, 0.9, 0.3], plan=("memo", "checkpoint", "memo", "checkpoint"), tile_tokens=4,
+        offload_last_layers=True,
+    ),
+    "plan-solved-short-host-tile-9": ActivationPolicy("memo", host_budget_bytes=60_000, tile_tokens=9),
+}
 
 
 # the features of released checkpoints (Qwen2/Qwen3/Llama 3.x), on the tiny shape
@@ -44,7 +57,8 @@ def _config(preset: str) -> ModelConfig:
     return ModelConfig.preset("tiny", **VARIANTS[preset]) if preset in VARIANTS else ModelConfig.preset(preset)
 
 
-def _pair(preset: str, policy: ActivationPolicy, dtype=torch.float32):
+def _pair(preset: str, policy: str, dtype=torch.float32):
+    policy = {**POLICIES, **TILED}[policy]
     ref = ReferenceTransformer(_config(preset)).to(DEVICE, dtype)
     for p in ref.parameters():  # non-trivial norms and biases so their gradients are exercised
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1)
@@ -64,7 +78,7 @@ def _batch(batch: int, seq: int):
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("batch, seq", [(1, 37), (2, 29)])
 def test_loss_and_gradients_match_autograd_reference_fp32(preset, policy, batch, seq):
-    ref, model = _pair(preset, POLICIES[policy])
+    ref, model = _pair(preset, policy)
     ids, labels = _batch(batch, seq)
     ref_loss = ref(ids, labels=labels)
     ref_loss.backward()
@@ -78,12 +92,18 @@ def test_loss_and_gradients_match_autograd_reference_fp32(preset, policy, batch,
         torch.testing.assert_close(p.grad, ref_grads[name].grad, **FP32_TOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt", "qwen3-like"])
+@pytest.mark.parametrize("policy", list(TILED))
+def test_tiled_layers_and_per_layer_plans_match_autograd_reference_fp32(preset, policy):
+    test_loss_and_gradients_match_autograd_reference_fp32(preset, policy, 2, 29)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
-@pytest.mark.parametrize("policy", ["none", "full", "memo-a0.37"])
+@pytest.mark.parametrize("policy", ["none", "full", "memo-a0.37", "memo-a0.37-tile-8", "plan-tile-6"])
 def test_bf16_gradients_are_as_close_to_fp32_as_the_bf16_reference(preset, policy):
     # The bf16 reference runs public SDPA under autograd: flash kernels derive dq, dk from the bf16 output
     # (D = dO·O), which costs precision a float32-softmax reference would not lose; compare like with like.
-    ref32, model = _pair(preset, POLICIES[policy])
+    ref32, model = _pair(preset, policy)
     model.to(torch.bfloat16)
     ref16 = ReferenceTransformer(ModelConfig.preset(preset), attention="sdpa").to(DEVICE, torch.bfloat16)
     ref16.load_state_dict(model.state_dict())
@@ -102,7 +122,7 @@ def test_bf16_gradients_are_as_close_to_fp32_as_the_bf16_reference(preset, polic
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
 def test_logits_match_reference_for_short_inputs(preset):
-    ref, model = _pair(preset, ActivationPolicy("memo", alpha=0.5))
+    ref, model = _pair(preset, "memo-a0.37-tile-8")
     ids = torch.randint(0, 256, (2, 11), device=DEVICE)
     torch.testing.assert_close(model(ids), ref(ids), **FP32_TOL)
     with torch.no_grad():

@@ -1,8 +1,8 @@
-"""Stream ordering of the swap engine, checked on CPU by a vector-clock race detector.
+"""Stream ordering of the activation store, checked on CPU by a vector-clock race detector.
 
 The stream and event functions of `memo.device` are replaced by fakes that keep one vector clock per stream
-(the idea of torch.cuda._sanitizer). A dispatch mode logs which bytes of the two rounding buffers and the
-host pool every aten op reads or writes, and on which stream; two accesses to the same byte, one of them a
+(the idea of torch.cuda._sanitizer). A dispatch mode logs which bytes of the two rounding buffers (with their
+tile slots) and the host pool every aten op reads or writes, and on which stream; two accesses to the same byte, one of them a
 write, on different streams, are a race unless the later one's stream had waited for the earlier one.
 On CPU every op still runs at once in program order, so the fakes change no arithmetic.
 """
@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo import device as dev
-from memo.swap import SwapEngine
+from memo.swap import ActivationStore, SlotTiles
 
 SEQ, STEPS = 32, 3
 MAX_STREAMS = 8  # the compute stream plus the engine's side streams, with room for one resize
@@ -203,7 +203,7 @@ class RaceDetector(TorchDispatchMode):
         self.races: list[Race] = []
         self.step, self.phase = 0, "before the first step"
 
-    def watch(self, engine: SwapEngine) -> None:
+    def watch(self, engine: ActivationStore) -> None:
         """Labels accesses with the step and layer phase, and tracks the engine's buffers once sized."""
 
         def labelled(method, phase: str):
@@ -224,7 +224,7 @@ class RaceDetector(TorchDispatchMode):
 
         engine.begin_step = begin_and_track
 
-    def track(self, engine: SwapEngine) -> None:
+    def track(self, engine: ActivationStore) -> None:
         """Shadows the rounding buffers and host pool (anew after a resize); names the engine's streams."""
         storages = {
             f"rounding buffer {i}": next(iter(views.values())).untyped_storage()
@@ -234,8 +234,8 @@ class RaceDetector(TorchDispatchMode):
         if {s.data_ptr() for s in storages.values()} != set(self.shadows):
             n_streams = len(self.streams.all)
             self.shadows = {s.data_ptr(): Shadow(name, s.nbytes(), n_streams) for name, s in storages.items()}
-        offload, prefetch = engine._streams
-        offload.name, prefetch.name = "offload", "prefetch"
+        offload, prefetch, tile = engine._streams
+        offload.name, prefetch.name, tile.name = "offload", "prefetch", "tile"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -261,11 +261,10 @@ class RaceDetector(TorchDispatchMode):
         self.accesses.append(access)
 
 
-def make_model(preset: str, policy: ActivationPolicy, engine: type[SwapEngine] = SwapEngine) -> Transformer:
+def make_model(preset: str, policy: ActivationPolicy) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.preset(preset), policy)
-    model.store = engine(policy, model.config.n_layers)
-    return model
+    n_layers = len(policy.plan) if policy.plan else 4
+    return Transformer(ModelConfig.preset(preset, n_layers=n_layers), policy)
 
 
 def train(model: Transformer, batch: int) -> list[torch.Tensor]:
@@ -295,18 +294,18 @@ def detect(model: Transformer, batch: int, streams: FakeStreams) -> tuple[RaceDe
     return detector, losses
 
 
-def engine_without_wait(method: str, recorded_on: str, streams: FakeStreams) -> type[SwapEngine]:
-    """Returns a SwapEngine whose `method` skips its waits for events recorded on stream `recorded_on`.
+def drop_waits(monkeypatch, cls: type, method: str, recorded_on: str, streams: FakeStreams) -> None:
+    """Makes `cls.method` skip its waits for events recorded on stream `recorded_on`.
 
-    The rest of the method is swap.py's own, so the copy keeps up with changes to the engine.
+    The rest of the method is swap.py's own, so the check keeps up with changes to the store.
     """
-    original = getattr(SwapEngine, method)
+    original = getattr(cls, method)
 
-    def without_wait(self, *args):
+    def without_wait(self, *args, **kwargs):
         with streams.dropping_waits_on(recorded_on):
-            return original(self, *args)
+            return original(self, *args, **kwargs)
 
-    return type(f"SwapEngineWithout{recorded_on.title()}Wait", (SwapEngine,), {method: without_wait})
+    monkeypatch.setattr(cls, method, without_wait)
 
 
 def report(races: list[Race]) -> str:
@@ -314,19 +313,27 @@ def report(races: list[Race]) -> str:
 
 
 # what each stream reads (False) and writes (True): layers compute in the rounding buffers, the offload
-# stream copies them to the host pool, the prefetch stream copies the host pool back
+# stream copies them to the host pool, the prefetch stream copies the host pool back, the tile stream copies
+# tile slots to the host pool (forward) and back (backward)
+BUFFERS = ("rounding buffer 0", "rounding buffer 1")
 DATA_FLOW = {
-    *{("compute", buf, w) for buf in ("rounding buffer 0", "rounding buffer 1") for w in (False, True)},
-    ("offload", "rounding buffer 0", False),
-    ("offload", "rounding buffer 1", False),
+    *{("compute", buf, w) for buf in BUFFERS for w in (False, True)},
+    *{("offload", buf, False) for buf in BUFFERS},
     ("offload", "host pool", True),
     ("prefetch", "host pool", False),
-    ("prefetch", "rounding buffer 0", True),
-    ("prefetch", "rounding buffer 1", True),
+    *{("prefetch", buf, True) for buf in BUFFERS},
+    *{("tile", buf, w) for buf in BUFFERS for w in (False, True)},
+    *{("tile", "host pool", w) for w in (False, True)},
 }
 
 CASES = {
     "tiny-last-two-on-device": ("tiny", ActivationPolicy("memo", alpha=0.5), 2),
+    "tiny-tiled": ("tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6), 2),
+    "tiny-gpt-tiled-plan": (
+        "tiny-gpt",
+        ActivationPolicy("memo", alpha=0.6, plan=("checkpoint", "memo", "keep", "memo", "memo", "memo"), tile_tokens=5),
+        2,
+    ),
     "tiny-all-offloaded": ("tiny", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 1),
     "tiny-gpt-last-two-on-device": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5), 1),
     "tiny-gpt-all-offloaded": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 2),
@@ -348,7 +355,7 @@ def test_swap_engine_orders_every_cross_stream_access_without_changing_gradients
     assert detector.races == [], report(detector.races)
 
     per_stream = Counter(a.stream.name for a in detector.accesses)
-    assert all(per_stream[name] > 0 for name in ("compute", "offload", "prefetch")), per_stream
+    assert all(per_stream[name] > 0 for name in ("compute", "offload", "prefetch", "tile")), per_stream
     assert {(a.stream.name, a.region, a.write) for a in detector.accesses} == DATA_FLOW
     assert {a.step for a in detector.accesses} == set(range(1, STEPS + 1))
 
@@ -361,25 +368,32 @@ def test_swap_engine_orders_every_cross_stream_access_without_changing_gradients
 
 DELETED_WAITS = {
     # layer index overwrites rounding buffer index%2 while layer index-2's offload may still read it
-    "slots-offload-event-last-two-on-device": ("slots", "offload", False, ("offload", "read", "compute", "write")),
-    "slots-offload-event-all-offloaded": ("slots", "offload", True, ("offload", "read", "compute", "write")),
-    # the prefetch for layer index-1 overwrites the rounding buffer layer index+1's backward may still read
-    "prefetch-compute-event": ("_prefetch", "compute", False, ("compute", "read", "prefetch", "write")),
-    # a last layer keeps its buffer for its backward, but its offload must end before layer index-2's prefetch
-    "backward-offload-event-all-offloaded": (
-        "before_backward",
-        "offload",
-        True,
-        ("offload", "read", "prefetch", "write"),
+    "slots-offload-event-last-two-on-device": (
+        ActivationStore, "slots", "offload", False, ("offload", "read", "compute", "write")
     ),
+    "slots-offload-event-all-offloaded": (
+        ActivationStore, "slots", "offload", True, ("offload", "read", "compute", "write")
+    ),
+    # the prefetch for layer index-1 overwrites the rounding buffer layer index+1's backward may still read
+    "prefetch-compute-event": (ActivationStore, "_prefetch", "compute", False, ("compute", "read", "prefetch", "write")),
+    # a last layer keeps its buffer for its backward, but its offload must end before layer index-2's prefetch
+    # (ordered after this layer's backward) writes the buffer
+    "backward-offload-event-all-offloaded": (
+        ActivationStore, "before_backward", "offload", True, ("offload", "read", "prefetch", "write")
+    ),
+    # a tile's compute overwrites its slot while the copy of the tile two before may still read it
+    "tile-slot-copy-event": (SlotTiles, "_take", "tile", False, ("tile", "read", "compute", "write")),
+    # a tile copy reads its slot before the compute stream has written it
+    "tile-copy-compute-event": (SlotTiles, "_copy", "compute", False, ("compute", "write", "tile", "read")),
 }
 
 
 @pytest.mark.parametrize("deleted", list(DELETED_WAITS))
-def test_deleting_one_wait_from_the_schedule_is_reported_as_a_race(deleted, streams):
+def test_deleting_one_wait_from_the_schedule_is_reported_as_a_race(deleted, streams, monkeypatch):
     """The detector catches a schedule that is one wait short, and names the two streams and accesses."""
-    method, recorded_on, offload_last_layers, expected = DELETED_WAITS[deleted]
-    policy = ActivationPolicy("memo", alpha=0.5, offload_last_layers=offload_last_layers)
-    model = make_model("tiny", policy, engine_without_wait(method, recorded_on, streams))
+    cls, method, recorded_on, offload_last_layers, expected = DELETED_WAITS[deleted]
+    policy = ActivationPolicy("memo", alpha=0.5, offload_last_layers=offload_last_layers, tile_tokens=8)
+    model = make_model("tiny", policy)
+    drop_waits(monkeypatch, cls, method, recorded_on, streams)
     races = detect(model, 2, streams)[0].races
     assert expected in {r.kind for r in races}, report(races)

@@ -1,46 +1,107 @@
+"""The activation store: what each mode sends to host, loads back and recomputes, its memory, and its limits."""
+
 import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
-from memo.swap import HostPool, pack_layout
+from memo.plan.trace import trace_iteration
+from memo.swap import HostPool, pack_layout, store_layout
 
 
-def _run(policy, batch=2, seq=40, preset="tiny"):
-    model = Transformer(ModelConfig.preset(preset), policy)
+def _run(policy, batch=2, seq=40, preset="tiny", n_layers=4):
+    model = Transformer(ModelConfig.preset(preset, n_layers=n_layers), policy)
     ids = torch.randint(0, 256, (batch, seq))
     model(ids, labels=ids).backward()
     return model
 
 
-def _skeletal_bytes(model, batch, seq):
+def _bytes(model, batch, seq, rows=None, role=None, group=None):
+    """Returns the bytes of the layer's skeletal tensors of a role and/or group (`rows` token rows of each)."""
     specs = model.layers[0].skeletal_specs(batch, seq, torch.float32, "cpu")
-    return {
-        role: sum(sp.nbytes for sp in specs.values() if sp.role == role) for role in ("input", "attention", "other")
-    }
+    return sum(
+        (sp if rows is None else sp.rows(rows)).nbytes
+        for sp in specs.values()
+        if (role is None or sp.role == role) and (group is None or sp.group == group)
+    )
 
 
-def test_memo_offloads_input_attention_and_alpha_of_the_rest_for_all_but_two_layers():
+def test_memo_sends_input_attention_and_alpha_rows_and_recomputes_the_rest():
     batch, seq, alpha = 2, 40, 0.37
     model = _run(ActivationPolicy("memo", alpha=alpha), batch, seq)
-    b = _skeletal_bytes(model, batch, seq)
-    kept_rows = int(alpha * seq)  # 14 of 40 tokens
-    per_layer = b["input"] + b["attention"] + b["other"] * kept_rows // seq
+    kept = int(alpha * seq)  # 14 of 40 tokens
+    whole = _bytes(model, batch, seq, role="input") + _bytes(model, batch, seq, role="attention")
+    other = _bytes(model, batch, seq, kept, role="other")  # α rows of q, k, v and the token-local tensors
+    local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
     stats = model.swap_stats()
-    assert stats.bytes_offloaded == 2 * per_layer  # 4 layers, the last two stay on device
+    # layers 0, 1 send everything §3 says; layers 2, 3 keep their rounding buffers and send α of their tiles
+    assert stats.bytes_offloaded == 2 * (whole + other) + 2 * local
     assert stats.bytes_prefetched == stats.bytes_offloaded
-    assert stats.bytes_recomputed == 2 * b["other"] * (seq - kept_rows) // seq
-    assert stats.tokens_recomputed == 2 * batch * (seq - kept_rows)
-    assert stats.alphas == [alpha, alpha, 1.0, 1.0]
+    again = _bytes(model, batch, seq, seq - kept, role="other")
+    again_local = _bytes(model, batch, seq, seq - kept, group="qkv") + _bytes(model, batch, seq, seq - kept, group="mlp")
+    assert stats.bytes_recomputed == 2 * again + 2 * again_local
+    assert stats.tokens_recomputed == 4 * batch * (seq - kept)
+    assert stats.alphas == [alpha] * 4 and stats.modes == ["memo"] * 4
+    assert model.store.pool.in_use == 0  # every slot came back
+
+
+def test_checkpointed_layers_send_their_input_alone_and_keep_layers_send_nothing():
+    batch, seq = 2, 40
+    plan = ("checkpoint", "memo", "keep", "memo", "checkpoint", "keep")
+    model = _run(ActivationPolicy("memo", alpha=0.5, plan=plan, tile_tokens=16), batch, seq, n_layers=6)
+    layout = model.store.layout
+    x = _bytes(model, batch, seq, role="input")
+    kept = seq // 2
+    whole = x + _bytes(model, batch, seq, role="attention") + _bytes(model, batch, seq, kept, role="other")
+    local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
+    # layer 0 is overwritten by layer 4 (checkpoint), layer 1 by layer 3; 3 and 4 keep their buffers
+    sent = [x, whole, 0, local, 0, 0]
+    for got, want in zip(layout.host_bytes, sent):  # packed slot by slot, each tensor 512-byte aligned
+        assert want <= got < want + 14 * 512 and (got == 0) == (want == 0)
+    stats = model.swap_stats()
+    assert stats.alphas == [0.0, 0.5, 1.0, 0.5, 0.0, 1.0]
+    assert layout.n_keep == 2 and layout.n_buffers == 2
+    assert stats.device_skeletal_bytes == layout.device_bytes
 
 
 def test_memo_device_skeletal_memory_is_two_rounding_buffers_whatever_the_depth():
-    small = _run(ActivationPolicy("memo", alpha=0.5), preset="tiny").swap_stats()
-    deep = Transformer(ModelConfig.preset("tiny", n_layers=8), ActivationPolicy("memo", alpha=0.5))
-    ids = torch.randint(0, 256, (2, 40))
-    deep(ids, labels=ids).backward()
-    assert deep.swap_stats().device_skeletal_bytes == small.device_skeletal_bytes
+    small = _run(ActivationPolicy("memo", alpha=0.5)).swap_stats()
+    deep = _run(ActivationPolicy("memo", alpha=0.5), n_layers=8).swap_stats()
+    assert deep.device_skeletal_bytes == small.device_skeletal_bytes
     keep = _run(ActivationPolicy("none")).swap_stats()
-    assert keep.device_skeletal_bytes >= 2 * small.device_skeletal_bytes - 4 * 512 * 12
+    assert keep.device_skeletal_bytes > 2 * small.device_skeletal_bytes - 4 * 512 * 14
+
+
+def test_tiles_shrink_the_rounding_buffers_by_the_token_local_tensors():
+    batch, seq, tile = 1, 96, 16
+    whole = _run(ActivationPolicy("memo", alpha=0.5), batch, seq)
+    tiled = _run(ActivationPolicy("memo", alpha=0.5, tile_tokens=tile), batch, seq)
+    local = _bytes(whole, batch, seq, group="mlp")  # the larger tile group
+    saved = whole.swap_stats().device_skeletal_bytes - tiled.swap_stats().device_skeletal_bytes
+    # untiled: one slot of the whole sequence; tiled: two slots of 16 rows
+    assert saved == pytest.approx(2 * local * (seq - 2 * tile) / seq, rel=0.02)
+    assert tiled.swap_stats().host_pool_bytes == whole.swap_stats().host_pool_bytes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_no_token_local_tensor_or_gradient_is_longer_than_a_tile(preset):
+    """Traced on meta: every allocation with the FFN width (the MLP's tensors and gradients) has tile rows."""
+    seq, tile = 64, 16
+    c = ModelConfig.preset(preset)
+    with torch.device("meta"):
+        model = Transformer(c, ActivationPolicy("memo", alpha=0.25, tile_tokens=tile))
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    model(ids, labels=ids).backward()
+    step = trace_iteration(model, ids)
+    widths = [e.output.shape for e in step.events if e.kind == "alloc" and e.output is not None]
+    ffn = [s for s in widths if len(s) == 3 and s[-1] == c.ffn_hidden_size]
+    assert ffn and max(s[1] for s in ffn) == tile
+    # the untiled step does build them whole
+    with torch.device("meta"):
+        whole = Transformer(c, ActivationPolicy("memo", alpha=0.25))
+    whole(ids, labels=ids).backward()
+    step = trace_iteration(whole, ids)
+    assert any(len(e.output.shape) == 3 and e.output.shape[1:] == (seq, c.ffn_hidden_size)
+               for e in step.events if e.kind == "alloc" and e.output is not None)
 
 
 def test_host_pool_never_exceeds_its_cap_and_is_sized_exactly():
@@ -48,7 +109,7 @@ def test_host_pool_never_exceeds_its_cap_and_is_sized_exactly():
     need = probe.swap_stats().host_pool_bytes
     model = _run(ActivationPolicy("memo", alpha=0.6, host_budget_bytes=need))
     stats = model.swap_stats()
-    assert stats.host_pool_bytes == need
+    assert stats.host_pool_bytes == need == model.store.layout.host_total
     assert 0 < stats.host_pool_peak <= need
     assert model.store.pool.in_use == 0  # every slot was prefetched back
 
@@ -71,20 +132,32 @@ def test_host_pool_refuses_to_hold_more_than_its_cap():
         pool.occupy(25)
 
 
-def test_solved_alpha_respects_the_host_budget():
+def test_solved_plan_spends_a_short_host_budget_on_alpha_or_checkpoints():
     batch, seq = 2, 40
-    model = Transformer(ModelConfig.preset("tiny"), ActivationPolicy("memo"))
-    b = _skeletal_bytes(model, batch, seq)
-    fixed = b["input"] + b["attention"]
-    budget = 2 * (fixed + b["other"] // 4)  # room for alpha = 0.25 on the two offloaded layers
+    probe = _run(ActivationPolicy("memo", alpha=0.0), batch, seq)
+    at_zero = probe.swap_stats().host_pool_bytes
+    model = _run(ActivationPolicy("memo", host_budget_bytes=at_zero + 8 * 512), batch, seq)
+    stats = model.swap_stats()
+    assert stats.host_pool_bytes <= at_zero + 8 * 512
+    assert all(a <= 0.05 for a, m in zip(stats.alphas, stats.modes) if m == "memo")
+
+
+def test_host_that_cannot_hold_attention_outputs_checkpoints_layers_instead_of_refusing():
+    batch, seq = 2, 160
+    probe = _run(ActivationPolicy("memo", alpha=0.0), batch, seq)
+    x = _bytes(probe, batch, seq, role="input")
+    attention = _bytes(probe, batch, seq, role="attention")
+    slack = 4 * 13 * 512 + 512  # the solver's room for each host slot's alignment
+    budget = 2 * x + attention + slack  # one layer's attention output, not two
+    assert attention > slack
     model = _run(ActivationPolicy("memo", host_budget_bytes=budget), batch, seq)
-    alpha = model.swap_stats().alphas[0]
-    assert 0.0 <= alpha <= 0.25 + 1e-9
+    modes = model.swap_stats().modes
+    assert modes[0] == "checkpoint" and modes[2:] == ["memo", "memo"]  # which of layer 1's modes: by measured time
     assert model.swap_stats().host_pool_bytes <= budget
 
 
-def test_host_budget_that_cannot_hold_inputs_and_attention_is_an_error():
-    with pytest.raises(ValueError, match="host memory cannot hold the offload"):
+def test_host_that_cannot_hold_even_the_inputs_is_an_error():
+    with pytest.raises(ValueError, match="host memory cannot hold the offload: the layer inputs alone"):
         _run(ActivationPolicy("memo", host_budget_bytes=1000))
 
 
@@ -98,7 +171,7 @@ def test_second_forward_before_backward_is_refused_at_backward():
 
 
 def test_shape_change_resizes_buffers_and_stays_exact():
-    model = Transformer(ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5))
+    model = Transformer(ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5, tile_tokens=8))
     for seq in (16, 24, 16):
         ids = torch.randint(0, 256, (1, seq))
         model(ids, labels=ids).backward()
@@ -114,6 +187,7 @@ def test_pack_layout_aligns_every_tensor():
 
 
 def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
+    tile = 8192
     with torch.device("meta"):
         model = Transformer(
             ModelConfig.preset("gpt-7b"), ActivationPolicy("memo", alpha=0.5, host_budget_bytes=1 << 42)
@@ -122,21 +196,37 @@ def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
     ids = torch.zeros(1, 1 << 20, dtype=torch.long, device="meta")
     model(ids, labels=ids).backward()
     stats = model.swap_stats()
-    h, s = 4096, 1 << 20
-    # per layer: 16·b·s·h bf16 (memo-method.md §2) + LSE + two norms' (mean, rstd) in fp32, 512 B-rounded
-    assert stats.device_skeletal_bytes == pytest.approx(2 * (16 * s * h * 2 + 32 * s * 4 + 2 * 2 * s * 4), rel=1e-6)
+    h, s, a = 4096, 1 << 20, 32
+    # per buffer, docs/method.md §2's tensors: x, q, k, v, attn whole (5·s·h bf16) + LSE (fp32 per head), and two
+    # tile slots of the larger token-local group: x1, n2, up, act (10·h per token, bf16) + LayerNorm's mean, rstd
+    whole = 5 * s * h * 2 + a * s * 4
+    slot = 10 * tile * h * 2 + 2 * tile * 4
+    assert stats.device_skeletal_bytes == pytest.approx(2 * (whole + 2 * slot), rel=1e-5)
+    assert stats.tile_tokens == tile
     assert model.layers[0].wq.weight.grad.is_meta
 
 
-def test_offloaded_last_two_layers_are_neither_prefetched_nor_recomputed():
-    """Their rounding buffers still hold their tensors at their backward: loading or rebuilding is waste."""
+def test_store_layout_is_what_the_store_allocates():
+    model = _run(ActivationPolicy("memo", alpha=0.3, plan=("memo", "keep", "memo", "checkpoint"), tile_tokens=7))
+    store = model.store
+    layout = store_layout(store.specs, store.modes, store.stats.alphas, 7)
+    assert layout == store.layout
+    views = [t for slot in (*store._buffers, *store._keep.values()) for t in slot.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in views}
+    assert sum(storages.values()) == layout.device_bytes
+    assert store.pool.nbytes == layout.host_total
+
+
+def test_offloaded_last_two_layers_get_their_tiles_back_but_not_their_buffers():
+    """Their rounding buffers still hold the whole-length tensors at their backward: loading them is waste."""
     batch, seq, alpha = 2, 40, 0.37
     model = _run(ActivationPolicy("memo", alpha=alpha, offload_last_layers=True), batch, seq)
-    b = _skeletal_bytes(model, batch, seq)
-    kept_rows = int(alpha * seq)
-    per_layer = b["input"] + b["attention"] + b["other"] * kept_rows // seq
+    kept = int(alpha * seq)
+    whole = _bytes(model, batch, seq, role="input") + _bytes(model, batch, seq, role="attention")
+    whole += _bytes(model, batch, seq, kept, role="other", group="whole")
+    local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
     stats = model.swap_stats()
-    assert stats.bytes_offloaded == 4 * per_layer
-    assert stats.bytes_prefetched == 2 * per_layer  # layers 0 and 1 only
-    assert stats.tokens_recomputed == 2 * batch * (seq - kept_rows)
+    assert stats.bytes_offloaded == 4 * (whole + local)
+    assert stats.bytes_prefetched == 2 * whole + 4 * local  # whole-length parts of layers 0 and 1 only
+    assert stats.tokens_recomputed == 4 * batch * (seq - kept)
     assert model.store.pool.in_use == 0

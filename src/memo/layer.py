@@ -1,28 +1,36 @@
-"""The decoder layer: an explicit forward that writes its skeletal tensors, and an explicit backward.
+"""The decoder layer: an explicit forward that writes its skeletal tensors, and an explicit backward, both run
+over token tiles everywhere but attention.
 
-Notation: b batch, s tokens, r rows (a token slice), h hidden, a heads, g kv-heads, d head dim, f FFN.
-Skeletal tensors (memo-method.md §2) are token-major, (b, s, ...), so a token slice is `t[name][:, rows]`:
+Notation: b batch, s tokens, r rows (a tile of tokens), h hidden, a heads, g kv-heads, d head dim, f FFN.
+Skeletal tensors (docs/method.md §2) are token-major, (b, s, ...), so a token slice is `t[name][:, rows]`.
+Attention alone needs all tokens at once; everything else is token-local and runs one tile of rows at a
+time, so only the attention side is ever whole-length on the device:
 
+    group "whole" (whole-length, attention's inputs and outputs)
     x    (b,s,h)    layer input                      -- role "input": always to host in full
-    n1   (b,s,h)    attention-norm output            -- role "other": α of the tokens to host, rest recomputed
-    n1_stats (b,s,k) its per-token statistics, fp32  -- other (k = 2: mean, rstd for LayerNorm; 1: rstd)
-    q    (b,s,a,d)  rotated query                    -- other
-    q_stats (b,s,a,1) q's per-head RMSNorm rstd      -- other (`qk_norm` only, as are k_stats)
+    q    (b,s,a,d)  rotated query                    -- role "other": α of the tokens to host, rest recomputed
     k    (b,s,g,d)  rotated key                      -- other
     v    (b,s,g,d)  value                            -- other
     attn (b,s,a,d)  attention output                 -- role "attention": always to host in full
     lse  (b,a,s')   attention log-sum-exp, float32   -- attention (b, a/sp, s'·sp) under sequence parallelism
-    x1   (b,s,h)    x + attention projection         -- other
-    n2   (b,s,h)    MLP-norm output                  -- other
-    n2_stats (b,s,k) its statistics                  -- other
-    gate (b,s,f)    SwiGLU gate (llama only)         -- other
-    up   (b,s,f)    up projection                    -- other
-    act  (b,s,f)    GeLU(up) or SiLU(gate)*up        -- other
 
-Every "other" tensor is a token-local function of x and attn, so `fill(t, start)` recomputes rows
-[start, s) from them without touching attention (§3), writing each straight into its slot (`out=`) where an
-op allows it, so the forward and the recompute move no extra copies. With `qk_norm` the backward needs q
-and k before their norm: it recomputes them from n1 (one token-local matmul) rather than keeping them.
+    group "qkv" (token-local, before attention; a tile of r rows at a time)
+    n1   (b,r,h)    attention-norm output            -- other
+    n1_stats (b,r,k) its per-token statistics, fp32  -- other (k = 2: mean, rstd for LayerNorm; 1: rstd)
+
+    group "mlp" (token-local, after attention)
+    x1   (b,r,h)    x + attention projection         -- other
+    n2   (b,r,h)    MLP-norm output                  -- other
+    n2_stats (b,r,k) its statistics                  -- other
+    gate (b,r,f)    SwiGLU gate (llama only)         -- other
+    up   (b,r,f)    up projection                    -- other
+    act  (b,r,f)    GeLU(up) or SiLU(gate)*up        -- other
+
+Where a tile's token-local tensors live (kept whole, a tile-sized slot whose α rows go to host, or fresh)
+is the store's choice, behind the `Tiles` interface; the layer only fills rows and runs their backward.
+Every "other" tensor is a token-local function of x and attn, so the same `fill_qkv` / `fill_mlp` run the
+forward, the token-wise recompute (§3) and a tile. With `qk_norm` the backward recomputes q and k before
+their norm from n1 (one token-local matmul), and their per-head statistics with them.
 
 Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
 shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions.
@@ -32,7 +40,7 @@ Attention alone sees all tokens: for a/sp heads, between the all-to-alls `seq_pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,20 +48,24 @@ from torch import nn
 
 from .attention import attention_backward, attention_forward, lse_seq_len
 from .config import ModelConfig
+from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
 from .rope import rope_tables, rotate, unrotate
 
 aten = torch.ops.aten
 Role = Literal["input", "attention", "other"]
+Group = Literal["whole", "qkv", "mlp"]
+GROUPS: tuple[Group, ...] = ("whole", "qkv", "mlp")
 
 
 @dataclass(frozen=True)
 class SkeletalSpec:
-    """One skeletal tensor of a layer: its full shape, dtype, and how §3 treats it."""
+    """One skeletal tensor of a layer: its whole-length shape, dtype, how §3 treats it, and its group."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     role: Role
+    group: Group = "whole"
 
     @property
     def nbytes(self) -> int:
@@ -63,8 +75,8 @@ class SkeletalSpec:
         return n * self.dtype.itemsize
 
     def rows(self, n_rows: int) -> "SkeletalSpec":
-        """Returns the spec of the first `n_rows` tokens (dimension 1)."""
-        return SkeletalSpec((self.shape[0], n_rows, *self.shape[2:]), self.dtype, self.role)
+        """Returns the spec of `n_rows` tokens (dimension 1)."""
+        return SkeletalSpec((self.shape[0], n_rows, *self.shape[2:]), self.dtype, self.role, self.group)
 
 
 def bytes_by_role(specs: dict[str, SkeletalSpec]) -> dict[str, int]:
@@ -74,17 +86,85 @@ def bytes_by_role(specs: dict[str, SkeletalSpec]) -> dict[str, int]:
     }
 
 
+def in_group(specs: dict[str, SkeletalSpec], group: Group) -> dict[str, SkeletalSpec]:
+    return {n: sp for n, sp in specs.items() if sp.group == group}
+
+
 @dataclass(frozen=True)
 class Recompute:
-    """What a layer must rebuild before its backward: token rows [start, s), and attention too if asked."""
+    """What a layer rebuilds before its backward: q, k, v of token rows [start, s), and attention if asked
+    (the token-local tiles are the `Tiles`' business)."""
 
     start: int
     attention: bool = False
 
 
+class Tiles(Protocol):
+    """Where the token-local ("qkv", "mlp") tensors of one layer live, tile by tile (swap.py decides)."""
+
+    def ranges(self, start: int = 0) -> list[slice]:
+        """Returns the tiles of token rows [start, s) in order."""
+
+    def open(self, t: dict, rows: slice, group: Group) -> dict[str, torch.Tensor]:
+        """Returns the group's tensors for token `rows`, (b, r, ...), to be written."""
+
+    def close(self, rows: slice, group: Group) -> None:
+        """Takes the written rows (e.g. their α part to host)."""
+
+    def restore(self, t: dict, rows: slice, group: Group) -> tuple[dict[str, torch.Tensor], int]:
+        """Returns the group's tensors for token `rows` and the first row (within the tile) to recompute."""
+
+
+@dataclass(frozen=True)
+class FreshTiles:
+    """Tiles of fresh tensors that keep nothing: inference, and the stores' tests."""
+
+    shapes: tuple[tuple[str, Group, tuple[int, ...], torch.dtype], ...]  # name, group, shape after (b, s)
+    batch: int
+    seq: int
+    tile: int
+
+    @classmethod
+    def of(cls, specs: dict[str, SkeletalSpec], tile: int) -> "FreshTiles":
+        x = specs["x"]
+        shapes = tuple((n, sp.group, sp.shape[2:], sp.dtype) for n, sp in specs.items() if sp.group != "whole")
+        return cls(shapes, x.shape[0], x.shape[1], tile)
+
+    def ranges(self, start: int = 0) -> list[slice]:
+        return tile_ranges(start, self.seq, self.tile)
+
+    def open(self, t, rows, group):
+        r = rows.stop - rows.start
+        return {n: t["x"].new_empty((self.batch, r, *tail), dtype=dtype) for n, g, tail, dtype in self.shapes if g == group}
+
+    def close(self, rows, group) -> None:
+        pass
+
+    def restore(self, t, rows, group):
+        return self.open(t, rows, group), 0
+
+
+def tile_ranges(start: int, stop: int, tile: int) -> list[slice]:
+    """Returns [start, stop) cut into slices of `tile` rows (the last one shorter)."""
+    return [slice(i, min(i + tile, stop)) for i in range(start, stop, tile)]
+
+
+def rows_of(t: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Returns the token rows of the whole-length tensors in `t` (the LSE is not token-major: left out)."""
+    return {n: t[n][:, rows] for n in ("x", "q", "k", "v", "attn")}
+
+
+def _tail(v: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
+    return {n: x[:, start:] for n, x in v.items()}
+
+
 def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """Writes x·Wᵀ + b into `out` (a slot of the skeletal tensors, no temporary) and returns it."""
-    return aten.linear.out(x, lin.weight, lin.bias, out=out)
+    """Writes x·Wᵀ + b into `out` (rows of a skeletal tensor, no temporary) and returns it."""
+    if out.is_contiguous():
+        return aten.linear.out(x, lin.weight, lin.bias, out=out)
+    for x_b, out_b in zip(x, out):  # token rows of several sequences: each sequence's rows are contiguous
+        aten.linear.out(x_b, lin.weight, lin.bias, out=out_b)
+    return out
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -92,13 +172,8 @@ def heads_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Returns dW = dyᵀ·x summed over all tokens, for y = x·Wᵀ."""
-    return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-
-
-def _token_sum(dy: torch.Tensor) -> torch.Tensor:
-    return dy.reshape(-1, dy.shape[-1]).sum(0)
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
 class DecoderLayer(nn.Module):
@@ -128,36 +203,35 @@ class DecoderLayer(nn.Module):
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
-        """Returns the layer's skeletal tensors (module docstring) for a (batch, seq) input."""
+        """Returns the layer's skeletal tensors (module docstring) for a (batch, seq) input, whole-length."""
         c = self.config
         h, a, g, d, f = c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_hidden_size
         b, s = batch, seq
 
-        def spec(role: Role, *tail: int) -> SkeletalSpec:
-            return SkeletalSpec((b, s, *tail), dtype, role)
+        def spec(role: Role, group: Group, *tail: int) -> SkeletalSpec:
+            return SkeletalSpec((b, s, *tail), dtype, role, group)
 
-        stats = SkeletalSpec((b, s, stats_width(self.attn_norm)), stats_dtype(dtype), "other")
+        def stats(group: Group) -> SkeletalSpec:
+            return SkeletalSpec((b, s, stats_width(self.attn_norm)), stats_dtype(dtype), "other", group)
+
         specs = {
-            "x": spec("input", h),
-            "n1": spec("other", h),
-            "n1_stats": stats,
-            "q": spec("other", a, d),
-            "k": spec("other", g, d),
-            "v": spec("other", g, d),
-            "attn": spec("attention", a, d),
+            "x": spec("input", "whole", h),
+            "q": spec("other", "whole", a, d),
+            "k": spec("other", "whole", g, d),
+            "v": spec("other", "whole", g, d),
+            "attn": spec("attention", "whole", a, d),
             "lse": self._lse_spec(b, s, dtype, torch.device(device)),
-            "x1": spec("other", h),
-            "n2": spec("other", h),
-            "n2_stats": stats,
-            "gate": spec("other", f),
-            "up": spec("other", f),
-            "act": spec("other", f),
+            "n1": spec("other", "qkv", h),
+            "n1_stats": stats("qkv"),
+            "x1": spec("other", "mlp", h),
+            "n2": spec("other", "mlp", h),
+            "n2_stats": stats("mlp"),
+            "gate": spec("other", "mlp", f),
+            "up": spec("other", "mlp", f),
+            "act": spec("other", "mlp", f),
         }
         if self.gpt:
             del specs["gate"]
-        if c.qk_norm:
-            specs["q_stats"] = SkeletalSpec((b, s, a, 1), stats_dtype(dtype), "other")
-            specs["k_stats"] = SkeletalSpec((b, s, g, 1), stats_dtype(dtype), "other")
         return specs
 
     def _lse_spec(self, b: int, s: int, dtype, device: torch.device) -> SkeletalSpec:
@@ -167,13 +241,10 @@ class DecoderLayer(nn.Module):
             return SkeletalSpec((b, a, lse_seq_len(s, device, dtype)), torch.float32, "attention")
         return SkeletalSpec((b, a // sp.size, lse_seq_len(s * sp.size, device, dtype)), torch.float32, "attention")
 
-    def _offset(self, s: int) -> int:
-        """Returns the global position of this rank's first token (0 without sequence parallelism)."""
-        return 0 if self.seq_parallel is None else self.seq_parallel.token_offset(s)
-
     def _rope(self, s: int, rows: slice, like: torch.Tensor):
         """Returns cos, sin for local token rows `rows` of this rank's `s` tokens (global positions)."""
-        at, total = self._offset(s), s * (1 if self.seq_parallel is None else self.seq_parallel.size)
+        sp = self.seq_parallel
+        at, total = (0, s) if sp is None else (sp.token_offset(s), s * sp.size)
         return rope_tables(self.config, at + rows.start, at + rows.stop, total, like.dtype, like.device)
 
     def _project(self, n1: torch.Tensor, name: str) -> torch.Tensor:
@@ -181,42 +252,25 @@ class DecoderLayer(nn.Module):
         lin = getattr(self, "w" + name)
         return F.linear(n1, lin.weight, lin.bias).unflatten(-1, (-1, self.config.head_dim))
 
-    # ---- forward (also the token-wise recompute) --------------------------------------------------------
-    def _norm(self, t: dict, name: str, x: torch.Tensor, rows: slice, norm: nn.Module) -> torch.Tensor:
-        """Writes norm(x) into t[name] and its statistics into t[name + "_stats"] (rows `rows`); returns the
-        written rows."""
-        y, stats = norm_forward(norm, x)
-        t[name + "_stats"][:, rows] = stats
-        out = t[name][:, rows]
-        out.copy_(y)
-        return out
+    # ---- forward pieces (also the token-wise recompute); `v` holds rows of every tensor, (b, r, ...) ------
+    def fill_norm1(self, v: dict) -> None:
+        """Writes n1 and its statistics from x."""
+        _norm_into(v, "n1", v["x"], self.attn_norm)
 
-    def fill(self, t: dict[str, torch.Tensor], start: int = 0, attention: bool = True) -> tuple | None:
-        """Writes the skeletal tensors of token rows [start, s) into `t` from t["x"] (and t["attn"]).
-
-        With `attention`, the attention output and LSE are computed (all rows) and the kernel's aux returned.
-        """
-        rows = slice(start, t["x"].shape[1])
-        self._fill_attention_inputs(t, rows)
-        aux = self._fill_attention(t) if attention else None
-        self._fill_mlp_inputs(t, rows)
-        return aux
-
-    def _fill_attention_inputs(self, t, rows: slice) -> None:
-        c = self.config
-        x = t["x"][:, rows]  # (b, r, h)
-        b, r = x.shape[:2]
-        n1 = self._norm(t, "n1", x, rows, self.attn_norm)  # (b, r, h)
-        cos, sin = self._rope(t["x"].shape[1], rows, x)
-        for name in ("q", "k"):  # (b, r, heads, d): per-head norm (Qwen3), then RoPE into the slot
+    def fill_qkv(self, v: dict, rows: slice, s: int) -> None:
+        """Writes n1, then q, k (per-head norm with `qk_norm`, then RoPE) and v of token `rows` of s."""
+        self.fill_norm1(v)
+        n1 = v["n1"]  # (b, r, h)
+        cos, sin = self._rope(s, rows, n1)
+        for name in ("q", "k"):  # (b, r, heads, d)
             proj = self._project(n1, name)
-            if c.qk_norm:
-                proj, rstd = rms_norm(proj, getattr(self, name + "_norm").weight, c.norm_eps)
-                t[name + "_stats"][:, rows] = rstd
-            rotate(proj, cos, sin, t[name][:, rows])
-        linear_into(t["v"][:, rows].flatten(2), n1, self.wv)  # (b, r, g·d)
+            if self.config.qk_norm:
+                proj = rms_norm(proj, getattr(self, name + "_norm").weight, self.config.norm_eps)[0]
+            rotate(proj, cos, sin, v[name])
+        linear_into(v["v"].flatten(2), n1, self.wv)  # (b, r, g·d)
 
-    def _fill_attention(self, t) -> tuple:
+    def attend(self, t: dict) -> tuple:
+        """Writes the attention output and LSE of all s tokens from q, k, v; returns the kernel's aux."""
         sp = self.seq_parallel
         if sp is None:
             q, k, v = heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"])
@@ -230,87 +284,90 @@ class DecoderLayer(nn.Module):
         t["lse"].copy_(lse)
         return aux
 
-    def _fill_mlp_inputs(self, t, rows: slice) -> None:
-        x, attn = t["x"][:, rows], t["attn"][:, rows].flatten(2)  # (b, r, h), (b, r, a*d)
-        x1 = torch.add(x, F.linear(attn, self.wo.weight, self.wo.bias), out=t["x1"][:, rows])
-        n2 = self._norm(t, "n2", x1, rows, self.mlp_norm)
-        up = linear_into(t["up"][:, rows], n2, self.w_up)  # (b, r, f)
+    def fill_mlp(self, v: dict) -> None:
+        """Writes x1, n2 (+ statistics), up, (gate,) act of the rows from x and attn."""
+        x1 = torch.add(v["x"], F.linear(v["attn"].flatten(2), self.wo.weight, self.wo.bias), out=v["x1"])  # (b, r, h)
+        _norm_into(v, "n2", x1, self.mlp_norm)
+        up = linear_into(v["up"], v["n2"], self.w_up)  # (b, r, f)
         if self.gpt:
-            aten.gelu.out(up, out=t["act"][:, rows])
+            aten.gelu.out(up, out=v["act"])
         else:
-            gate = linear_into(t["gate"][:, rows], n2, self.w_gate)
-            torch.mul(F.silu(gate), up, out=t["act"][:, rows])
+            gate = linear_into(v["gate"], v["n2"], self.w_gate)
+            torch.mul(F.silu(gate), up, out=v["act"])
 
-    def output(self, t) -> torch.Tensor:
-        """Returns the layer output y = x1 + act·W_downᵀ (b, s, h), a fresh tensor."""
-        return t["x1"] + F.linear(t["act"], self.w_down.weight, self.w_down.bias)
+    def output(self, v: dict, out: torch.Tensor) -> torch.Tensor:
+        """Writes the layer output of the rows, y = x1 + act·W_downᵀ (b, r, h), into `out`."""
+        return torch.add(v["x1"], F.linear(v["act"], self.w_down.weight, self.w_down.bias), out=out)
 
-    # ---- backward ---------------------------------------------------------------------------------------
-    def _norm_backward(self, dy, x, stats, prefix: str, grads: dict) -> torch.Tensor:
-        """Returns dx of the norm `prefix` from its kept statistics and stores its parameter grads."""
-        dx, norm_grads = norm_backward(getattr(self, prefix), dy, x, stats)
-        grads.update({f"{prefix}.{name}": g for name, g in norm_grads.items()})
-        return dx
-
+    # ---- backward pieces: each adds its parameter gradients (summed over tiles) to `grads` -----------------
     def _linear_backward(self, dy, x, name: str, grads: dict) -> torch.Tensor:
-        """Returns dx of y = x·Wᵀ + b and stores dW (and db)."""
+        """Returns dx of y = x·Wᵀ + b and adds dW (and db)."""
         lin = getattr(self, name)
-        grads[name + ".weight"] = _weight_grad(dy, x)
+        add_mm(grads, name + ".weight", _flat(dy).t(), _flat(x))
         if lin.bias is not None:
-            grads[name + ".bias"] = _token_sum(dy)
+            add_to(grads, name + ".bias", _flat(dy).sum(0))
         return dy @ lin.weight
 
-    def backward(self, dy: torch.Tensor, t: dict, aux: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Returns (dx, parameter grads by name) from dy (b, s, h) and the complete skeletal tensors."""
-        c, grads = self.config, {}
-        b, s = dy.shape[:2]
-        # MLP: y = x1 + act·W_downᵀ
-        dact = self._linear_backward(dy, t["act"], "w_down", grads)  # (b, s, f)
+    def _norm_backward(self, dy, x, stats, prefix: str, grads: dict) -> torch.Tensor:
+        """Returns dx of the norm `prefix` from its kept statistics and adds its parameter grads."""
+        dx, norm_grads = norm_backward(getattr(self, prefix), dy, x, stats)
+        for name, g in norm_grads.items():
+            add_to(grads, f"{prefix}.{name}", g)
+        return dx
+
+    def mlp_backward(self, dy: torch.Tensor, v: dict, grads: dict, dx1: torch.Tensor) -> None:
+        """Writes dx1 = dy + the MLP's input gradient (b, r, h) for the rows of dy, y = x1 + MLP(norm(x1))."""
+        dact = self._linear_backward(dy, v["act"], "w_down", grads)  # (b, r, f)
         if self.gpt:
-            dup = aten.gelu_backward(dact, t["up"])
-            dn2 = self._linear_backward(dup, t["n2"], "w_up", grads)
+            dn2 = self._linear_backward(aten.gelu_backward(dact, v["up"]), v["n2"], "w_up", grads)
         else:
-            gate, up = t["gate"], t["up"]
+            gate, up = v["gate"], v["up"]
             dup = dact * F.silu(gate)
             dgate = aten.silu_backward(dact * up, gate)
-            dn2 = self._linear_backward(dup, t["n2"], "w_up", grads)
-            dn2 += self._linear_backward(dgate, t["n2"], "w_gate", grads)
-        dx1 = dy + self._norm_backward(dn2, t["x1"], t["n2_stats"], "mlp_norm", grads)  # (b, s, h)
-        # attention: x1 = x + attn·W_oᵀ
-        dattn = self._linear_backward(dx1, t["attn"].flatten(2), "wo", grads).view(b, s, c.n_heads, c.head_dim)
-        dq, dk, dv = self._attention_backward(dattn, t, aux)  # token-major (b, s, heads, d)
-        cos, sin = self._rope(s, slice(0, s), dy)
-        n1 = t["n1"]
-        dq = self._head_norm_backward(unrotate(dq, cos, sin), n1, t, "q", grads)  # (b, s, a, d)
-        dk = self._head_norm_backward(unrotate(dk, cos, sin), n1, t, "k", grads)
-        dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
-        dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
-        dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads)
-        dx = dx1 + self._norm_backward(dn1, t["x"], t["n1_stats"], "attn_norm", grads)
-        return dx, grads
+            del dact
+            dn2 = self._linear_backward(dup, v["n2"], "w_up", grads)
+            dn2 += self._linear_backward(dgate, v["n2"], "w_gate", grads)
+        torch.add(dy, self._norm_backward(dn2, v["x1"], v["n2_stats"], "mlp_norm", grads), out=dx1)
 
-    def _head_norm_backward(self, grad, n1, t: dict, name: str, grads: dict) -> torch.Tensor:
-        """Returns the gradient of q's or k's projection through its per-head norm (identity without one)."""
-        if not self.config.qk_norm:
-            return grad
-        norm = getattr(self, name + "_norm")
-        grad, grads[f"{name}_norm.weight"] = rms_norm_backward(
-            grad, self._project(n1, name), t[name + "_stats"], norm.weight
-        )
-        return grad
+    def projection_backward(self, dx1: torch.Tensor, v: dict, grads: dict, dattn: torch.Tensor) -> None:
+        """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ for the rows of dx1."""
+        dattn.copy_(self._linear_backward(dx1, v["attn"].flatten(2), "wo", grads).view(dattn.shape))
 
-    def _attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):
-        """Returns token-major (dq, dk, dv) of this rank's tokens from dattn (b, s, a, d); attention is not rerun."""
+    def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):
+        """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d); attention is not
+        rerun."""
         sp = self.seq_parallel
         if sp is None:
             q, k, v, out = (heads_major(t[n]) for n in ("q", "k", "v", "attn"))
             grads = attention_backward(heads_major(dattn), q, k, v, out, t["lse"], aux, self.scale)
             return tuple(heads_major(g) for g in grads)
-        # the mirror of _fill_attention: everything the kernel reads to head shards, dq, dk, dv back to tokens
+        # the mirror of attend: everything the kernel reads to head shards, dq, dk, dv back to tokens
         q, k, v, out, dout = sp.to_heads(t["q"], sp.expand_kv(t["k"]), sp.expand_kv(t["v"]), t["attn"], dattn)
         grads = attention_backward(*(heads_major(x) for x in (dout, q, k, v, out)), t["lse"], aux, self.scale)
         dq, dk, dv = sp.to_tokens(*(heads_major(g) for g in grads))
         return dq, sp.fold_kv(dk), sp.fold_kv(dv)
+
+    def qkv_backward(self, dq, dk, dv, v: dict, rows: slice, s: int, grads: dict) -> torch.Tensor:
+        """Returns the input gradient (b, r, h) through q, k, v and the attention norm, for token `rows`."""
+        cos, sin = self._rope(s, rows, dq)
+        n1 = v["n1"]
+        dq = self._head_norm_backward(unrotate(dq, cos, sin), n1, "q", grads)  # (b, r, a, d)
+        dk = self._head_norm_backward(unrotate(dk, cos, sin), n1, "k", grads)
+        dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
+        dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
+        dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads)
+        return self._norm_backward(dn1, v["x"], v["n1_stats"], "attn_norm", grads)
+
+    def _head_norm_backward(self, grad, n1, name: str, grads: dict) -> torch.Tensor:
+        """Returns the gradient of q's or k's projection through its per-head norm (identity without one)."""
+        if not self.config.qk_norm:
+            return grad
+        weight = getattr(self, name + "_norm").weight
+        proj = self._project(n1, name)
+        rstd = rms_norm(proj, weight, self.config.norm_eps)[1]
+        grad, dw = rms_norm_backward(grad, proj, rstd, weight)
+        add_to(grads, f"{name}_norm.weight", dw)
+        return grad
 
     # ---- module entry -----------------------------------------------------------------------------------
     def run(self, phase, *args):
@@ -318,31 +375,73 @@ class DecoderLayer(nn.Module):
         return phase(self, *args) if self.arena is None else self.arena.run(self, phase, *args)
 
     def forward(self, x: torch.Tensor, store=None) -> torch.Tensor:
-        """Returns the layer output: without grad, straight; with grad, through the explicit autograd function
-        and `store` (a `swap.ActivationStore`), which keeps the skeletal tensors for the backward."""
+        """Returns the layer output: without grad, straight (tile by tile); with grad, through the explicit
+        autograd function and `store` (a `swap.ActivationStore`), which keeps the skeletal tensors for the
+        backward."""
         if not torch.is_grad_enabled():
-            specs = self.skeletal_specs(x.shape[0], x.shape[1], x.dtype, x.device)
-            t = {n: torch.empty(sp.shape, dtype=sp.dtype, device=x.device) for n, sp in specs.items()}
-            t["x"] = x
-            self.fill(t)
-            return self.output(t)
+            b, s = x.shape[:2]
+            specs = self.skeletal_specs(b, s, x.dtype, x.device)
+            t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
+            tile = s if store is None else store.tile_tokens(s)
+            return forward_phase(self, {**t, "x": x}, FreshTiles.of(specs, tile))[0]
         if store is None:
             raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
         return LayerFunction.apply(x, self, store, *self.parameters())
 
 
-def forward_phase(layer: DecoderLayer, t: dict) -> tuple[torch.Tensor, tuple]:
-    """Returns (output, attention aux): a layer's forward writing its skeletal tensors into `t`."""
-    aux = layer.fill(t)
-    return layer.output(t), aux
+def _norm_into(v: dict, name: str, x: torch.Tensor, norm: nn.Module) -> None:
+    """Writes norm(x) into v[name] and its statistics into v[name + "_stats"]."""
+    y, stats = norm_forward(norm, x)
+    v[name + "_stats"].copy_(stats)
+    v[name].copy_(y)
 
 
-def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, recompute: Recompute | None):
-    """Returns (dx, parameter grads): the recompute the store asks for, then the layer's backward."""
-    if recompute is not None:
-        new_aux = layer.fill(t, recompute.start, recompute.attention)
-        aux = new_aux if recompute.attention else aux
-    return layer.backward(dy, t, aux)
+def forward_phase(layer: DecoderLayer, t: dict, tiles: Tiles) -> tuple[torch.Tensor, tuple]:
+    """Returns (output (b, s, h), attention aux): a layer's forward, writing the whole-length tensors into `t`
+    and the token-local ones tile by tile where `tiles` says."""
+    s = t["x"].shape[1]
+    for rows in tiles.ranges():  # n1 -> q, k, v, a tile at a time
+        layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
+        tiles.close(rows, "qkv")
+    aux = layer.attend(t)  # all s tokens
+    y = torch.empty_like(t["x"])  # (b, s, h)
+    for rows in tiles.ranges():  # x1 -> n2 -> MLP -> y
+        v = {**rows_of(t, rows), **tiles.open(t, rows, "mlp")}
+        layer.fill_mlp(v)
+        layer.output(v, y[:, rows])
+        tiles.close(rows, "mlp")
+    return y, aux
+
+
+def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, tiles: Tiles, recompute):
+    """Returns (dx (b, s, h), parameter grads): the recompute the store asks for, then the layer's backward,
+    tile by tile around the attention backward."""
+    s = t["x"].shape[1]
+    if recompute is not None:  # q, k, v rows the host did not keep (and attention, for a checkpointed layer)
+        for rows in tiles.ranges(recompute.start):
+            layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
+        if recompute.attention:
+            aux = layer.attend(t)
+    grads: dict[str, torch.Tensor] = {}
+    dx = torch.empty_like(dy)  # (b, s, h): dx1 first, the attention side's part added at the end
+    dattn = torch.empty_like(t["attn"])  # (b, s, a, d)
+    for rows in tiles.ranges():  # MLP and output projection, a tile at a time
+        v, start = tiles.restore(t, rows, "mlp")
+        v = {**rows_of(t, rows), **v}
+        if start < rows.stop - rows.start:
+            layer.fill_mlp(_tail(v, start))  # the (1 - α) rows: recomputed, token-wise
+        layer.mlp_backward(dy[:, rows], v, grads, dx[:, rows])
+        layer.projection_backward(dx[:, rows], v, grads, dattn[:, rows])
+    dq, dk, dv = layer.attention_backward(dattn, t, aux)  # (b, s, heads, d), all tokens
+    del dattn
+    for rows in tiles.ranges():  # q, k, v projections and the attention norm, a tile at a time
+        v, start = tiles.restore(t, rows, "qkv")
+        v = {**rows_of(t, rows), **v}
+        if start < rows.stop - rows.start:
+            layer.fill_norm1(_tail(v, start))
+        dx[:, rows].add_(layer.qkv_backward(dq[:, rows], dk[:, rows], dv[:, rows], v, rows, s, grads))
+    params = dict(layer.named_parameters())
+    return dx, {name: g.to(params[name].dtype) for name, g in grads.items()}
 
 
 class LayerFunction(torch.autograd.Function):
@@ -350,8 +449,8 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer: DecoderLayer, store, *params):
-        t = store.slots(layer.index, x)
-        y, aux = layer.run(forward_phase, t)
+        t, tiles = store.slots(layer.index, x)
+        y, aux = layer.run(forward_phase, t, tiles)
         store.after_forward(layer.index, aux)
         ctx.layer, ctx.store, ctx.step = layer, store, store.step
         return y
@@ -359,7 +458,7 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         layer, store = ctx.layer, ctx.store
-        t, aux, recompute = store.before_backward(layer.index, ctx.step)
-        dx, grads = layer.run(backward_phase, dy.contiguous(), t, aux, recompute)
+        t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
+        dx, grads = layer.run(backward_phase, dy.contiguous(), t, aux, tiles, recompute)
         store.after_backward(layer.index)
         return (dx, None, None, *(grads[name] for name, _ in layer.named_parameters()))

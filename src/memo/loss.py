@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from .device import kernel_device_type
+from .matmul import accumulating_mm
 
 IGNORE_INDEX = -100
 
@@ -20,16 +20,6 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Returns targets where position t predicts labels[t+1]; the last position predicts nothing."""
     pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
     return torch.cat((labels[:, 1:], pad), dim=1)
-
-
-def _accumulating_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Returns a @ b in float32 from 16-bit inputs at 16-bit matmul speed: CUDA's mm with out_dtype
-    accumulates and writes in float32; elsewhere the 16-bit product (fp32-accumulated) is widened."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if kernel_device_type(a.device) == "cuda":
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
 
 
 class TokenReduction(Protocol):
@@ -66,7 +56,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad_logits *= valid[:, None] / count
             g = grad_logits.to(weight.dtype)
             grad_h[lo : lo + chunk_tokens] = (g @ weight).to(h.dtype)
-            grad_w += _accumulating_mm(g.t(), hc.to(weight.dtype))
+            grad_w += accumulating_mm(g.t(), hc.to(weight.dtype))
         ctx.save_for_backward(grad_h.view_as(hidden), grad_w.to(weight.dtype))
         return total / count
 

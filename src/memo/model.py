@@ -25,7 +25,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.policy = policy or ActivationPolicy("none")
-        self.policy.layer_alphas(config.n_layers)  # validates a per-layer α list against the depth
+        self.policy.layer_alphas(config.n_layers)  # validates per-layer α and plan lists against the depth
+        self.policy.layer_modes(config.n_layers)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))

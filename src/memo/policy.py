@@ -1,4 +1,14 @@
-"""ActivationPolicy (which skeletal tensors stay, go to host, or are recomputed) and the α solver."""
+"""ActivationPolicy (where each layer's skeletal tensors live between its forward and its backward), the tile
+length, and the plan solver: α and a mode per layer (docs/method.md §3, generalised).
+
+Modes of a layer:
+- `keep`: every skeletal tensor stays on the device (whole-length), nothing copied or recomputed;
+- `memo`: the layer input and attention output (+LSE) go to host, and α of the token rows of every other
+  tensor; the rest are recomputed token-wise before the backward (attention never is);
+- `checkpoint`: only the input goes to host; the whole layer, attention included, runs again before its
+  backward (the regime of systems that checkpoint layer inputs to host memory);
+- `recompute` (strategy `full` only): the input stays on the device, the whole layer runs again.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +20,34 @@ from .units import format_bytes
 
 Strategy = Literal["none", "full", "memo"]
 STRATEGIES = ("none", "full", "memo")
+Mode = Literal["keep", "memo", "checkpoint", "recompute"]
+MODES = ("keep", "memo", "checkpoint")  # what a `memo` plan may say per layer
+BUFFERED = ("memo", "checkpoint")  # the modes whose whole-length tensors live in the two rounding buffers
+DEFAULT_TILE_TOKENS = 8192  # rows per tile: full-speed matmuls on a GPU, tile tensors small beside the rest
 
 
 @dataclass(frozen=True)
 class ActivationPolicy:
     """How a model keeps the tensors its backward needs.
 
-    - `none`: every skeletal tensor stays on the device.
-    - `full`: only each layer's input stays; the layer is recomputed before its backward.
-    - `memo`: memo-method.md §3-4; `alpha` is a float, one value per layer, or None (solved from measured
-      layer time, copy bandwidth and `host_budget_bytes`). The last two layers stay on the device unless
-      `offload_last_layers`.
+    - `none`: every layer `keep`.
+    - `full`: every layer `recompute`.
+    - `memo`: `plan` (a mode per layer; default every layer `memo`) with `alpha` a float, one value per
+      layer, or None (solved with the plan from measured layer time, copy bandwidth, `host_budget_bytes` and
+      `device_budget_bytes`: the plan then mixes modes). The last buffered layer of each parity keeps its
+      whole-length tensors in its rounding buffer through its backward unless `offload_last_layers`.
+
+    `tile_tokens` is the length of the token tiles of the token-local work (default `DEFAULT_TILE_TOKENS`,
+    or the whole sequence when shorter).
     """
 
     strategy: Strategy = "none"
     alpha: float | tuple[float, ...] | None = None
     host_budget_bytes: int | None = None
     offload_last_layers: bool = False
+    plan: tuple[str, ...] | None = None
+    tile_tokens: int | None = None
+    device_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -41,8 +62,19 @@ class ActivationPolicy:
                 raise ValueError(f"`--alpha` must be in [0, 1], got {a}")
         if self.alpha is not None and self.strategy != "memo":
             raise ValueError(f"`--alpha` applies only to strategy 'memo', not {self.strategy!r}")
+        if self.plan is not None:
+            object.__setattr__(self, "plan", tuple(self.plan))
+            if self.strategy != "memo":
+                raise ValueError(f"`--plan` applies only to strategy 'memo', not {self.strategy!r}")
+            for mode in self.plan:
+                if mode not in MODES:
+                    raise ValueError(f"`--plan` modes must be {', '.join(MODES)}, got {mode!r}")
         if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
             raise ValueError(f"`--host-budget` must be positive, got {self.host_budget_bytes} bytes")
+        if self.tile_tokens is not None and self.tile_tokens <= 0:
+            raise ValueError(f"`--tile-tokens` must be positive, got {self.tile_tokens}")
+        if self.device_budget_bytes is not None and self.device_budget_bytes < 0:
+            raise ValueError(f"`--device-budget` must not be negative, got {self.device_budget_bytes} bytes")
 
     def layer_alphas(self, n_layers: int) -> list[float] | None:
         """Returns α for each layer, or None when α is to be solved."""
@@ -54,16 +86,45 @@ class ActivationPolicy:
             return list(self.alpha)
         return [float(self.alpha)] * n_layers
 
-    def offloaded_layers(self, n_layers: int) -> list[int]:
-        """Returns the indices of the layers whose skeletal tensors go to host (§3: not the last two)."""
-        if self.strategy != "memo":
-            return []
-        return list(range(n_layers if self.offload_last_layers else max(n_layers - 2, 0)))
+    def layer_modes(self, n_layers: int) -> list[str] | None:
+        """Returns each layer's mode, or None when the plan is to be solved (memo, no plan, α solved)."""
+        if self.strategy == "none":
+            return ["keep"] * n_layers
+        if self.strategy == "full":
+            return ["recompute"] * n_layers
+        if self.plan is None:
+            return None if self.alpha is None else ["memo"] * n_layers
+        if len(self.plan) != n_layers:
+            raise ValueError(f"`--plan` lists {len(self.plan)} modes for a model of {n_layers} layers")
+        return list(self.plan)
 
-    def reloaded_layers(self, n_layers: int) -> list[int]:
-        """Returns the offloaded layers whose backward needs their tensors back (prefetch + recompute): the
-        last two keep theirs in the rounding buffers, which no later layer overwrites (§4)."""
-        return [i for i in self.offloaded_layers(n_layers) if i + 2 < n_layers]
+    def tile_for(self, seq: int) -> int:
+        """Returns the tile length for a sequence (shard) of `seq` tokens."""
+        return min(seq, self.tile_tokens or DEFAULT_TILE_TOKENS)
+
+
+def reloaded(modes: list[str]) -> list[bool]:
+    """Returns, per layer, whether its rounding buffer is overwritten before its backward (by a later buffered
+    layer of the same parity), so its whole-length tensors must come back from host (§4)."""
+    later = [False, False]
+    out = [False] * len(modes)
+    for i in reversed(range(len(modes))):
+        if modes[i] in BUFFERED:
+            out[i] = later[i % 2]
+            later[i % 2] = True
+    return out
+
+
+def offloaded(modes: list[str], offload_last_layers: bool = False) -> list[bool]:
+    """Returns, per layer, whether its input (and for `memo` its attention output) goes to host: every
+    buffered layer that is reloaded, and the last ones too when asked."""
+    back = reloaded(modes)
+    return [m in BUFFERED and (back[i] or offload_last_layers) for i, m in enumerate(modes)]
+
+
+def mode_alphas(modes: list[str], alphas: list[float]) -> list[float]:
+    """Returns the α each layer really has: its own for memo, 1 for keep (all rows kept), 0 otherwise."""
+    return [a if m == "memo" else 1.0 if m == "keep" else 0.0 for m, a in zip(modes, alphas)]
 
 
 def split_row(alpha: float, seq_len: int) -> int:
@@ -72,32 +133,114 @@ def split_row(alpha: float, seq_len: int) -> int:
 
 
 @dataclass(frozen=True)
-class AlphaProblem:
-    """The per-GPU quantities of memo-method.md §3, bytes and seconds."""
+class PlanProblem:
+    """One GPU's quantities for the plan (§3 generalised): one layer's bytes and seconds, the budgets.
 
+    `other_bytes` are the token-split tensors of a layer (q, k, v and the token-local ones, whole-length);
+    `local_bytes` their token-local part alone (what a layer whose rounding buffer survives sends by α).
+    Seconds: `layer_seconds` the forward, `attention_seconds` its attention, `qkv_seconds` and
+    `mlp_seconds` the token-local work before and after attention (what α spares).
+    """
+
+    n_layers: int
     input_bytes: int
     attention_bytes: int
     other_bytes: int
+    local_bytes: int
+    keep_bytes: int
     bandwidth: float
     layer_seconds: float
+    attention_seconds: float
+    qkv_seconds: float
+    mlp_seconds: float
     host_budget: int
-    offloaded_layers: int
+    device_budget: int = 0
+    offload_last_layers: bool = False
 
 
-def solve_alpha(p: AlphaProblem) -> float:
-    """Returns the largest α in [0, 1] meeting the copy-time and host-memory constraints of §3.
+def host_bytes(p: PlanProblem, modes: list[str], alphas: list[float]) -> float:
+    """Returns the host bytes a plan keeps: §3's per-layer offload, by mode."""
+    sent = offloaded(modes, p.offload_last_layers)
+    total = 0.0
+    for i, mode in enumerate(modes):
+        if mode == "memo":
+            total += p.input_bytes + p.attention_bytes + alphas[i] * p.other_bytes if sent[i] else 0.0
+            total += 0.0 if sent[i] else alphas[i] * p.local_bytes
+        elif mode == "checkpoint" and sent[i]:
+            total += p.input_bytes
+    return total
 
-    Raises ValueError when even α = 0 does not fit the host budget: that must be reported before training.
+
+def plan_seconds(p: PlanProblem, modes: list[str], alphas: list[float]) -> float:
+    """Returns the seconds a plan adds to a step over keeping everything: recomputation and the part of each
+    copy that does not hide behind the layer's forward."""
+    sent, back = offloaded(modes, p.offload_last_layers), reloaded(modes)
+    total = 0.0
+    for i, mode in enumerate(modes):
+        a = alphas[i]
+        if mode == "memo":
+            copied = p.input_bytes + p.attention_bytes + a * p.other_bytes if sent[i] else a * p.local_bytes
+            total += max(0.0, copied / p.bandwidth - p.layer_seconds)
+            total += (1 - a) * (p.mlp_seconds + (p.qkv_seconds if back[i] else 0.0))
+        elif mode == "checkpoint":
+            total += max(0.0, p.input_bytes / p.bandwidth - p.layer_seconds) if sent[i] else 0.0
+            total += p.mlp_seconds + (p.attention_seconds + p.qkv_seconds if back[i] else 0.0)
+    return total
+
+
+def _alpha(p: PlanProblem, modes: list[str]) -> float | None:
+    """Returns the largest α, one for every memo layer, whose copy hides behind the forward and whose host
+    bytes fit the budget; None when the plan does not fit even at α = 0."""
+    zero = [0.0] * p.n_layers
+    fixed = host_bytes(p, modes, zero)
+    if fixed > p.host_budget:
+        return None
+    per_alpha = host_bytes(p, modes, [1.0] * p.n_layers) - fixed
+    by_host = (p.host_budget - fixed) / per_alpha if per_alpha else 1.0
+    sent = offloaded(modes, p.offload_last_layers)
+    by_time = 1.0
+    if any(m == "memo" and s for m, s in zip(modes, sent)) and p.other_bytes:
+        by_time = (p.bandwidth * p.layer_seconds - p.input_bytes - p.attention_bytes) / p.other_bytes
+    elif any(m == "memo" for m in modes) and p.local_bytes:
+        by_time = p.bandwidth * p.layer_seconds / p.local_bytes
+    return max(0.0, min(1.0, by_host, by_time))
+
+
+def solve_plan(p: PlanProblem, modes: list[str] | None = None) -> tuple[list[str], list[float]]:
+    """Returns (mode per layer, α per layer) with the least `plan_seconds` within the host and device
+    budgets; `modes` fixes the plan and leaves α alone to solve.
+
+    Keep layers (the last ones, as many as `device_budget` holds) cost nothing; then every memo layer, then
+    one checkpointed layer more at a time (the first layers) while the host runs short: α first spends the
+    host on the token-local tensors, a checkpointed layer gives back its attention output. Raises ValueError
+    when even checkpointing every buffered layer does not fit the host budget: that must be reported before
+    training starts.
     """
-    fixed = p.input_bytes + p.attention_bytes
-    if p.offloaded_layers * fixed > p.host_budget:
+    candidates = [modes] if modes is not None else _candidate_plans(p)
+    best = None
+    for plan in candidates:
+        alpha = _alpha(p, plan)
+        if alpha is None:
+            continue
+        alphas = mode_alphas(plan, [alpha] * p.n_layers)
+        seconds = plan_seconds(p, plan, alphas)
+        if best is None or seconds < best[0] - 1e-12:
+            best = (seconds, plan, alphas)
+    if best is None:
+        least = min(candidates, key=lambda m: host_bytes(p, m, [0.0] * p.n_layers))
+        need = host_bytes(p, least, [0.0] * p.n_layers)
+        what = "the layer inputs alone" if modes is None else "this plan at alpha=0"
         raise ValueError(
-            f"host memory cannot hold the offload: {p.offloaded_layers} layers x {format_bytes(fixed)} of input and "
-            f"attention output need {format_bytes(p.offloaded_layers * fixed)} at alpha=0, "
-            f"budget is {format_bytes(p.host_budget)}"
+            f"host memory cannot hold the offload: {what} need {format_bytes(int(need))}, "
+            f"the host budget is {format_bytes(p.host_budget)}"
         )
-    if p.other_bytes == 0 or p.offloaded_layers == 0:
-        return 1.0
-    by_time = (p.bandwidth * p.layer_seconds - fixed) / p.other_bytes
-    by_host = (p.host_budget / p.offloaded_layers - fixed) / p.other_bytes
-    return max(0.0, min(1.0, by_time, by_host))
+    return best[1], best[2]
+
+
+def _candidate_plans(p: PlanProblem) -> list[list[str]]:
+    """Returns the plans `solve_plan` weighs: k keep layers at the end (as many as the device budget holds),
+    then c checkpointed layers first and memo in between, for every c."""
+    n = p.n_layers
+    keep = min(n, p.device_budget // p.keep_bytes) if p.keep_bytes else n
+    buffered = n - keep
+    return [["checkpoint"] * c + ["memo"] * (buffered - c) + ["keep"] * keep for c in range(buffered + 1)]

@@ -1,10 +1,19 @@
-"""Where skeletal tensors live between a layer's forward and its backward, one store per strategy.
+"""Where skeletal tensors live between a layer's forward and its backward: one store obeying a mode per layer
+(policy.py), with two device rounding buffers, a pinned host pool and side streams (docs/method.md §3-4).
 
-`KeepStore` (none) keeps them on the device; `RecomputeStore` (full) keeps only layer inputs; `SwapEngine`
-(memo, memo-method.md §3-4) keeps two device rounding buffers, a pinned host pool with one slot per
-offloaded layer, an offload and a prefetch stream, and prefetches one layer ahead in backward.
+- The whole-length tensors (x, q, k, v, attn, lse) of a `memo` or `checkpoint` layer live in rounding buffer
+  index % 2; after the forward the offload stream copies its host part (memo: x, attn, lse and α of the rows
+  of q, k, v; checkpoint: x) to the layer's pinned host slot; a later layer of the same parity waits for that
+  copy before writing the buffer. In backward the prefetch stream copies layer i-1's slot back while layer i
+  computes, unless its buffer was never overwritten (the last buffered layer of each parity).
+- The token-local tensors run in tiles through two tile slots per buffer (`SlotTiles`); the tile stream
+  copies a memo layer's α rows of each tile to host behind the next tile's compute, and back one tile ahead
+  in backward. The rest are recomputed, tile by tile.
+- A `keep` layer has a slot of its own holding every tensor whole; `recompute` layers (strategy `full`) keep
+  their input and rebuild the rest in rounding buffer 0.
 
-Every store has the same interface, called by `LayerFunction`:
+`StoreLayout` sizes all of it from the layer's skeletal specs: what `_reserve` allocates is what the cost
+model predicts. Every call comes from `LayerFunction`:
 `begin_step` → per layer `slots` / `after_forward` → per layer (reverse) `before_backward` / `after_backward`.
 """
 
@@ -14,15 +23,17 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import device as dev
-from .layer import DecoderLayer, Recompute, SkeletalSpec, bytes_by_role
-from .policy import ActivationPolicy, AlphaProblem, solve_alpha, split_row
+from .layer import DecoderLayer, FreshTiles, Recompute, SkeletalSpec, bytes_by_role, in_group, rows_of, tile_ranges
+from .policy import BUFFERED, ActivationPolicy, PlanProblem, mode_alphas, offloaded, reloaded, solve_plan, split_row
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
 ALIGN = 512  # bytes; keeps every view aligned for vectorised kernels and DMA
+TILE_GROUPS = ("qkv", "mlp")
 
 
 @dataclass
@@ -37,6 +48,8 @@ class SwapStats:
     host_pool_peak: int = 0
     device_skeletal_bytes: int = 0
     alphas: list[float] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
+    tile_tokens: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -59,100 +72,64 @@ def carve(buffer: torch.Tensor, offsets: dict[str, int], specs: dict[str, Skelet
     }
 
 
-def other_rows_bytes(specs: dict[str, SkeletalSpec], n_rows: int) -> int:
-    """Returns the bytes of `n_rows` token rows of the token-split ("other") skeletal tensors."""
-    return sum(sp.rows(n_rows).nbytes for sp in specs.values() if sp.role == "other")
+def host_specs(specs: dict[str, SkeletalSpec], mode: str, sent: bool, split: int) -> dict[str, SkeletalSpec]:
+    """Returns what a layer keeps in its host slot: memo sends x, attn, lse and the first `split` rows of the
+    other tensors (only the token-local ones when its buffer survives), checkpoint sends x."""
+    if mode == "memo":
+        kept = {n: (sp.rows(split) if sp.role == "other" else sp) for n, sp in specs.items()}
+        return kept if sent else {n: sp for n, sp in kept.items() if sp.group != "whole"}
+    if mode == "checkpoint" and sent:
+        return {"x": specs["x"]}
+    return {}
 
 
-class ActivationStore:
-    """Shared bookkeeping: the step counter that guards against a backward reading another step's tensors."""
+@dataclass(frozen=True)
+class StoreLayout:
+    """The bytes a plan takes, from the skeletal specs alone (the store allocates exactly these)."""
 
-    def __init__(self, policy: ActivationPolicy, n_layers: int):
-        self.policy, self.n_layers = policy, n_layers
-        self.step = 0
-        self.stats = SwapStats()
-        self.specs: dict[str, SkeletalSpec] = {}
-        self._shape: tuple | None = None
+    whole_bytes: int  # one rounding buffer's whole-length tensors
+    slot_bytes: int  # one tile slot (the larger tile group)
+    n_slots: int  # per buffer: two, used in turn, or one when a single tile covers the sequence
+    n_buffers: int
+    keep_bytes: int  # one keep layer's slot
+    n_keep: int
+    kept_input_bytes: int  # the inputs `recompute` layers hold
+    host_bytes: tuple[int, ...]  # per layer
 
-    def begin_step(self, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Starts a forward pass; (re)sizes buffers when the input shape or dtype changes."""
-        self.step += 1
-        shape = (batch, seq, dtype, torch.device(device))
-        if shape != self._shape:
-            self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
-            self._reserve(layers, batch, seq, dtype, torch.device(device))
-            self._shape = shape
-        self.stats = SwapStats(
-            host_pool_bytes=self.stats.host_pool_bytes,
-            device_skeletal_bytes=self.stats.device_skeletal_bytes,
-            alphas=self.stats.alphas,
-        )
+    @property
+    def buffer_bytes(self) -> int:
+        return self.whole_bytes + self.n_slots * self.slot_bytes
 
-    def _reserve(self, layers, batch, seq, dtype, device) -> None:
-        pass
+    @property
+    def device_bytes(self) -> int:
+        return self.n_buffers * self.buffer_bytes + self.n_keep * self.keep_bytes + self.kept_input_bytes
 
-    def _check_step(self, index: int, step: int) -> None:
-        if step != self.step:
-            raise RuntimeError(
-                f"layer {index}: backward of step {step} after the forward of step {self.step}; "
-                "run backward before the next forward (one forward per backward)"
-            )
-
-    def after_forward(self, index: int, aux: tuple) -> None:
-        pass
-
-    def after_backward(self, index: int) -> None:
-        pass
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_bytes)
 
 
-class KeepStore(ActivationStore):
-    """Strategy `none`: each layer's skeletal tensors are fresh device tensors kept until its backward."""
-
-    def __init__(self, policy, n_layers):
-        super().__init__(policy, n_layers)
-        self._kept: dict[int, tuple[dict, tuple]] = {}
-
-    def _reserve(self, layers, batch, seq, dtype, device) -> None:
-        self.stats.device_skeletal_bytes = self.n_layers * sum(sp.nbytes for sp in self.specs.values())
-
-    def slots(self, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        t = {n: torch.empty(sp.shape, dtype=sp.dtype, device=x.device) for n, sp in self.specs.items() if n != "x"}
-        t["x"] = x
-        self._kept[index] = (t, ())
-        return t
-
-    def after_forward(self, index, aux) -> None:
-        self._kept[index] = (self._kept[index][0], aux)
-
-    def before_backward(self, index: int, step: int):
-        self._check_step(index, step)
-        t, aux = self._kept.pop(index)
-        return t, aux, None
-
-
-class RecomputeStore(ActivationStore):
-    """Strategy `full`: keeps each layer's input; everything else is rebuilt in one shared scratch area."""
-
-    def __init__(self, policy, n_layers):
-        super().__init__(policy, n_layers)
-        self._inputs: dict[int, torch.Tensor] = {}
-        self._scratch: dict[str, torch.Tensor] = {}
-
-    def _reserve(self, layers, batch, seq, dtype, device) -> None:
-        others = {n: sp for n, sp in self.specs.items() if n != "x"}
-        offsets, total = pack_layout(others)
-        self._scratch = carve(torch.empty(total, dtype=torch.uint8, device=device), offsets, others)
-        self.stats.device_skeletal_bytes = self.n_layers * self.specs["x"].nbytes + total
-
-    def slots(self, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        self._inputs[index] = x
-        return {**self._scratch, "x": x}
-
-    def before_backward(self, index: int, step: int):
-        self._check_step(index, step)
-        self.stats.bytes_recomputed += sum(sp.nbytes for n, sp in self.specs.items() if n != "x")
-        self.stats.tokens_recomputed += self.specs["x"].shape[0] * self.specs["x"].shape[1]
-        return {**self._scratch, "x": self._inputs.pop(index)}, None, Recompute(0, attention=True)
+def store_layout(
+    specs: dict[str, SkeletalSpec], modes: list[str], alphas: list[float], tile: int, offload_last: bool = False
+) -> StoreLayout:
+    """Returns the device and host bytes of a plan for a layer's `specs` (whole-length) and `tile` rows."""
+    seq = specs["x"].shape[1]
+    sent = offloaded(modes, offload_last)
+    slot = max(pack_layout({n: sp.rows(tile) for n, sp in in_group(specs, g).items()})[1] for g in TILE_GROUPS)
+    buffers = 2 if any(m in BUFFERED for m in modes) else 1 if "recompute" in modes else 0
+    host = tuple(
+        pack_layout(host_specs(specs, m, sent[i], split_row(alphas[i], seq)))[1] for i, m in enumerate(modes)
+    )
+    return StoreLayout(
+        whole_bytes=pack_layout(in_group(specs, "whole"))[1],
+        slot_bytes=slot,
+        n_slots=1 if tile >= seq else 2,
+        n_buffers=buffers,
+        keep_bytes=pack_layout(specs)[1],
+        n_keep=modes.count("keep"),
+        kept_input_bytes=modes.count("recompute") * specs["x"].nbytes,
+        host_bytes=host,
+    )
 
 
 class HostPool:
@@ -162,7 +139,7 @@ class HostPool:
         if nbytes > cap:
             raise ValueError(
                 f"the pinned host pool needs {format_bytes(nbytes)} but the host budget is {format_bytes(cap)}; "
-                "lower `--alpha`, keep more layers on device, or raise `--host-budget`"
+                "lower `--alpha`, checkpoint or keep more layers (`--plan`), or raise `--host-budget`"
             )
         self.cap, self.nbytes = cap, nbytes
         self.host = dev.HostBuffer(nbytes, device)
@@ -185,97 +162,306 @@ class HostPool:
         self.host.release()
 
 
-class SwapEngine(ActivationStore):
-    """Strategy `memo`: layer-wise offload with token-wise swap/recompute (memo-method.md §3-4)."""
+@dataclass(frozen=True)
+class KeptTiles:
+    """Tiles of a `keep` layer: row views of its whole token-local tensors; nothing to copy or recompute."""
 
-    def __init__(self, policy, n_layers):
-        super().__init__(policy, n_layers)
-        self.offloaded = set(policy.offloaded_layers(n_layers))
-        self.reloaded = set(policy.reloaded_layers(n_layers))
+    names: tuple[tuple[str, str], ...]  # (name, group)
+    seq: int
+    tile: int
+
+    def ranges(self, start: int = 0) -> list[slice]:
+        return tile_ranges(start, self.seq, self.tile)
+
+    def open(self, t, rows, group):
+        return {n: t[n][:, rows] for n, g in self.names if g == group}
+
+    def close(self, rows, group) -> None:
+        pass
+
+    def restore(self, t, rows, group):
+        return self.open(t, rows, group), rows.stop - rows.start
+
+
+class SlotTiles:
+    """Tiles of a buffered or recomputed layer in two tile-sized slots used in turn (one when a single tile
+    covers the sequence): a memo layer's rows [0, split) go to `host` behind the next tile's compute (forward)
+    and come back one tile ahead (backward), on the tile stream; the other rows are recomputed. Events order
+    every slot and its copies."""
+
+    def __init__(self, slots, host: dict[str, torch.Tensor], split: int, seq: int, tile: int, stream):
+        self.slots = slots  # per slot: group -> {name: (b, tile, ...)}; the groups share a slot's bytes
+        self.host, self.split, self.seq, self.tile, self.stream = host, split, seq, tile, stream
+        self.device = next(iter(slots[0]["mlp"].values())).device
+        self._uses = 0  # slot of the next tile: 0, 1, 0, ...
+        self._copied = [None] * len(slots)  # per slot: the tile stream's last copy into or out of it
+        self._loading = None  # (rows, group) whose load into the next slot is already under way
+        self._open = 0
+
+    def ranges(self, start: int = 0) -> list[slice]:
+        return tile_ranges(start, self.seq, self.tile)
+
+    def _take(self, rows: slice, group: str) -> tuple[int, dict[str, torch.Tensor]]:
+        """Returns the next slot and its views of `rows`, once its last copy is done."""
+        j, self._uses = self._uses % len(self.slots), self._uses + 1
+        dev.wait_event(self._copied[j], device=self.device)
+        return j, {n: s[:, : rows.stop - rows.start] for n, s in self.slots[j][group].items()}
+
+    def _kept(self, rows: slice) -> int:
+        """Returns how many of `rows` (from its start) are kept on host."""
+        return max(0, min(rows.stop, self.split) - rows.start) if self.host else 0
+
+    def open(self, t, rows, group):
+        self._open, views = self._take(rows, group)
+        return views
+
+    def close(self, rows, group) -> None:
+        n = self._kept(rows)
+        if n:
+            self._copy(self._open, rows, group, n, to_host=True)
+
+    def restore(self, t, rows, group):
+        if self._loading != (rows.start, group):  # not started one tile ahead
+            n = self._kept(rows)
+            if n:
+                self._copy(self._uses % len(self.slots), rows, group, n, to_host=False)
+        j, views = self._take(rows, group)
+        self._loading = None
+        later = [r for r in self.ranges() if r.start > rows.start]
+        if len(self.slots) == 2 and later and self._kept(later[0]):  # the next tile's rows come while this one computes
+            self._copy(1 - j, later[0], group, self._kept(later[0]), to_host=False)
+            self._loading = (later[0].start, group)
+        return views, self._kept(rows)
+
+    def _copy(self, j: int, rows: slice, group: str, n: int, to_host: bool) -> None:
+        """Copies the first `n` rows of slot j's `group` tensors to (from) host rows [rows.start, +n) on the tile
+        stream, after everything the compute stream has queued so far (its last use of the slot)."""
+        ready = dev.record_event(self.device)
+        with dev.on_stream(self.stream):
+            dev.wait_event(ready, self.stream)
+            for name, slot in self.slots[j][group].items():
+                h = self.host[name]
+                for h_row, s_row in zip(h, slot):  # one contiguous block per sequence
+                    dst, src = (h_row[rows.start : rows.start + n], s_row[:n])
+                    (dst if to_host else src).copy_(src if to_host else dst, non_blocking=True)
+            self._copied[j] = dev.record_event(self.device, self.stream)
+
+
+def _flatten_slot_tiles(t: SlotTiles):
+    names = tuple((j, g, n) for j in range(len(t.slots)) for g in TILE_GROUPS for n in t.slots[j][g])
+    leaves = [t.slots[j][g][n] for j, g, n in names] + list(t.host.values())
+    return leaves, (names, tuple(t.host), t.split, t.seq, t.tile, t.stream)
+
+
+def _unflatten_slot_tiles(leaves, context) -> SlotTiles:
+    names, host_names, split, seq, tile, stream = context
+    leaves = list(leaves)
+    slots = tuple({g: {} for g in TILE_GROUPS} for _ in range(1 + max(j for j, _, _ in names)))
+    for (j, g, n), leaf in zip(names, leaves):
+        slots[j][g][n] = leaf
+    host = dict(zip(host_names, leaves[len(names) :]))
+    meta = leaves and leaves[0].device.type == "meta"  # the arena's meta twin: no streams
+    return SlotTiles(slots, host, split, seq, tile, None if meta else stream)
+
+
+# the planned arena traces a phase on `meta` twins of its arguments: SlotTiles twins like any tensor container
+pytree.register_pytree_node(SlotTiles, _flatten_slot_tiles, _unflatten_slot_tiles)
+
+
+class ActivationStore:
+    """The activations of one model: every layer where its mode says, sized once per input shape."""
+
+    def __init__(self, policy: ActivationPolicy, n_layers: int):
+        self.policy, self.n_layers = policy, n_layers
+        self.step = 0
+        self.stats = SwapStats()
+        self.specs: dict[str, SkeletalSpec] = {}
+        self.modes: list[str] = []
+        self.layout: StoreLayout | None = None
         self.pool: HostPool | None = None
-        self._buffers: list[dict[str, torch.Tensor]] = []
-        self._host: dict[int, dict[str, torch.Tensor]] = {}
+        self._shape: tuple | None = None
+        self._alphas: list[float] = []
         self._split: list[int] = []
+        self._sent: list[bool] = []
+        self._back: list[bool] = []
+        self._tile = 0
+        self._buffers: list[dict[str, torch.Tensor]] = []  # whole-length views per rounding buffer
+        self._slots: list[tuple] = []  # two tile slots per rounding buffer
+        self._keep: dict[int, dict[str, torch.Tensor]] = {}
+        self._host: dict[int, dict[str, torch.Tensor]] = {}
+        self._inputs: dict[int, torch.Tensor] = {}
         self._aux: dict[int, tuple] = {}
-        self._offload_done: dict[int, object] = {}
+        self._busy: dict[int, list] = {}  # rounding buffer -> its side-stream copies still to finish
         self._prefetch_done: dict[int, object] = {}
+        self._streams: tuple = (None, None, None)  # offload, prefetch, tile
         self._device = torch.device("cpu")
 
+    def tile_tokens(self, seq: int) -> int:
+        """Returns the tile length for `seq` tokens (inference runs tiled too)."""
+        return self.policy.tile_for(seq)
+
     # ---- sizing -----------------------------------------------------------------------------------------
+    def begin_step(self, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Starts a forward pass; (re)sizes buffers when the input shape or dtype changes."""
+        self._sync_all()
+        self._aux.clear()
+        self._inputs.clear()
+        self.step += 1
+        shape = (batch, seq, dtype, torch.device(device))
+        if shape != self._shape:
+            self._reserve(layers, batch, seq, dtype, torch.device(device))
+            self._shape = shape
+        keep = ("host_pool_bytes", "device_skeletal_bytes", "alphas", "modes", "tile_tokens")
+        self.stats = SwapStats(**{k: getattr(self.stats, k) for k in keep})
+
     def _reserve(self, layers, batch, seq, dtype, device) -> None:
         self._drop_buffers()
         self._device = device
-        offsets, total = pack_layout(self.specs)
-        self._buffers = [
-            carve(torch.empty(total, dtype=torch.uint8, device=device), offsets, self.specs) for _ in (0, 1)
-        ]
+        self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
+        self._tile = self.policy.tile_for(seq)
         budget = self.policy.host_budget_bytes or int(0.8 * dev.available_host_bytes())
-        alphas = self.policy.layer_alphas(self.n_layers) or self._solve_alphas(layers[0], batch, seq, budget)
-        self._split = [split_row(a, seq) for a in alphas]
-        host_specs = {i: self._host_specs(self._split[i]) for i in sorted(self.offloaded)}
-        layouts = {i: pack_layout(s) for i, s in host_specs.items()}
-        self.pool = HostPool(sum(total_i for _, total_i in layouts.values()), budget, device)
+        self.modes, self._alphas = self._plan(layers[0], batch, seq, budget)
+        self._split = [split_row(a, seq) for a in self._alphas]
+        self._sent, self._back = offloaded(self.modes, self.policy.offload_last_layers), reloaded(self.modes)
+        self.layout = store_layout(self.specs, self.modes, self._alphas, self._tile, self.policy.offload_last_layers)
+        self._allocate_device(device)
+        host = {i: host_specs(self.specs, m, self._sent[i], self._split[i]) for i, m in enumerate(self.modes)}
+        self.pool = HostPool(self.layout.host_total, budget, device)
         self._host, base = {}, 0
-        for i, (offs, size) in layouts.items():
-            self._host[i] = carve(self.pool.buffer[base : base + size], offs, host_specs[i])
+        for i, specs in host.items():
+            offsets, size = pack_layout(specs)
+            if size:
+                self._host[i] = carve(self.pool.buffer[base : base + size], offsets, specs)
             base += size
-        self._streams = (dev.new_stream(device), dev.new_stream(device))
+        self._streams = tuple(dev.new_stream(device) for _ in range(3))
         self.stats.host_pool_bytes = self.pool.nbytes
-        self.stats.device_skeletal_bytes = 2 * total
-        self.stats.alphas = [a if i in self.offloaded else 1.0 for i, a in enumerate(alphas)]
-        log.info("memo: alpha per layer %s, host pool %s", self.stats.alphas, format_bytes(self.pool.nbytes))
+        self.stats.device_skeletal_bytes = self.layout.device_bytes
+        self.stats.modes, self.stats.tile_tokens = list(self.modes), self._tile
+        self.stats.alphas = list(self._alphas) if self.policy.strategy == "memo" else []
+        log.info("activations: modes %s, alpha %s, tile %d tokens, host pool %s", self.modes, self._alphas,
+                 self._tile, format_bytes(self.pool.nbytes))
 
-    def _host_specs(self, split: int) -> dict[str, SkeletalSpec]:
-        return {n: (sp.rows(split) if sp.role == "other" else sp) for n, sp in self.specs.items()}
+    def _allocate_device(self, device: torch.device) -> None:
+        """Allocates the rounding buffers (whole-length tensors, then two tile slots) and the keep slots."""
+        whole = in_group(self.specs, "whole")
+        offsets, size = pack_layout(whole)
+        tiles = {g: {n: sp.rows(self._tile) for n, sp in in_group(self.specs, g).items()} for g in TILE_GROUPS}
+        self._buffers, self._slots = [], []
+        for _ in range(self.layout.n_buffers):
+            buffer = torch.empty(self.layout.buffer_bytes, dtype=torch.uint8, device=device)
+            self._buffers.append(carve(buffer, offsets, whole))
+            slots = []
+            for j in range(self.layout.n_slots):
+                at = size + j * self.layout.slot_bytes
+                slot = buffer[at : at + self.layout.slot_bytes]
+                slots.append({g: carve(slot, pack_layout(specs)[0], specs) for g, specs in tiles.items()})
+            self._slots.append(tuple(slots))
+        offsets, size = pack_layout(self.specs)
+        self._keep = {
+            i: carve(torch.empty(size, dtype=torch.uint8, device=device), offsets, self.specs)
+            for i, m in enumerate(self.modes)
+            if m == "keep"
+        }
 
-    def _solve_alphas(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> list[float]:
-        """Returns α per layer solved from the measured layer time and copy bandwidth (§3)."""
+    def _plan(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> tuple[list[str], list[float]]:
+        """Returns (mode, α) per layer: the policy's, or solved from measured times and the budgets (§3)."""
+        n, p = self.n_layers, self.policy
+        modes, alphas = p.layer_modes(n), p.layer_alphas(n)
+        if p.strategy != "memo":
+            return modes, [0.0] * n
+        if modes is not None and alphas is not None:
+            return modes, mode_alphas(modes, alphas)
         if self._device.type == "meta":
-            raise ValueError("alpha=None needs a real device to measure layer time; give `--alpha` on meta")
-        by_role = bytes_by_role(self.specs)
-        problem = AlphaProblem(
+            raise ValueError("a solved plan needs a real device to measure layer time; give `--alpha` on meta")
+        problem = self._plan_problem(layer, batch, seq, budget)
+        modes, alphas = solve_plan(problem, modes)
+        log.info("memo: solved plan %s, alpha %s from %s", modes, alphas, problem)
+        return modes, alphas
+
+    def _plan_problem(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> PlanProblem:
+        specs = self.specs
+        by_role = bytes_by_role(specs)
+        local = sum(sp.nbytes for sp in specs.values() if sp.group != "whole")
+        whole = {n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device) for n, sp in in_group(specs, "whole").items()}
+        seconds = measure_layer_seconds(layer, whole, FreshTiles.of(specs, self.policy.tile_for(seq)))
+        host_slots = self.n_layers * len(specs) * ALIGN  # room for slot alignment
+        return PlanProblem(
+            n_layers=self.n_layers,
             input_bytes=by_role["input"],
             attention_bytes=by_role["attention"],
             other_bytes=by_role["other"],
-            bandwidth=measure_copy_bandwidth(self._buffers[0]["x"]),
-            layer_seconds=measure_layer_seconds(layer, self._buffers[0]),
-            host_budget=budget - len(self.offloaded) * len(self.specs) * ALIGN,  # room for slot alignment
-            offloaded_layers=len(self.offloaded),
+            local_bytes=local,
+            keep_bytes=pack_layout(specs)[1],
+            bandwidth=measure_copy_bandwidth(whole["x"]),
+            layer_seconds=sum(seconds.values()),
+            attention_seconds=seconds["attention"],
+            qkv_seconds=seconds["qkv"],
+            mlp_seconds=seconds["mlp"],
+            host_budget=budget - host_slots,
+            device_budget=self.policy.device_budget_bytes or 0,
+            offload_last_layers=self.policy.offload_last_layers,
         )
-        alpha = solve_alpha(problem)
-        log.info("memo: solved alpha=%.3f from %s", alpha, problem)
-        return [alpha] * self.n_layers
 
     # ---- forward ----------------------------------------------------------------------------------------
-    def slots(self, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Returns rounding buffer index%2 with x copied in, once layer index-2's offload has read it."""
-        dev.wait_event(self._offload_done.pop(index - 2, None), device=self._device)
-        t = self._buffers[index % 2]
+    def slots(self, index: int, x: torch.Tensor):
+        """Returns (the layer's whole-length tensors with x in place, its tiles)."""
+        mode = self.modes[index]
+        if mode == "keep":
+            t = self._keep[index]
+            t["x"].copy_(x)
+            return t, self._kept_tiles()
+        if mode == "recompute":
+            self._inputs[index] = x
+            return {**self._buffers[0], "x": x}, self._slot_tiles(index)
+        j = index % 2
+        for event in self._busy.pop(j, ()):  # a layer before, of the same parity, may still be copying out
+            dev.wait_event(event, device=self._device)
+        t = self._buffers[j]
         t["x"].copy_(x)
-        return t
+        return t, self._slot_tiles(index)
+
+    def _kept_tiles(self) -> KeptTiles:
+        names = tuple((n, sp.group) for n, sp in self.specs.items() if sp.group != "whole")
+        return KeptTiles(names, self.specs["x"].shape[1], self._tile)
+
+    def _slot_tiles(self, index: int) -> SlotTiles:
+        j = 0 if self.modes[index] == "recompute" else index % 2
+        host = {n: h for n, h in self._host.get(index, {}).items() if self.specs[n].group != "whole"}
+        split = self._split[index] if self.modes[index] == "memo" else 0
+        return SlotTiles(self._slots[j], host, split, self.specs["x"].shape[1], self._tile, self._streams[2])
 
     def after_forward(self, index: int, aux: tuple) -> None:
-        """Starts the copy of the layer's input, attention output and α token rows to its host slot."""
+        """Starts the copy of the layer's whole-length host part; notes the tile copies still running."""
         self._aux[index] = aux
-        if index not in self.offloaded:
+        host = self._host.get(index)
+        if host is None:
             return
-        ready = dev.record_event(self._device)
-        offload_stream = self._streams[0]
-        with dev.on_stream(offload_stream):
-            dev.wait_event(ready, offload_stream)
-            moved = self._copy_slot(index, to_host=True)
-            self._offload_done[index] = dev.record_event(self._device, offload_stream)
+        j = index % 2
+        busy = [dev.record_event(self._device, self._streams[2])]  # the last tile copies
+        if self._sent[index]:
+            ready = dev.record_event(self._device)
+            offload_stream = self._streams[0]
+            with dev.on_stream(offload_stream):
+                dev.wait_event(ready, offload_stream)
+                self._copy_whole(index, to_host=True)
+                busy.append(dev.record_event(self._device, offload_stream))
+        self._busy[j] = busy
+        moved = _nbytes(host)
         self.pool.occupy(moved)
         self.stats.bytes_offloaded += moved
         self.stats.host_pool_peak = max(self.stats.host_pool_peak, self.pool.peak)
 
-    def _copy_slot(self, index: int, to_host: bool) -> int:
-        """Copies layer `index`'s host slot from/to its rounding buffer (kept rows only); returns bytes."""
-        host, buf, moved = self._host[index], self._buffers[index % 2], 0
-        for name, h in host.items():
+    def _copy_whole(self, index: int, to_host: bool) -> int:
+        """Copies the whole-length part of layer `index`'s host slot from/to its rounding buffer (kept rows
+        only); returns the bytes."""
+        buf, moved = self._buffers[index % 2], 0
+        for name, h in self._host[index].items():
+            spec = self.specs[name]
+            if spec.group != "whole":
+                continue
             d = buf[name]
             # one contiguous block per sequence: a strided copy would stage through a device temporary
-            pairs = zip(h, d[:, : h.shape[1]]) if self.specs[name].role == "other" else [(h, d)]
+            pairs = zip(h, d[:, : h.shape[1]]) if spec.role == "other" else [(h, d)]
             for h_part, d_part in pairs:
                 (h_part if to_host else d_part).copy_(d_part if to_host else h_part, non_blocking=True)
             moved += h.numel() * h.element_size()
@@ -283,37 +469,66 @@ class SwapEngine(ActivationStore):
 
     # ---- backward ---------------------------------------------------------------------------------------
     def _prefetch(self, index: int) -> None:
-        """Starts the copy of layer `index`'s host slot into its (now free) rounding buffer."""
-        if index not in self.reloaded or index in self._prefetch_done:
+        """Starts the copy of layer `index`'s host slot into its rounding buffer, after everything the compute
+        stream has queued (the backward of the later layer that last used the buffer)."""
+        if not (0 <= index < self.n_layers and self._back[index]) or index in self._prefetch_done:
             return
         ready = dev.record_event(self._device)
         prefetch_stream = self._streams[1]
         with dev.on_stream(prefetch_stream):
-            dev.wait_event(ready, prefetch_stream)  # the offload of `index` is before it: layer index+2 waited
-            moved = self._copy_slot(index, to_host=False)
+            dev.wait_event(ready, prefetch_stream)
+            moved = self._copy_whole(index, to_host=False)
             self._prefetch_done[index] = dev.record_event(self._device, prefetch_stream)
         self.stats.bytes_prefetched += moved
 
     def before_backward(self, index: int, step: int):
-        """Returns the layer's full skeletal tensors: prefetched, next layer's prefetch started, rest to rebuild."""
+        """Returns (whole-length tensors, aux, tiles, what to recompute) for the layer's backward; starts the
+        prefetch of the layer below."""
         self._check_step(index, step)
+        mode = self.modes[index]
+        b, s = self.specs["x"].shape[:2]
+        if mode == "keep":
+            return self._keep[index], self._aux.pop(index), self._kept_tiles(), None
+        if mode == "recompute":
+            self._count_recompute(b, s, attention=True, qkv=True)
+            t = {**self._buffers[0], "x": self._inputs.pop(index)}
+            return t, None, self._slot_tiles(index), Recompute(0, attention=True)
+        j = index % 2
+        for event in self._busy.pop(j, ()):  # this layer's own copies out of the buffer
+            dev.wait_event(event, device=self._device)
         self._prefetch(index)
         self._prefetch(index - 1)
-        recompute = None
-        if index in self.offloaded:
-            self.pool.release(sum(h.numel() * h.element_size() for h in self._host[index].values()))
-        if index in self.offloaded and index not in self.reloaded:
-            # nothing to load or rebuild; the offload must still finish reading before layer index-2's
-            # prefetch (ordered after this layer's backward) writes the buffer
-            dev.wait_event(self._offload_done.pop(index, None), device=self._device)
-        elif index in self.reloaded:
+        host = self._host.get(index, {})
+        self.pool.release(_nbytes(host))
+        self.stats.bytes_prefetched += _nbytes({n: h for n, h in host.items() if self.specs[n].group != "whole"})
+        back, split = self._back[index], self._split[index] if mode == "memo" else 0
+        if back:
             dev.wait_event(self._prefetch_done.pop(index), device=self._device)
-            split, seq = self._split[index], self.specs["x"].shape[1]
-            if split < seq:
-                recompute = Recompute(split)
-                self.stats.tokens_recomputed += (seq - split) * self.specs["x"].shape[0]
-                self.stats.bytes_recomputed += other_rows_bytes(self.specs, seq - split)
-        return self._buffers[index % 2], self._aux.pop(index), recompute
+        attention = back and mode == "checkpoint"
+        self._count_recompute(b, s - split, attention, qkv=back)
+        recompute = Recompute(split, attention) if back and split < s else None
+        return self._buffers[j], self._aux.pop(index), self._slot_tiles(index), recompute
+
+    def _count_recompute(self, b: int, rows: int, attention: bool, qkv: bool) -> None:
+        """Adds the last `rows` token rows of the recomputed tensors to the stats: the token-local ones, q, k, v
+        too when `qkv`, and the attention output when `attention`."""
+        if rows <= 0:
+            return
+        names = [n for n, sp in self.specs.items() if sp.role == "other" and (qkv or sp.group != "whole")]
+        self.stats.bytes_recomputed += sum(self.specs[n].rows(rows).nbytes for n in names)
+        if attention:
+            self.stats.bytes_recomputed += sum(sp.nbytes for sp in self.specs.values() if sp.role == "attention")
+        self.stats.tokens_recomputed += b * rows
+
+    def after_backward(self, index: int) -> None:
+        pass
+
+    def _check_step(self, index: int, step: int) -> None:
+        if step != self.step:
+            raise RuntimeError(
+                f"layer {index}: backward of step {step} after the forward of step {self.step}; "
+                "run backward before the next forward (one forward per backward)"
+            )
 
     def _drop_buffers(self) -> None:
         """Frees the buffers of the previous shape (before allocating new ones), once no stream uses them:
@@ -323,20 +538,19 @@ class SwapEngine(ActivationStore):
         dev.synchronize(self._device)
         if self.pool is not None:
             self.pool.close()
-        self._buffers, self._host, self.pool = [], {}, None
+        self._buffers, self._slots, self._keep, self._host, self.pool = [], [], {}, {}, None
 
     def _sync_all(self) -> None:
-        for event in (*self._offload_done.values(), *self._prefetch_done.values()):
+        for event in (*(e for es in self._busy.values() for e in es), *self._prefetch_done.values()):
             dev.wait_event(event, device=self._device)
-        self._offload_done.clear()
+        self._busy.clear()
         self._prefetch_done.clear()
         if self.pool is not None:
             self.pool.in_use = 0
 
-    def begin_step(self, layers, batch, seq, dtype, device) -> None:
-        self._sync_all()
-        self._aux.clear()
-        super().begin_step(layers, batch, seq, dtype, device)
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def measure_copy_bandwidth(src: torch.Tensor) -> float:
@@ -349,19 +563,31 @@ def measure_copy_bandwidth(src: torch.Tensor) -> float:
     return nbytes / max(seconds, 1e-9)
 
 
-def measure_layer_seconds(layer: DecoderLayer, t: dict[str, torch.Tensor]) -> float:
-    """Returns the forward seconds of `layer` measured on the tensors `t` (random input, no autograd)."""
+def measure_layer_seconds(layer: DecoderLayer, t: dict[str, torch.Tensor], tiles: FreshTiles) -> dict[str, float]:
+    """Returns the forward seconds of `layer`'s three parts (token-local before attention, attention, after),
+    measured on random inputs without autograd."""
     t["x"].normal_()
+    s = t["x"].shape[1]
 
-    def run():
-        with torch.no_grad():
-            layer.fill(t)
-            layer.output(t)
+    def qkv():
+        for rows in tiles.ranges():
+            layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
 
-    return dev.timed(run, t["x"].device)
+    def mlp():
+        y = torch.empty_like(t["x"])
+        for rows in tiles.ranges():
+            v = {**rows_of(t, rows), **tiles.open(t, rows, "mlp")}
+            layer.fill_mlp(v)
+            layer.output(v, y[:, rows])
+
+    with torch.no_grad():
+        return {
+            "qkv": dev.timed(qkv, t["x"].device),
+            "attention": dev.timed(lambda: layer.attend(t), t["x"].device),
+            "mlp": dev.timed(mlp, t["x"].device),
+        }
 
 
 def make_store(policy: ActivationPolicy, n_layers: int) -> ActivationStore:
-    """Returns the store implementing `policy.strategy`."""
-    cls = {"none": KeepStore, "full": RecomputeStore, "memo": SwapEngine}[policy.strategy]
-    return cls(policy, n_layers)
+    """Returns the store implementing `policy`."""
+    return ActivationStore(policy, n_layers)
