@@ -26,9 +26,10 @@ from memo.cost.estimate import (
 )
 from memo.cost.hardware import GPUS, gpu, load_gpus
 from memo.cost.memory import (
+    Traced,
     fragmentation_bytes,
-    persistent_activation_bytes,
     skeletal_bytes,
+    store_bytes,
     traced_transient_peak,
     traffic_bytes,
 )
@@ -57,9 +58,10 @@ def test_four_layer_trace_extrapolates_exactly_to_a_deeper_model(strategy):
     with meta_kernels("cuda"):  # the cost model traces a GPU step
         model(ids, labels=ids).backward()
         direct, _ = trace(lambda: model(ids, labels=ids).backward())
+    held = model.store.layout.kept_input_bytes  # the store's (full recompute keeps every layer's input)
     # exact up to the CUDA flash kernel's RNG state (seed and offset, 24 bytes) that each layer keeps until its
     # backward: the 4-layer trace holds four of them, the 8-layer step eight
-    assert 0 <= direct.peak - traced_transient_peak(cfg, 4096, strategy) <= 24 * (cfg.n_layers - 4)
+    assert 0 <= direct.peak - held - traced_transient_peak(cfg, 4096, Traced(strategy)) <= 24 * (cfg.n_layers - 4)
 
 
 @pytest.mark.parametrize("strategy", ["memo", "full"])
@@ -72,13 +74,15 @@ def test_memory_model_matches_a_traced_first_step_on_meta(strategy):
     with meta_kernels("cuda"):
         first, _ = trace(lambda: model(ids, labels=ids).backward())  # sizes buffers, host pool (meta), grads
     grads = sum(p.numel() * 2 for p in model.parameters())
+    n = cfg.n_layers
+    modes, alphas = policy.least_host_plan(n) if strategy == "full" else (["memo"] * n, [0.5] * n)
     predicted = (
-        persistent_activation_bytes(cfg, tokens, strategy)
-        + traced_transient_peak(cfg, tokens, strategy)
-        + grads
+        store_bytes(cfg, tokens, modes, alphas, tokens).device_bytes
+        + traced_transient_peak(cfg, tokens, Traced(strategy))
         + model.swap_stats().host_pool_bytes
     )
-    assert predicted == pytest.approx(first.peak, rel=0.03)
+    # the first step creates the gradients as it goes: all of them exist at its peak only if that is late
+    assert predicted <= first.peak <= predicted + grads
 
 
 def test_memo_fits_one_million_tokens_of_gpt7b_on_8_a800_where_full_recompute_does_not():
@@ -91,14 +95,16 @@ def test_memo_fits_one_million_tokens_of_gpt7b_on_8_a800_where_full_recompute_do
     assert not offload_all.fits and offload_all.why.startswith("host memory")
 
 
-def test_alpha_meets_the_host_budget_exactly_when_it_binds():
+def test_alpha_meets_the_host_budget_when_it_binds():
     est = estimate(GPT7B, 1 << 20, 8, A800, "memo")
-    assert est.host_bytes_per_node == pytest.approx(est.host_capacity_per_node, rel=1e-6)
+    # within the room the solver leaves for each host slot's alignment
+    assert est.host_bytes_per_node <= est.host_capacity_per_node
+    assert est.host_bytes_per_node == pytest.approx(est.host_capacity_per_node, rel=1e-4)
 
 
 def test_alpha_meets_copy_time_exactly_when_bandwidth_binds():
     slow = dataclasses.replace(A800, host_link_bytes_per_s=8e9)
-    est = estimate(GPT7B, 256 * 1024, 8, slow, "memo")
+    est = estimate(GPT7B, 256 * 1024, 8, slow, "memo", layout=Layout(ulysses=8, recompute="memo"))
     assert 0 < est.alphas[0] < 1 and est.seconds["exposed_copy"] == pytest.approx(0, abs=1e-6)
     tokens = est.seq // est.sp
     b = skeletal_bytes(GPT7B, tokens)
@@ -108,7 +114,7 @@ def test_alpha_meets_copy_time_exactly_when_bandwidth_binds():
 
 
 def test_longest_sequence_ranks_memo_above_the_baselines():
-    found = {s: max_seq(GPT7B, 8, A800, s) for s in ("memo", "megatron", "offload-all")}
+    found = {s: max_seq(GPT7B, 8, A800, s).tokens for s in ("memo", "megatron", "offload-all")}
     assert found["memo"] > found["megatron"] > found["offload-all"] > 0
     assert estimate(GPT7B, found["memo"], 8, A800, "memo").fits
     assert not estimate(GPT7B, found["memo"] + 8 * 1024, 8, A800, "memo").fits
@@ -340,9 +346,8 @@ def _ulysses_loss(logits, targets):
 def test_materialised_loss_term_against_a_traced_loss(system, layout, loss):
     cfg, tokens = ModelConfig.preset("tiny-gpt"), 2048
     traced = _traced_loss_peak(loss, tokens, cfg)
-    b = skeletal_bytes(cfg, tokens)
-    kept = cfg.n_layers * b["input"] + 2 * tokens * cfg.hidden_size * 2
-    modelled = _loss_peak(cfg, tokens, "full", system, layout) - kept
+    hidden = 2 * tokens * cfg.hidden_size * 2  # the final hidden state and its norm
+    modelled = _loss_peak(cfg, tokens, system, layout) - hidden
     assert modelled == pytest.approx(traced, rel=0.05)
 
 
@@ -356,7 +361,7 @@ def test_fragmentation_is_the_caching_allocators_replay_of_the_traced_step():
         model(ids, labels=ids).backward()
         step = trace_iteration(model, ids, scratch=True)
     replayed = replay([(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"])
-    assert fragmentation_bytes(cfg, tokens, "full") == replayed.peak_reserved - replayed.peak_allocated > 0
+    assert fragmentation_bytes(cfg, tokens, Traced("full")) == replayed.peak_reserved - replayed.peak_allocated > 0
 
 
 def test_memory_bound_traffic_extrapolates_to_a_deeper_model():
@@ -371,7 +376,7 @@ def test_memory_bound_traffic_extrapolates_to_a_deeper_model():
     written = sum(
         e.nbytes for e in step.events if e.kind == "alloc" and e.op != SCRATCH and not any(k in str(e.op) for k in skip)
     )
-    per_layer, outside = traffic_bytes(cfg, tokens, "none")  # traced with 4 layers
+    per_layer, outside = traffic_bytes(cfg, tokens, Traced("none"))  # traced with 4 layers
     assert cfg.n_layers * per_layer + outside == pytest.approx(written, rel=0.01)
 
 

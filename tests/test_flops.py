@@ -6,6 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cost.flops import counted_flops_per_token, linear_params_per_layer, model_flops_per_token, recompute_flops
+from memo.policy import mode_alphas
 from memo.reference import ReferenceTransformer
 
 aten = torch.ops.aten
@@ -66,15 +67,17 @@ def test_gpt_formula_is_the_papers():
         ActivationPolicy("full"),
         ActivationPolicy("memo", alpha=0.3),
         ActivationPolicy("memo", alpha=[0.2, 0.9, 0.5, 0.5], offload_last_layers=True),
+        ActivationPolicy("memo", alpha=0.4, plan=("checkpoint", "memo", "keep", "checkpoint"), tile_tokens=7),
     ],
-    ids=["none", "full", "memo", "memo-all-layers"],
+    ids=["none", "full", "memo", "memo-all-layers", "tiled-plan"],
 )
 def test_recompute_flops_are_exactly_what_the_model_runs_again(preset, policy):
     cfg = ModelConfig.preset(preset)
     b, s = 2, 24
     ids = torch.randint(0, 256, (b, s))
-    alphas = policy.layer_alphas(cfg.n_layers)
-    extra = recompute_flops(cfg, s, policy.strategy, alphas, policy.reloaded_layers(cfg.n_layers))
+    n = cfg.n_layers
+    modes, alphas = policy.layer_modes(n), mode_alphas(policy.layer_modes(n), policy.layer_alphas(n) or [0.0] * n)
+    extra = recompute_flops(cfg, s, modes, alphas, policy.offload_last_layers)
     assert _count(Transformer(cfg, policy), ids) == model_flops_per_token(cfg, s, causal=False) * b * s + b * extra
 
 

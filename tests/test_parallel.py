@@ -69,7 +69,7 @@ def _check_layout(dp: int, sp: int) -> None:
     assert local_ids.shape == (BATCH // dp, SEQ // sp)
     if sp > 1:
         with pytest.raises(ValueError, match="must divide the number of attention heads"):
-            Ulysses(mesh["sp"].get_group(), 3, 1)
+            Ulysses.over(mesh["sp"].get_group(), 3, 1)
     for preset in ("tiny", "tiny-gpt"):
         for name, policy in POLICIES.items():
             where = f"dp={dp} sp={sp} {preset} {name}"

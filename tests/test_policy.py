@@ -67,6 +67,7 @@ def _problem(**kw):
         keep_bytes=10**6,
         bandwidth=1000.0,
         layer_seconds=1.0,
+        backward_seconds=2.0,
         attention_seconds=0.8,
         qkv_seconds=0.05,
         mlp_seconds=0.1,
@@ -133,4 +134,4 @@ def test_a_fixed_plan_solves_alpha_alone():
     plan = ["checkpoint", "memo", "keep", "memo"]
     modes, alphas = solve_plan(_problem(n_layers=4, layer_seconds=0.7), plan)
     assert modes == plan
-    assert alphas == [0.0, pytest.approx(0.5), 1.0, pytest.approx(0.5)]
+    assert alphas == [0.0, pytest.approx(0.5), 1.0, 1.0]  # layer 3 keeps its buffer: nothing of it to send

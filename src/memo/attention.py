@@ -1,7 +1,12 @@
 """Causal attention through PyTorch's fused flash kernels, keeping output and log-sum-exp for the backward.
 
 q, k, v are (batch, heads, seq, head_dim) views; k and v may have fewer heads (grouped-query attention).
-`aux` carries what a kernel's backward needs besides (q, k, v, out, lse); it is small and stays on device.
+`aux` carries what a kernel's backward needs besides (q, k, v, out, lse); it is small and stays on device
+(without dropout it is the same for every call over the same lengths).
+
+Heads are independent, so a layer may call the kernels on a few heads at a time (`head_chunks`): each call's
+outputs and scratch (the backward's fp32 dq accumulator, its expanded dk and dv under grouped-query attention)
+then take about as much memory as one tile of the token-local work, not all heads' worth.
 """
 
 from __future__ import annotations
@@ -25,6 +30,31 @@ def lse_seq_len(seq_len: int, device: torch.device, dtype: torch.dtype) -> int:
     if kernel_device_type(device) == "cuda" and dtype not in (torch.float16, torch.bfloat16):
         return -(-seq_len // 32) * 32
     return seq_len
+
+
+MIN_CALL_ROWS = 1 << 16  # query rows x heads per call that keep a GPU's SMs busy (512 blocks of 128 rows)
+
+
+def head_chunks(heads: int, kv_heads: int, seq: int, tile: int, device: torch.device) -> list[tuple[slice, list[slice]]]:
+    """Returns the kernel calls over `heads` query heads attending over `seq` tokens, as (key/value heads, the
+    query-head slices that use them): about `tile` rows of every head per call (heads·tile/seq heads, at least
+    one), on a GPU never fewer rows than fill it; whole key/value groups per call, or parts of one group."""
+    per_call = max(1, heads * tile // seq)
+    if kernel_device_type(device) == "cuda":
+        per_call = max(per_call, -(-MIN_CALL_ROWS // seq))
+    group = heads // kv_heads
+    if per_call >= group:
+        kv = _divisor_at_most(kv_heads, per_call // group)
+        return [(slice(j, j + kv), [slice(j * group, (j + kv) * group)]) for j in range(0, kv_heads, kv)]
+    size = _divisor_at_most(group, per_call)
+    return [
+        (slice(j, j + 1), [slice(j * group + i, j * group + i + size) for i in range(0, group, size)])
+        for j in range(kv_heads)
+    ]
+
+
+def _divisor_at_most(n: int, most: int) -> int:
+    return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
 
 
 def _repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:

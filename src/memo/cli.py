@@ -29,7 +29,7 @@ from .files import read_json_object, write_text
 from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
-from .train.config import TrainConfig, alpha_value, read_config_file
+from .train.config import TrainConfig, alpha_value, plan_value, read_config_file
 from .train.launch import launch
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
@@ -67,7 +67,8 @@ def _add_field(p, f) -> None:
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
-    kind = {"alpha": _cli_type(alpha_value, "alpha"), "seq_len": _cli_type(parse_size, "size")}.get(f.name)
+    kinds = {"alpha": _cli_type(alpha_value, "alpha"), "plan": plan_value, "seq_len": _cli_type(parse_size, "size")}
+    kind = kinds.get(f.name)
     kind = kind or f.metadata.get("kind")
     kind = kind or (type(f.default) if f.default is not None else str)
     kind = NUMBER if kind is float else kind
@@ -211,7 +212,9 @@ def _print_summary(cfg, trainer, history: list[dict], evals: list[dict]) -> None
     tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
     last = history[-1]
     ranks = f"  ranks {trainer.mesh.size()} (dp {trainer.mesh['dp'].size()} x sp {cfg.sp})" if trainer.mesh else ""
-    print(f"model {cfg.model}  strategy {cfg.strategy}  alpha {last['alphas'] or '-'}{ranks}  run {trainer.run_dir}")
+    plan = _plan_runs(last["modes"], last["alphas"]) if cfg.strategy == "memo" else f"every layer {last['modes'][0]}"
+    tiles = f", tiles of {format_count(last['tile_tokens'])}" if last["tile_tokens"] < cfg.seq_len // cfg.sp else ""
+    print(f"model {cfg.model}  strategy {cfg.strategy}  plan {plan}{tiles}{ranks}  run {trainer.run_dir}")
     print(f"loss {history[0]['loss']:.4f} -> {last['loss']:.4f} over steps {history[0]['step']}-{last['step']}")
     if evals:
         e = evals[-1]
@@ -329,6 +332,12 @@ def _estimate_parser(sub) -> None:
     )
     p.add_argument("--system", action="append", choices=SYSTEMS, help="system(s) to estimate (default: all)")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel GPUs per sequence (default: all GPUs)")
+    p.add_argument(
+        "--host-memory",
+        type=_cli_type(parse_size, "size"),
+        default=None,
+        help="host memory per node, e.g. 1.5T or 512G (default: the GPU spec's); 90%% of it may hold offloads",
+    )
     p.add_argument("--calibration", type=PATH, default=None, help="JSON written by `memo calibrate` on this GPU type")
     p.add_argument("--max-seq", action="store_true", help="search the longest sequence that fits, per system")
     p.add_argument("--sweep", action="store_true", help="MFU against sequence length (32K..4M) for all systems")
@@ -352,49 +361,56 @@ def _run_estimate(args) -> int:
     if args.sweep:
         return _print_sweep(args, cfg, spec, systems, eff)
     if args.max_seq:
-        found = {s: max_seq_range(cfg, args.gpus, spec, s, args.sp, eff) for s in systems}
+        found = {s: max_seq_range(cfg, args.gpus, spec, s, args.sp, eff, args.host_memory) for s in systems}
         if args.json:
             print(json.dumps(found))
             return 0
         for s, n in found.items():
-            print(f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])})")
+            print(
+                f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])}); "
+                f"{'longer' if n['mid'] else 'shortest tried'}: {n['why_not']}"
+            )
         print(f"\nrange: {MAX_SEQ_RANGE}")
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
-    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff) for s in systems]
+    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, host_memory=args.host_memory) for s in systems]
     if args.json:
         print(json.dumps([e.as_dict() for e in results]))
         return 0
     print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}")
     print(
-        "| system | fits | layout | alpha per layer | device GiB/GPU | host GiB/GPU | step s | tokens/s | MFU | "
+        "| system | fits | layout | plan (alpha) | device GiB/GPU | host GiB/GPU | tokens/step | step s | tokens/s | MFU | "
         "MFU full s² | HFU | dominant | why not |"
     )
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     node_gpus = min(args.gpus, spec.gpus_per_node)
     for e in results:
         if not e.layout:  # the system has no layout here
-            print(f"| {e.system} | no | - | - | - | - | - | - | - | - | - | - | {e.why} |")
+            print(f"| {e.system} | no | - | - | - | - | - | - | - | - | - | - | - | {e.why} |")
             continue
         step, mfu = e.ranges["step_seconds"], e.ranges["mfu"]
         print(
-            f"| {e.system} | {'yes' if e.fits else 'no'} | {e.layout} | {_runs(e.alphas)} | "
+            f"| {e.system} | {'yes' if e.fits else 'no'} | {e.layout} | {_plan_runs(e.plan, e.alphas)} | "
             f"{e.device_bytes['total'] / 2**30:.1f} | {e.host_bytes_per_node / node_gpus / 2**30:.1f} | "
-            f"{e.step_seconds:.1f} ({step[0]:.1f}-{step[1]:.1f}) | {e.tokens_per_s:.0f} | "
-            f"{100 * e.mfu:.1f}% ({100 * mfu[0]:.1f}-{100 * mfu[1]:.1f}) | {100 * e.mfu_full:.1f}% | "
-            f"{100 * e.hfu:.1f}% | {e.dominant} | {e.why} |"
+            f"{format_count(e.tokens_per_step)} | {e.step_seconds:.1f} ({step[0]:.1f}-{step[1]:.1f}) | "
+            f"{e.tokens_per_s:.0f} | {100 * e.mfu:.1f}% ({100 * mfu[0]:.1f}-{100 * mfu[1]:.1f}) | "
+            f"{100 * e.mfu_full:.1f}% | {100 * e.hfu:.1f}% | {e.dominant} | {e.why} |"
         )
     print(
         "\n" + "\n".join(f"{name}: {text}" for name, text in zip(("MFU", "MFU full s²", "HFU"), CONVENTIONS.values()))
     )
+    print("tokens/step: one optimizer step's tokens on all GPUs (compare tokens/s across rows, not step seconds)")
+    for e in results:
+        if e.layout:
+            print(f"{e.system}: nearest its limit: {e.binds}; memory served by {e.allocator}")
     print(f"ranges: the efficiency band; efficiencies: {results[0].efficiency.get('source', '-')}")
     return 0
 
 
 def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff) -> int:
     """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M."""
-    results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff)
+    results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff, args.host_memory)
     if args.plot:
         plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -411,17 +427,19 @@ def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff) -> int:
     return 0
 
 
-def _runs(alphas: list[float] | None) -> str:
-    """Returns α per layer as runs, e.g. '0.40x30 1.00x2' ('-' when nothing is offloaded)."""
-    if not alphas:
+def _plan_runs(modes: list[str] | None, alphas: list[float] | None) -> str:
+    """Returns each layer's mode (and α) as runs, e.g. 'checkpoint x3, memo (0.40) x27, keep x2' ('-' when
+    nothing is offloaded)."""
+    if not modes:
         return "-"
     runs: list[list] = []
-    for a in alphas:
-        if runs and abs(runs[-1][0] - a) < 1e-9:
+    for mode, a in zip(modes, alphas):
+        label = f"memo ({a:.2f})" if mode == "memo" else mode
+        if runs and runs[-1][0] == label:
             runs[-1][1] += 1
         else:
-            runs.append([a, 1])
-    return " ".join(f"{a:.2f}x{k}" for a, k in runs)
+            runs.append([label, 1])
+    return ", ".join(f"{label} x{k}" for label, k in runs)
 
 
 def _calibrate_parser(sub) -> None:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attention_backward, attention_forward, lse_seq_len
+from .attention import attention_backward, attention_forward, head_chunks, lse_seq_len
 from .config import ModelConfig
 from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
@@ -101,6 +101,8 @@ class Recompute:
 
 class Tiles(Protocol):
     """Where the token-local ("qkv", "mlp") tensors of one layer live, tile by tile (swap.py decides)."""
+
+    tile: int  # rows per tile (the last one may be shorter)
 
     def ranges(self, start: int = 0) -> list[slice]:
         """Returns the tiles of token rows [start, s) in order."""
@@ -269,19 +271,42 @@ class DecoderLayer(nn.Module):
             rotate(proj, cos, sin, v[name])
         linear_into(v["v"].flatten(2), n1, self.wv)  # (b, r, g·d)
 
-    def attend(self, t: dict) -> tuple:
-        """Writes the attention output and LSE of all s tokens from q, k, v; returns the kernel's aux."""
+    def _head_chunks(self, t: dict, tile: int) -> list[tuple[slice, list[slice]]]:
+        """Returns the attention kernel calls over this rank's heads (attention.head_chunks)."""
+        c, sp, s = self.config, self.seq_parallel, t["x"].shape[1]
+        if sp is None:
+            return head_chunks(c.n_heads, c.n_kv_heads, s, tile, t["x"].device)
+        kv = c.n_kv_heads * sp.kv_repeat // sp.size
+        return head_chunks(c.n_heads // sp.size, kv, s * sp.size, tile, t["x"].device)
+
+    def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, heads: slice):
+        """Returns k and v (b, kv heads, all tokens, d) of the kv `heads` of this rank, for the kernels."""
         sp = self.seq_parallel
         if sp is None:
-            q, k, v = heads_major(t["q"]), heads_major(t["k"]), heads_major(t["v"])
-            out, lse, aux = attention_forward(q, k, v, self.scale)
-            heads_major(t["attn"]).copy_(out)  # (b, a, s, d) into token-major (b, s, a, d)
-        else:
-            # (b, local tokens, all heads) -> (b, all tokens, a/sp heads) and back: two all-to-alls
-            q, k, v = sp.to_heads(t["q"], sp.expand_kv(t["k"]), sp.expand_kv(t["v"]))
-            out, lse, aux = attention_forward(heads_major(q), heads_major(k), heads_major(v), self.scale)
-            sp.to_tokens(heads_major(out), out=(t["attn"],))
-        t["lse"].copy_(lse)
+            return heads_major(k)[:, heads], heads_major(v)[:, heads]
+        return tuple(heads_major(x) for x in sp.to_heads(k, v, heads=(heads, heads)))
+
+    def _kv(self, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns token-major k and v with as many heads as the sequence-parallel split needs."""
+        sp = self.seq_parallel
+        return (t["k"], t["v"]) if sp is None else (sp.expand_kv(t["k"]), sp.expand_kv(t["v"]))
+
+    def attend(self, t: dict, tile: int) -> tuple:
+        """Writes the attention output and LSE of all s tokens from q, k, v, a few heads per kernel call (about
+        `tile` rows of every head: `attention.head_chunks`); returns the kernel's aux."""
+        sp = self.seq_parallel
+        k, v = self._kv(t)
+        for kv_heads, q_chunks in self._head_chunks(t, tile):
+            kc, vc = self._kv_heads(k, v, kv_heads)  # (b, kv heads, all tokens, d)
+            for heads in q_chunks:
+                if sp is None:
+                    out, lse, aux = attention_forward(heads_major(t["q"])[:, heads], kc, vc, self.scale)
+                    heads_major(t["attn"])[:, heads].copy_(out)  # (b, heads, s, d) into token-major (b, s, a, d)
+                else:  # (b, local tokens, all heads) -> (b, all tokens, these heads) and back: two all-to-alls
+                    (q,) = sp.to_heads(t["q"], heads=(heads,))
+                    out, lse, aux = attention_forward(heads_major(q), kc, vc, self.scale)
+                    sp.to_tokens(heads_major(out), out=(t["attn"],), heads=(heads,))
+                t["lse"][:, heads].copy_(lse)
         return aux
 
     def fill_mlp(self, v: dict) -> None:
@@ -333,19 +358,36 @@ class DecoderLayer(nn.Module):
         """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ for the rows of dx1."""
         dattn.copy_(self._linear_backward(dx1, v["attn"].flatten(2), "wo", grads).view(dattn.shape))
 
-    def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple):
-        """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d); attention is not
-        rerun."""
+    def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple, tile: int):
+        """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d), a few heads per kernel
+        call as in `attend`; attention is not rerun. dq is written over dattn, each head once the kernel has read
+        it."""
         sp = self.seq_parallel
-        if sp is None:
-            q, k, v, out = (heads_major(t[n]) for n in ("q", "k", "v", "attn"))
-            grads = attention_backward(heads_major(dattn), q, k, v, out, t["lse"], aux, self.scale)
-            return tuple(heads_major(g) for g in grads)
-        # the mirror of attend: everything the kernel reads to head shards, dq, dk, dv back to tokens
-        q, k, v, out, dout = sp.to_heads(t["q"], sp.expand_kv(t["k"]), sp.expand_kv(t["v"]), t["attn"], dattn)
-        grads = attention_backward(*(heads_major(x) for x in (dout, q, k, v, out)), t["lse"], aux, self.scale)
-        dq, dk, dv = sp.to_tokens(*(heads_major(g) for g in grads))
-        return dq, sp.fold_kv(dk), sp.fold_kv(dv)
+        k, v = self._kv(t)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        for kv_heads, q_chunks in self._head_chunks(t, tile):
+            kc, vc = self._kv_heads(k, v, kv_heads)
+            dkc = dvc = None  # summed over the calls that share these kv heads
+            for heads in q_chunks:
+                if sp is None:
+                    q, out, dout = (heads_major(x)[:, heads] for x in (t["q"], t["attn"], dattn))
+                else:  # everything the kernel reads to head shards, the gradients back to tokens
+                    q, out, dout = (heads_major(x) for x in sp.to_heads(t["q"], t["attn"], dattn, heads=(heads,) * 3))
+                gq, gk, gv = attention_backward(dout, q, kc, vc, out, t["lse"][:, heads], aux, self.scale)
+                del q, out, dout
+                if sp is None:
+                    heads_major(dattn)[:, heads].copy_(gq)
+                else:
+                    sp.to_tokens(heads_major(gq), out=(dattn,), heads=(heads,))
+                dkc, dvc = _sum_part(dkc, gk), _sum_part(dvc, gv)
+                del gq, gk, gv
+            if sp is None:
+                heads_major(dk)[:, kv_heads].copy_(dkc)
+                heads_major(dv)[:, kv_heads].copy_(dvc)
+            else:
+                sp.to_tokens(heads_major(dkc.to(k.dtype)), heads_major(dvc.to(v.dtype)), out=(dk, dv), heads=(kv_heads,) * 2)
+            del kc, vc, dkc, dvc
+        return (dattn, dk, dv) if sp is None else (dattn, sp.fold_kv(dk), sp.fold_kv(dv))
 
     def qkv_backward(self, dq, dk, dv, v: dict, rows: slice, s: int, grads: dict) -> torch.Tensor:
         """Returns the input gradient (b, r, h) through q, k, v and the attention norm, for token `rows`."""
@@ -389,6 +431,15 @@ class DecoderLayer(nn.Module):
         return LayerFunction.apply(x, self, store, *self.parameters())
 
 
+def _sum_part(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """Returns total + part: the first part as it is, the sum of several in float32 (16-bit parts), in place."""
+    if total is None:
+        return part
+    if total.dtype != torch.promote_types(total.dtype, torch.float32):
+        total = total.float()
+    return total.add_(part)
+
+
 def _norm_into(v: dict, name: str, x: torch.Tensor, norm: nn.Module) -> None:
     """Writes norm(x) into v[name] and its statistics into v[name + "_stats"]."""
     y, stats = norm_forward(norm, x)
@@ -403,7 +454,7 @@ def forward_phase(layer: DecoderLayer, t: dict, tiles: Tiles) -> tuple[torch.Ten
     for rows in tiles.ranges():  # n1 -> q, k, v, a tile at a time
         layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
         tiles.close(rows, "qkv")
-    aux = layer.attend(t)  # all s tokens
+    aux = layer.attend(t, tiles.tile)  # all s tokens
     y = torch.empty_like(t["x"])  # (b, s, h)
     for rows in tiles.ranges():  # x1 -> n2 -> MLP -> y
         v = {**rows_of(t, rows), **tiles.open(t, rows, "mlp")}
@@ -421,9 +472,9 @@ def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, t
         for rows in tiles.ranges(recompute.start):
             layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
         if recompute.attention:
-            aux = layer.attend(t)
+            aux = layer.attend(t, tiles.tile)
     grads: dict[str, torch.Tensor] = {}
-    dx = torch.empty_like(dy)  # (b, s, h): dx1 first, the attention side's part added at the end
+    dx = dy  # (b, s, h): dx1 written over dy tile by tile (each tile reads its dy rows first), then + the rest
     dattn = torch.empty_like(t["attn"])  # (b, s, a, d)
     for rows in tiles.ranges():  # MLP and output projection, a tile at a time
         v, start = tiles.restore(t, rows, "mlp")
@@ -432,7 +483,7 @@ def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, t
             layer.fill_mlp(_tail(v, start))  # the (1 - α) rows: recomputed, token-wise
         layer.mlp_backward(dy[:, rows], v, grads, dx[:, rows])
         layer.projection_backward(dx[:, rows], v, grads, dattn[:, rows])
-    dq, dk, dv = layer.attention_backward(dattn, t, aux)  # (b, s, heads, d), all tokens
+    dq, dk, dv = layer.attention_backward(dattn, t, aux, tiles.tile)  # (b, s, heads, d), all tokens; dq is dattn
     del dattn
     for rows in tiles.ranges():  # q, k, v projections and the attention norm, a tile at a time
         v, start = tiles.restore(t, rows, "qkv")
@@ -457,6 +508,8 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """The gradient of a layer's output belongs to the layer stack (its only consumer is the next layer, or
+        the loss, which made it): the backward writes dx over it rather than holding both whole."""
         layer, store = ctx.layer, ctx.store
         t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
         dx, grads = layer.run(backward_phase, dy.contiguous(), t, aux, tiles, recompute)

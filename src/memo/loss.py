@@ -1,4 +1,5 @@
-"""Next-token cross-entropy computed in token chunks, never materialising the full (tokens × vocab) logits.
+"""Next-token cross-entropy computed in token chunks, never materialising the full (tokens × vocab) logits, nor
+the final norm's output: the norm runs chunk by chunk inside the loss.
 
 When several ranks hold parts of one batch (data or sequence parallel), the loss is the mean over the target
 tokens of all of them: each rank divides its own sum by the global count, and a `TokenReduction` (given by
@@ -11,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from .matmul import accumulating_mm
+from .matmul import accumulating_mm, add_to
+from .norms import norm_backward, norm_forward
 
 IGNORE_INDEX = -100
 
@@ -31,39 +33,59 @@ class TokenReduction(Protocol):
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of (hidden · Wᵀ) against targets summed and divided by `count`, chunk by chunk.
+    """Cross-entropy of (norm(x) · Wᵀ) against targets summed and divided by `count`, chunk by chunk.
 
-    The gradients are computed during forward, one chunk of logits at a time (float32), and only the
-    (tokens × hidden) and (vocab × hidden) gradients are kept: memory stays O(chunk × vocab).
+    The final norm (optional), the logits and every gradient are computed during forward, one chunk of tokens
+    at a time (logits in float32), and only the (tokens × hidden) input gradient and the (vocab × hidden) and
+    norm gradients are kept: the normalised hidden states and the logits never exist whole, and memory beyond
+    the input and its gradient stays O(chunk × vocab).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, count: torch.Tensor):
-        h = hidden.reshape(-1, hidden.shape[-1])
+    def forward(ctx, x, weight, targets, chunk_tokens: int, count: torch.Tensor, norm, *norm_params):
+        flat = x.reshape(-1, x.shape[-1])
         y = targets.reshape(-1)
-        grad_h = torch.empty_like(h)
+        grad_x = torch.empty_like(flat)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for lo in range(0, h.shape[0], chunk_tokens):
-            hc, yc = h[lo : lo + chunk_tokens], y[lo : lo + chunk_tokens]
-            logits = (hc @ weight.t()).float()  # (chunk, V)
+        grad_norm: dict[str, torch.Tensor] = {}
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for lo in range(0, flat.shape[0], chunk_tokens):
+            xc, yc = flat[lo : lo + chunk_tokens], y[lo : lo + chunk_tokens]
+            hc, stats = (xc, None) if norm is None else norm_forward(norm, xc)
+            hc = hc.to(weight.dtype)
+            logits = accumulating_mm(hc, weight.t())  # (chunk, V), float32
             valid = yc != IGNORE_INDEX
             safe = yc.clamp(min=0)
             lse = torch.logsumexp(logits, dim=-1)
             total += ((lse - logits.gather(1, safe[:, None]).squeeze(1)) * valid).sum()
-            grad_logits = torch.softmax(logits, dim=-1)
+            grad_logits = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
             grad_logits[torch.arange(len(yc), device=yc.device), safe] -= 1.0
             grad_logits *= valid[:, None] / count
             g = grad_logits.to(weight.dtype)
-            grad_h[lo : lo + chunk_tokens] = (g @ weight).to(h.dtype)
-            grad_w += accumulating_mm(g.t(), hc.to(weight.dtype))
-        ctx.save_for_backward(grad_h.view_as(hidden), grad_w.to(weight.dtype))
+            del logits, grad_logits
+            grad_h = g @ weight
+            grad_w += accumulating_mm(g.t(), hc)
+            if norm is not None:
+                grad_h, grads = norm_backward(norm, grad_h.to(xc.dtype), xc, stats)
+                for name, value in grads.items():
+                    add_to(grad_norm, name, value)
+            grad_x[lo : lo + chunk_tokens] = grad_h
+        ctx.grads = (grad_x.view_as(x), grad_w.to(weight.dtype), *(grad_norm[n].to(p.dtype) for n, p in _named(norm)))
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+        grad_x, grad_w, *grad_norm = ctx.grads  # made in forward, for one backward: scaled in place
+        del ctx.grads
+        scaled = [g.mul_(grad_loss.to(g.dtype)) for g in (grad_x, grad_w, *grad_norm)]
+        return scaled[0], scaled[1], None, None, None, None, *scaled[2:]
+
+
+def _named(norm) -> list[tuple[str, torch.Tensor]]:
+    """Returns the norm's parameters in the order `norm_backward` names them (none without a norm)."""
+    if norm is None:
+        return []
+    return [(n, p) for n in ("weight", "bias") if (p := getattr(norm, n, None)) is not None]
 
 
 def chunked_cross_entropy(hidden, weight, labels, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -72,14 +94,16 @@ def chunked_cross_entropy(hidden, weight, labels, chunk_tokens: int = 4096) -> t
 
 
 def target_cross_entropy(
-    hidden, weight, targets, chunk_tokens: int = 4096, across: TokenReduction | None = None
+    x, weight, targets, chunk_tokens: int = 4096, across: TokenReduction | None = None, norm=None
 ) -> torch.Tensor:
     """Returns the mean cross-entropy over the target tokens (already shifted: position t predicts
-    targets[t]) of this rank, or of every rank `across` spans; the gradient is this rank's share."""
+    targets[t]) of this rank, or of every rank `across` spans, of the head W over norm(x) (x itself without a
+    `norm`, an nn.LayerNorm or nn.RMSNorm applied chunk by chunk); the gradient is this rank's share."""
     count = (targets != IGNORE_INDEX).sum()
     if across is not None:
         count = across.sum_count(count)
-    if not hidden.is_meta and int(count) == 0:
+    if not x.is_meta and int(count) == 0:
         raise ValueError("no target tokens: every label is ignored")
-    loss = ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, count)
+    params = [p for _, p in _named(norm)]
+    loss = ChunkedCrossEntropy.apply(x, weight, targets, chunk_tokens, count, norm, *params)
     return loss if across is None else across.sum_loss(loss)

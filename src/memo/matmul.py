@@ -23,7 +23,7 @@ def add_mm(sums: dict[str, torch.Tensor], name: str, a: torch.Tensor, b: torch.T
     if total is None:
         sums[name] = accumulating_mm(a, b)
     elif total.dtype == a.dtype:
-        total.addmm_(a, b)
+        torch.addmm(total, a, b, out=total)  # addmm, not addmm_: FLOP counters know the one op
     else:
         total += accumulating_mm(a, b)
 

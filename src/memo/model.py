@@ -11,6 +11,7 @@ from torch import nn
 from .config import ModelConfig
 from .layer import DecoderLayer
 from .loss import TokenReduction, shift_labels, target_cross_entropy
+from .norms import norm_forward
 from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
 
@@ -54,15 +55,22 @@ class Transformer(nn.Module):
         `targets` replaces `labels` with labels already shifted (position t predicts targets[t]): what a
         sequence-parallel rank holds, its last token predicting the next rank's first (parallel.shard_batch).
         """
-        x = self.hidden_states(input_ids)
+        x = self.layer_states(input_ids)
         if labels is None and targets is None:
-            return x @ self.head_weight.t()
+            return norm_forward(self.norm, x)[0] @ self.head_weight.t()
         targets = shift_labels(labels) if targets is None else targets
-        return target_cross_entropy(x, self.head_weight, targets, self.loss_chunk_tokens, self.token_reduction)
+        return target_cross_entropy(
+            x, self.head_weight, targets, self.loss_chunk_tokens, self.token_reduction, norm=self.norm
+        )
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns the final-norm hidden states (b, s, h): what the LM head reads (decode from a few rows of
         them without building the s × V logits)."""
+        return norm_forward(self.norm, self.layer_states(input_ids))[0]
+
+    def layer_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Returns the last layer's output (b, s, h), before the final norm (which the loss applies chunk by
+        chunk)."""
         b, s = input_ids.shape
         sp = self.layers[0].seq_parallel
         self.config.check_length(s * (1 if sp is None else sp.size))
@@ -71,7 +79,7 @@ class Transformer(nn.Module):
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, self.store)
-        return self.norm(x)
+        return x
 
     @property
     def head_weight(self) -> torch.Tensor:

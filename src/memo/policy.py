@@ -98,6 +98,12 @@ class ActivationPolicy:
             raise ValueError(f"`--plan` lists {len(self.plan)} modes for a model of {n_layers} layers")
         return list(self.plan)
 
+    def least_host_plan(self, n_layers: int) -> tuple[list[str], list[float]]:
+        """Returns the plan (mode and α per layer) of the least host memory this policy can end up with: its
+        own, with what is still to be solved at its least (α = 0; every layer checkpointed)."""
+        modes = self.layer_modes(n_layers) or ["checkpoint"] * n_layers
+        return modes, mode_alphas(modes, self.layer_alphas(n_layers) or [0.0] * n_layers)
+
     def tile_for(self, seq: int) -> int:
         """Returns the tile length for a sequence (shard) of `seq` tokens."""
         return min(seq, self.tile_tokens or DEFAULT_TILE_TOKENS)
@@ -138,8 +144,9 @@ class PlanProblem:
 
     `other_bytes` are the token-split tensors of a layer (q, k, v and the token-local ones, whole-length);
     `local_bytes` their token-local part alone (what a layer whose rounding buffer survives sends by α).
-    Seconds: `layer_seconds` the forward, `attention_seconds` its attention, `qkv_seconds` and
-    `mlp_seconds` the token-local work before and after attention (what α spares).
+    Seconds: `layer_seconds` the forward, `backward_seconds` the backward, `attention_seconds` the forward's
+    attention, `qkv_seconds` and `mlp_seconds` the token-local work before and after attention that a
+    recompute runs again (what α spares).
     """
 
     n_layers: int
@@ -150,6 +157,7 @@ class PlanProblem:
     keep_bytes: int
     bandwidth: float
     layer_seconds: float
+    backward_seconds: float
     attention_seconds: float
     qkv_seconds: float
     mlp_seconds: float
@@ -171,39 +179,60 @@ def host_bytes(p: PlanProblem, modes: list[str], alphas: list[float]) -> float:
     return total
 
 
-def plan_seconds(p: PlanProblem, modes: list[str], alphas: list[float]) -> float:
-    """Returns the seconds a plan adds to a step over keeping everything: recomputation and the part of each
-    copy that does not hide behind the layer's forward."""
+def plan_costs(p: PlanProblem, modes: list[str], alphas: list[float]) -> dict[str, float]:
+    """Returns what a plan adds to a step over keeping everything, in seconds: "recompute" (the token-local
+    work of the rows not kept, and a checkpointed layer's forward) and "exposed_copy" (the part of each
+    offload that does not hide behind the layer's forward, and of each prefetch behind the backward above).
+
+    With FLOPs for the seconds and an infinite bandwidth it counts the recomputed FLOPs (cost/flops.py)."""
     sent, back = offloaded(modes, p.offload_last_layers), reloaded(modes)
-    total = 0.0
+    recompute = copy = 0.0
     for i, mode in enumerate(modes):
         a = alphas[i]
         if mode == "memo":
-            copied = p.input_bytes + p.attention_bytes + a * p.other_bytes if sent[i] else a * p.local_bytes
-            total += max(0.0, copied / p.bandwidth - p.layer_seconds)
-            total += (1 - a) * (p.mlp_seconds + (p.qkv_seconds if back[i] else 0.0))
+            host = p.input_bytes + p.attention_bytes + a * p.other_bytes if sent[i] else a * p.local_bytes
+            recompute += (1 - a) * (p.mlp_seconds + (p.qkv_seconds if back[i] else 0.0))
         elif mode == "checkpoint":
-            total += max(0.0, p.input_bytes / p.bandwidth - p.layer_seconds) if sent[i] else 0.0
-            total += p.mlp_seconds + (p.attention_seconds + p.qkv_seconds if back[i] else 0.0)
-    return total
+            host = p.input_bytes if sent[i] else 0.0
+            recompute += p.mlp_seconds + (p.attention_seconds + p.qkv_seconds if back[i] else 0.0)
+        elif mode == "recompute":
+            recompute += p.mlp_seconds + p.attention_seconds + p.qkv_seconds
+            continue
+        else:
+            continue
+        copy += max(0.0, host / p.bandwidth - p.layer_seconds)
+        copy += max(0.0, host / p.bandwidth - p.backward_seconds) if back[i] else 0.0
+    return {"recompute": recompute, "exposed_copy": copy}
 
 
-def _alpha(p: PlanProblem, modes: list[str]) -> float | None:
-    """Returns the largest α, one for every memo layer, whose copy hides behind the forward and whose host
-    bytes fit the budget; None when the plan does not fit even at α = 0."""
-    zero = [0.0] * p.n_layers
-    fixed = host_bytes(p, modes, zero)
-    if fixed > p.host_budget:
-        return None
-    per_alpha = host_bytes(p, modes, [1.0] * p.n_layers) - fixed
-    by_host = (p.host_budget - fixed) / per_alpha if per_alpha else 1.0
+def plan_seconds(p: PlanProblem, modes: list[str], alphas: list[float]) -> float:
+    """Returns the seconds a plan adds to a step (`plan_costs`, summed)."""
+    return sum(plan_costs(p, modes, alphas).values())
+
+
+def _alphas(p: PlanProblem, modes: list[str]) -> list[float] | None:
+    """Returns α per layer: for the memo layers that send their whole-length tensors the largest α whose copy
+    hides behind the forward and whose host bytes fit the budget, then with what host is left the same for
+    the memo layers whose buffers survive (a row kept there spares less recomputation per byte: the q, k, v
+    rows stay on the device anyway); None when the plan does not fit even at α = 0."""
     sent = offloaded(modes, p.offload_last_layers)
-    by_time = 1.0
-    if any(m == "memo" and s for m, s in zip(modes, sent)) and p.other_bytes:
-        by_time = (p.bandwidth * p.layer_seconds - p.input_bytes - p.attention_bytes) / p.other_bytes
-    elif any(m == "memo" for m in modes) and p.local_bytes:
-        by_time = p.bandwidth * p.layer_seconds / p.local_bytes
-    return max(0.0, min(1.0, by_host, by_time))
+    alphas = [0.0] * p.n_layers
+    left = p.host_budget - host_bytes(p, modes, alphas)
+    if left < 0:
+        return None
+    groups = (
+        (True, p.other_bytes, p.bandwidth * p.layer_seconds - p.input_bytes - p.attention_bytes),
+        (False, p.local_bytes, p.bandwidth * p.layer_seconds),
+    )
+    for sends, row_bytes, copy_room in groups:
+        layers = [i for i, m in enumerate(modes) if m == "memo" and sent[i] == sends]
+        if not layers:
+            continue
+        a = max(0.0, min(1.0, copy_room / row_bytes, left / (len(layers) * row_bytes))) if row_bytes else 1.0
+        for i in layers:
+            alphas[i] = a
+        left -= a * len(layers) * row_bytes
+    return mode_alphas(modes, alphas)
 
 
 def solve_plan(p: PlanProblem, modes: list[str] | None = None) -> tuple[list[str], list[float]]:
@@ -219,10 +248,9 @@ def solve_plan(p: PlanProblem, modes: list[str] | None = None) -> tuple[list[str
     candidates = [modes] if modes is not None else _candidate_plans(p)
     best = None
     for plan in candidates:
-        alpha = _alpha(p, plan)
-        if alpha is None:
+        alphas = _alphas(p, plan)
+        if alphas is None:
             continue
-        alphas = mode_alphas(plan, [alpha] * p.n_layers)
         seconds = plan_seconds(p, plan, alphas)
         if best is None or seconds < best[0] - 1e-12:
             best = (seconds, plan, alphas)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 512  # bytes; keeps every view aligned for vectorised kernels and DMA
 TILE_GROUPS = ("qkv", "mlp")
+BACKWARD_OVER_FORWARD = 2.0  # a layer's backward runs two matmuls per forward one (its dx and dW)
 
 
 @dataclass
@@ -394,6 +395,7 @@ class ActivationStore:
             keep_bytes=pack_layout(specs)[1],
             bandwidth=measure_copy_bandwidth(whole["x"]),
             layer_seconds=sum(seconds.values()),
+            backward_seconds=BACKWARD_OVER_FORWARD * sum(seconds.values()),
             attention_seconds=seconds["attention"],
             qkv_seconds=seconds["qkv"],
             mlp_seconds=seconds["mlp"],
@@ -583,7 +585,7 @@ def measure_layer_seconds(layer: DecoderLayer, t: dict[str, torch.Tensor], tiles
     with torch.no_grad():
         return {
             "qkv": dev.timed(qkv, t["x"].device),
-            "attention": dev.timed(lambda: layer.attend(t), t["x"].device),
+            "attention": dev.timed(lambda: layer.attend(t, tiles.tile), t["x"].device),
             "mlp": dev.timed(mlp, t["x"].device),
         }
 

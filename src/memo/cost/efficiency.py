@@ -143,10 +143,13 @@ GENERIC = Efficiency(matmul=0.6, attention_forward=0.4, attention_backward=0.4)
 CALIBRATION_SPREAD = 0.05
 
 
-def published_band(spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kernel: str = "flash2") -> Band:
+def published_band(
+    spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kernel: str = "flash2", rows: int | None = None
+) -> Band:
     """Returns the efficiency band of `spec`'s kernels at one GPU's shape: attention over `tokens` tokens for
-    `heads` query heads (all sequences of a micro-batch), `c`'s head dimension and hidden size. A GPU without
-    published speeds gets `GENERIC`, wide. `kernel` names the attention kernel (default PyTorch's flash)."""
+    `heads` query heads (all sequences of a micro-batch), `c`'s head dimension, and GEMMs of its hidden size
+    over `rows` token rows at a time (a tile; default as many as the hidden size). A GPU without published
+    speeds gets `GENERIC`, wide. `kernel` names the attention kernel (default PyTorch's flash)."""
     speeds = next((v for k, v in SPEEDS.items() if k.lower() in spec.name.lower()), None)
     if speeds is None:
         return Band.around(GENERIC, 0.25, f"no published speeds for {spec.name}: generic efficiencies ±25%")
@@ -158,7 +161,8 @@ def published_band(spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kerne
     fill = min(1.0, -(-tokens // 128) * heads / speeds.sms)
     peak = spec.peak_flops / 1e12
     mid = Efficiency(
-        matmul=_interpolate(speeds.matmul, c.hidden_size) / peak,
+        # the GEMM tables are of square shapes: a tile of fewer rows than the hidden size runs as the smaller one
+        matmul=_interpolate(speeds.matmul, min(c.hidden_size, rows or c.hidden_size)) / peak,
         attention_forward=fill * _interpolate(forward, tokens) / peak,
         attention_backward=fill * _interpolate(backward, tokens) / peak,
         hbm=speeds.hbm,

@@ -33,7 +33,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..policy import ActivationPolicy, AlphaProblem, solve_alpha
+from ..policy import PlanProblem, offloaded, plan_costs, solve_plan
+from ..swap import ALIGN, pack_layout
+from ..units import format_bytes, format_count
 from .efficiency import POINTS, Band, Efficiency, published_band
 from .flops import (
     HFU,
@@ -43,14 +45,16 @@ from .flops import (
     linear_params_per_layer,
     model_flops_per_token,
     recompute_flops,
+    token_local_flops,
 )
 from .hardware import GPUSpec, runtime_bytes
 from .memory import (
     BYTES_PER_PARAM,
+    Traced,
     fragmentation_bytes,
-    host_bytes_per_gpu,
-    persistent_activation_bytes,
+    layer_specs,
     skeletal_bytes,
+    store_bytes,
     traffic_bytes,
     transient_peak,
 )
@@ -58,13 +62,17 @@ from .memory import (
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
 CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU}
 RECOMPUTE = {  # what each system can recompute, as it ships
-    "memo": ("memo",),  # α of the token-local tensors (memo-method.md §3)
+    "memo": ("memo",),  # a plan of keep / memo / checkpoint layers with α (docs/method.md §3)
     "megatron": ("selective", "full"),  # --recompute-granularity: core attention, or the whole layer
     "deepspeed": ("none", "full"),  # activation checkpointing off or on
     "offload-all": ("offload",),
 }
 TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
 OFFLOADS = ("memo", "offload")  # the recomputations that keep skeletal tensors in host memory
+MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole sequence shard)
+# the caching allocator's mode each system runs: `memo train` turns on expandable segments on CUDA (as
+# torchtitan does); Megatron-LM and DeepSpeed leave PyTorch's default
+EXPANDABLE = ("memo", "offload-all")
 # DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py): `stage3_prefetch_bucket_size` 5e7 parameters
 # gathered ahead of the current module, `reduce_bucket_size` 5e8 elements held in bf16 (stage3.py)
 ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
@@ -79,12 +87,13 @@ MAX_SEQ_RANGE = (
 
 @dataclass(frozen=True)
 class Layout:
-    """How one system splits a sequence over its GPUs, and what it recomputes."""
+    """How one system splits a sequence over its GPUs, what it recomputes, and its token tile."""
 
     tp: int = 1  # tensor (+ sequence) parallel
     cp: int = 1  # context parallel: ring attention
     ulysses: int = 1  # Ulysses all-to-all sequence parallel
     recompute: str = "full"
+    tile: int | None = None  # rows of token-local work at a time (None: the GPU's whole shard)
 
     @property
     def sp(self) -> int:
@@ -92,7 +101,9 @@ class Layout:
 
     def __str__(self) -> str:
         split = " ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("ulysses", self.ulysses)) if v > 1)
-        return f"{split or 'no sequence split'}, {self.recompute} recompute"
+        what = "plan" if self.recompute == "memo" else "recompute"
+        tiles = f", tiles of {format_count(self.tile)}" if self.tile else ""
+        return f"{split or 'no sequence split'}, {self.recompute} {what}{tiles}"
 
 
 @dataclass
@@ -118,6 +129,11 @@ class Estimate:
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # low and high efficiency band
     dominant: str = ""  # the largest share of the step, e.g. "97% attention"
     efficiency: dict = field(default_factory=dict)  # the central per-phase efficiencies and their source
+    plan: list[str] | None = None  # memo: each layer's mode (keep, memo, checkpoint)
+    tile: int | None = None  # tokens per tile of token-local work (None: untiled)
+    binds: str = ""  # the budget nearest its limit, e.g. "host memory 1.79 of 1.80 TiB per node"
+    allocator: str = ""  # how device memory is served: which caching-allocator mode, or an arena at LOAD
+    tokens_per_step: int = 0  # every GPU's tokens of one optimizer step (micro-batch x data-parallel groups)
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "conventions": CONVENTIONS}
@@ -153,7 +169,15 @@ def layouts(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: 
         ]
     # DeepSpeed's all-to-all scatters query and key/value heads alike; memo's repeats key/value heads to fit
     heads = (c.n_heads, c.n_kv_heads) if system == "deepspeed" else (c.n_heads,)
-    return [Layout(1, 1, d, r) for d in degrees if all(h % d == 0 for h in heads) for r in RECOMPUTE[system]]
+    tiles = MEMO_TILES if system == "memo" else (None,)
+    return [
+        Layout(1, 1, d, r, tile)
+        for d in degrees
+        if all(h % d == 0 for h in heads)
+        for r in RECOMPUTE[system]
+        for tile in tiles
+        if tile is None or tile < seq // d
+    ]
 
 
 def estimate(
@@ -168,22 +192,30 @@ def estimate(
     point: str = "mid",
     fragmentation: bool = True,
     micro_batch: int = 1,
+    host_memory: int | None = None,
 ) -> Estimate:
     """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
     of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
     that fits; if none fits, the one needing least memory).
 
     `eff` is a measured band (`memo calibrate`); by default the published one for this GPU and shape. `point`
-    (low, mid, high) picks the band member that decides α and fit; `fragmentation` False plans memory as
-    an arena at LOAD would (no caching-allocator overhead).
+    (low, mid, high) picks the band member that decides the plan, α and fit; `fragmentation` False plans memory
+    as an arena at LOAD would (no caching-allocator overhead). `host_memory` is each node's (default the GPU
+    spec's), of which `HOST_FRACTION` may hold offloaded tensors.
     """
     if micro_batch < 1:
         raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
+    if host_memory is not None and host_memory <= 0:
+        raise ValueError(f"`--host-memory` must be positive, got {host_memory} bytes")
     candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
     if not candidates:
         return _unsupported(c, seq, gpus, gpu, system, sp)
     run = (c, seq, gpus, gpu, system)
-    results = [_evaluate(*run, lay, eff, point, fragmentation, micro_batch) for lay in candidates]
+    results = []
+    for lay in candidates:  # a smaller tile is never faster (efficiency.published_band): the largest that fits
+        if any(r.fits and r.layout == str(dataclasses.replace(lay, tile=t)) for r in results for t in MEMO_TILES):
+            continue
+        results.append(_evaluate(*run, lay, eff, point, fragmentation, micro_batch, host_memory))
     fitting = [e for e in results if e.fits]
     if fitting:
         return max(fitting, key=lambda e: e.tokens_per_s)
@@ -199,39 +231,41 @@ def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str,
     return Estimate(system, seq, gpus, split, False, why, None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0)
 
 
-def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation, batch) -> Estimate:
+def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation, batch, host_memory):
     """Returns the estimate of one layout, `batch` sequences per micro-batch."""
     tokens = batch * seq // layout.sp  # per GPU
-    # attention runs over the whole sequence (Ulysses, tp) or its context-parallel chunk, for the GPU's heads
-    band = band or published_band(gpu, c, seq // layout.cp, batch * c.n_heads // (layout.tp * layout.ulysses))
+    # attention runs over the whole sequence (Ulysses, tp) or its context-parallel chunk, for the GPU's heads;
+    # the token-local matmuls over a tile's rows
+    heads = batch * c.n_heads // (layout.tp * layout.ulysses)
+    band = band or published_band(gpu, c, seq // layout.cp, heads, rows=layout.tile or tokens)
     eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
-    host_capacity = int(HOST_FRACTION * gpu.host_memory_per_node)
-    t = _compute_seconds(c, seq, tokens, gpu, eff)
-    why, alphas, host = "", None, 0
-    if layout.recompute in OFFLOADS:
-        offloaded = _layout_policy(layout).offloaded_layers(c.n_layers)
-        if layout.recompute == "offload":
-            alphas = [1.0] * c.n_layers
-        else:
-            alphas, why = _solve_alphas(c, tokens, t["forward"], gpu, eff, host_capacity // node_gpus, offloaded)
-        host = host_bytes_per_gpu(c, tokens, alphas, offloaded) * node_gpus if alphas else 0
-        if host > host_capacity:
-            why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
-    device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch)
+    host_capacity = int(HOST_FRACTION * (host_memory or gpu.host_memory_per_node))
+    plan, why = _plan(c, seq, tokens, gpu, eff, layout, host_capacity // node_gpus)
+    device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, gpu.hbm_bytes)
+    room = gpu.hbm_bytes - device["total"]
+    if plan and layout.recompute == "memo" and room > 0:  # the layers the device can hold besides: kept
+        plan, _ = _plan(c, seq, tokens, gpu, eff, layout, host_capacity // node_gpus, room)
+        device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan)
+    host = _store(c, tokens, layout, plan).host_total * node_gpus if plan else 0
     if not why and device["total"] > gpu.hbm_bytes:
-        why = f"device memory: needs {device['total'] / 2**30:.1f} GiB of {gpu.hbm_bytes / 2**30:.0f} GiB"
-    timed = {p: _step_seconds(c, seq, tokens, system, gpus, layout, gpu, getattr(band, p), alphas) for p in POINTS}
+        least = "more than " if device.get("lower_bound") else ""
+        why = f"device memory: needs {least}{device['total'] / 2**30:.1f} GiB of {gpu.hbm_bytes / 2**30:.0f} GiB"
+    if not why and host > host_capacity:
+        why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
+    timed = {p: _step_seconds(c, seq, tokens, system, gpus, layout, gpu, getattr(band, p), plan) for p in POINTS}
     seconds = timed[point]
     step = sum(seconds.values())
     sequences = gpus // layout.sp * batch  # per step
     per_flop = sequences / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
-    reloaded = _layout_policy(layout).reloaded_layers(c.n_layers) if alphas else ()
-    again = recompute_flops(c, seq, TRACED[layout.recompute], alphas, reloaded, causal=True)
+    modes, alphas = plan or (_baseline_modes(layout, c.n_layers), [0.0] * c.n_layers)
+    again = recompute_flops(c, seq, modes, alphas, layout.recompute == "offload", causal=True)
     if layout.recompute == "selective":
         again = c.n_layers * layer_forward_flops(c, seq, causal=True)[1]
     model = model_flops_per_token(c, seq) * seq
     slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
+    use = {"device memory": (device["total"], gpu.hbm_bytes), "host memory": (host, host_capacity)}
+    tightest = max(use, key=lambda k: use[k][0] / use[k][1])
     return Estimate(
         system,
         seq,
@@ -239,7 +273,7 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
         layout.sp,
         not why,
         why,
-        alphas,
+        alphas if plan else None,
         device,
         gpu.hbm_bytes,
         host,
@@ -258,7 +292,73 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
         },
         dominant(seconds),
         {**dataclasses.asdict(eff), "source": band.source},
+        modes if plan else None,
+        layout.tile,
+        f"{tightest} {format_bytes(use[tightest][0])} of {format_bytes(use[tightest][1])}"
+        + (" per node" if tightest == "host memory" else " per GPU"),
+        _allocator(system, fragmentation),
+        sequences * seq,
     )
+
+
+def _allocator(system: str, fragmentation: bool) -> str:
+    if not fragmentation:
+        return "an arena at LOAD (no fragmentation)"
+    return "caching allocator, expandable segments" if system in EXPANDABLE else "caching allocator, default"
+
+
+def _baseline_modes(layout: Layout, n: int) -> list[str]:
+    """Returns the store modes that model a baseline's layers: inputs kept (full recompute) or everything."""
+    return ["recompute" if layout.recompute == "full" else "keep"] * n
+
+
+def _plan(c, seq, tokens, gpu, eff, layout: Layout, host_budget: int, device_budget: int = 0):
+    """Returns ((modes, α) per layer, "") for a layout that offloads, (None, why) when its host cannot hold even
+    the layer inputs, and (None, "") for one that does not offload."""
+    n = c.n_layers
+    if layout.recompute == "offload":
+        return (["memo"] * n, [1.0] * n), ""
+    if layout.recompute != "memo":
+        return None, ""
+    try:
+        return solve_plan(_plan_problem(c, seq, tokens, gpu, eff, host_budget, device_budget)), ""
+    except ValueError as err:
+        return None, f"host memory: {err}"
+
+
+def _plan_problem(c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int):
+    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds."""
+    specs = layer_specs(c, tokens)
+    by_role = {role: sum(sp.nbytes for sp in specs.values() if sp.role == role) for role in ("input", "attention")}
+    t = _compute_seconds(c, seq, tokens, gpu, eff)
+    return PlanProblem(
+        n_layers=c.n_layers,
+        input_bytes=by_role["input"],
+        attention_bytes=by_role["attention"],
+        other_bytes=sum(sp.nbytes for sp in specs.values() if sp.role == "other"),
+        local_bytes=sum(sp.nbytes for sp in specs.values() if sp.group != "whole"),
+        keep_bytes=pack_layout(specs)[1],
+        bandwidth=_host_bandwidth(gpu, eff),
+        layer_seconds=t["forward"],
+        backward_seconds=2 * t["matmul"] + t["attention_backward"],
+        attention_seconds=t["attention"],
+        qkv_seconds=t["qkv"],
+        mlp_seconds=t["mlp"],
+        host_budget=host_budget - c.n_layers * len(specs) * ALIGN,  # room for each host slot's alignment
+        device_budget=device_budget,
+    )
+
+
+def _traced(layout: Layout, plan) -> Traced:
+    """Returns the step whose trace gives a layout's transient memory: its strategy, a checkpointed layer when
+    the plan has one, its tiles, and Ulysses' all-to-all buffers."""
+    return Traced(TRACED[layout.recompute], bool(plan) and "checkpoint" in plan[0], layout.tile, layout.ulysses)
+
+
+def _store(c, tokens: int, layout: Layout, plan):
+    """Returns the activation store's layout (swap.StoreLayout) of a layout and its plan."""
+    modes, alphas = plan or (_baseline_modes(layout, c.n_layers), [0.0] * c.n_layers)
+    return store_bytes(c, tokens, modes, alphas, layout.tile or tokens, layout.recompute == "offload")
 
 
 def dominant(seconds: dict[str, float]) -> str:
@@ -269,25 +369,14 @@ def dominant(seconds: dict[str, float]) -> str:
 
 def _compute_seconds(c: ModelConfig, seq: int, tokens: int, gpu: GPUSpec, eff: Efficiency) -> dict[str, float]:
     """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention (the half of
-    the matrix a causal kernel computes), each phase at its own efficiency."""
+    the matrix a causal kernel computes), each phase at its own efficiency, and the token-local matmuls a
+    recompute runs again (`qkv` before attention, `mlp` after it)."""
     matmul, attention = layer_forward_flops(c, seq, tokens, causal=True)
     mm = matmul / (gpu.peak_flops * eff.matmul)
     attn = attention / (gpu.peak_flops * eff.attention_forward)
     attn_bwd = ATTENTION_BACKWARD * attention / (gpu.peak_flops * eff.attention_backward)
-    return {"matmul": mm, "attention": attn, "attention_backward": attn_bwd, "forward": mm + attn}
-
-
-def _solve_alphas(c, tokens, layer_seconds, gpu: GPUSpec, eff: Efficiency, host_budget: int, offloaded):
-    """Returns (α per layer, "") or (None, why) from the §3 constraints for one GPU."""
-    b = skeletal_bytes(c, tokens)
-    problem = AlphaProblem(
-        b["input"], b["attention"], b["other"], _host_bandwidth(gpu, eff), layer_seconds, host_budget, len(offloaded)
-    )
-    try:
-        alpha = solve_alpha(problem)
-    except ValueError as err:
-        return None, f"host memory: {err}"
-    return [alpha if i in offloaded else 1.0 for i in range(c.n_layers)], ""
+    qkv, mlp = (f / (gpu.peak_flops * eff.matmul) for f in token_local_flops(c, tokens))
+    return {"matmul": mm, "attention": attn, "attention_backward": attn_bwd, "forward": mm + attn, "qkv": qkv, "mlp": mlp}
 
 
 def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
@@ -295,23 +384,42 @@ def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
 
 
 def device_bytes(
-    c: ModelConfig, seq: int, gpus: int, system: str, layout: Layout, fragmentation: bool = True, batch: int = 1
+    c: ModelConfig,
+    seq: int,
+    gpus: int,
+    system: str,
+    layout: Layout,
+    fragmentation: bool = True,
+    batch: int = 1,
+    plan: tuple[list[str], list[float]] | None = None,
+    capacity: int | None = None,
 ) -> dict[str, int]:
-    """Returns the per-GPU device memory of a system's layout, by term, and the total."""
+    """Returns the per-GPU device memory of a system's layout (memo: and its plan), by term, and the total.
+
+    The activation store's buffers are what `memo train`'s store allocates for the plan (`swap.store_layout`);
+    the transient peak and the fragmentation come from a traced step of the same tiles and modes. When the
+    terms known without a trace already exceed `capacity`, the step is not traced: its terms are 0 and the
+    total a lower bound (`"lower_bound": 1`)."""
     tokens = batch * seq // layout.sp
-    strategy = TRACED[layout.recompute]
-    transient = transient_peak(c, tokens, strategy)
-    if system in ("megatron", "deepspeed"):
-        transient = max(transient, _loss_peak(c, tokens, strategy, system, layout))
-    terms = {
+    store = _store(c, tokens, layout, plan)
+    static = {
         "model_states": _model_states(c, gpus, system, layout),
-        "skeletal_buffers": persistent_activation_bytes(c, tokens, strategy),
+        "skeletal_buffers": store.device_bytes,
+        "runtime": runtime_bytes(_communicators(layout, gpus)),
+    }
+    if capacity is not None and sum(static.values()) > capacity:
+        return {**static, "transient_peak": 0, "fragmentation": 0, "total": sum(static.values()), "lower_bound": 1}
+    traced = _traced(layout, plan)
+    transient = transient_peak(c, tokens, traced)
+    if system in ("megatron", "deepspeed"):
+        transient = max(transient, _loss_peak(c, tokens, system, layout))
+    terms = {
+        **static,
         "transient_peak": transient,
         # Megatron's output layer gathers the sequence-parallel input into a global buffer that only grows
         # (megatron/core/utils.py GlobalMemoryBuffer; tensor_parallel/layers.py, the "mpu" buffer)
         "gather_buffer": tokens * layout.tp * c.hidden_size * 2 if layout.tp > 1 else 0,
-        "fragmentation": fragmentation_bytes(c, tokens, strategy) if fragmentation else 0,
-        "runtime": runtime_bytes(_communicators(layout, gpus)),
+        "fragmentation": fragmentation_bytes(c, tokens, traced, expandable=system in EXPANDABLE) if fragmentation else 0,
     }
     return {**terms, "total": sum(terms.values())}
 
@@ -322,10 +430,10 @@ def _communicators(layout: Layout, gpus: int) -> int:
     return sum(n > 1 for n in (layout.tp, layout.cp, layout.ulysses, gpus // layout.sp, gpus))
 
 
-def _loss_peak(c: ModelConfig, tokens: int, strategy: str, system: str, layout: Layout) -> int:
-    """Returns the transient bytes at the loss of a system that materialises the logits: every layer's kept
-    tensors, the final hidden state and its norm, and per logit (each GPU holds `tokens` × V of them; with
-    tensor parallelism (s / cp) × (V / tp), as many):
+def _loss_peak(c: ModelConfig, tokens: int, system: str, layout: Layout) -> int:
+    """Returns the transient bytes at the loss of a system that materialises the logits (beyond the layers'
+    kept tensors, which are the store's): the final hidden state and its norm, and per logit (each GPU holds
+    `tokens` × V of them; with tensor parallelism (s / cp) × (V / tp), as many):
 
     - Megatron-LM (core >= 0.8): bf16 logits and the fp32 copy `vocab_parallel_cross_entropy` works in, in
       place (megatron/core/tensor_parallel/cross_entropy.py): 2 + 4 bytes;
@@ -333,10 +441,8 @@ def _loss_peak(c: ModelConfig, tokens: int, strategy: str, system: str, layout: 
       a new fp32 softmax and its log (core/sequence_parallel/cross_entropy.py): 2 + 4 + 4 + 4 bytes; without
       Ulysses Megatron's older loss, which subtracts the maximum out of place: 2 + 4 + 4.
     """
-    b = skeletal_bytes(c, tokens)
-    kept = b["input"] if strategy == "full" else sum(b.values())
     per_logit = 6 if system == "megatron" else 14 if layout.ulysses > 1 else 10
-    return c.n_layers * kept + 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * per_logit
+    return 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * per_logit
 
 
 def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int:
@@ -352,49 +458,33 @@ def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int
     return int(params * BYTES_PER_PARAM / gpus + 2 * 2 * layer)  # FSDP2: current and prefetched layer
 
 
-def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, alphas):
+def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan):
     """Returns the step time split into attention, matmul, memory-bound ops, recompute, exposed copy and
     communication."""
     n = c.n_layers
     t = _compute_seconds(c, seq, tokens, gpu, eff)
     fwd, bwd = t["forward"], 2 * t["matmul"] + t["attention_backward"]
-    recompute = [0.0] * n
+    costs = {"recompute": 0.0, "exposed_copy": 0.0}
     if layout.recompute == "full":
-        recompute = [fwd] * n
+        costs["recompute"] = n * fwd
     elif layout.recompute == "selective":
-        recompute = [t["attention"]] * n
-    elif layout.recompute == "memo":
-        local = 1 - c.ffn_hidden_size * c.hidden_size / linear_params_per_layer(c)  # all but w_down
-        kept = alphas or [0.0] * n  # no feasible α: time it as α = 0 (the estimate already says it does not fit)
-        reloaded = set(_layout_policy(layout).reloaded_layers(n))
-        recompute = [(1 - kept[i]) * t["matmul"] * local if i in reloaded else 0.0 for i in range(n)]
-    copy = [0.0] * n
-    if layout.recompute in OFFLOADS and alphas:
-        b = skeletal_bytes(c, tokens)
-        policy = _layout_policy(layout)
-        reloaded = set(policy.reloaded_layers(n))
-        bw = _host_bandwidth(gpu, eff)
-        for i in policy.offloaded_layers(n):
-            seconds = (b["input"] + b["attention"] + alphas[i] * b["other"]) / bw
-            prefetch = max(0.0, seconds - (bwd + recompute[i])) if i in reloaded else 0.0
-            copy[i] = max(0.0, seconds - fwd) + prefetch
-    comm = n * _layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t)
+        costs["recompute"] = n * t["attention"]
+    elif layout.recompute in OFFLOADS and plan:
+        problem = _plan_problem(c, seq, tokens, gpu, eff, 0, 0)
+        costs = plan_costs(dataclasses.replace(problem, offload_last_layers=layout.recompute == "offload"), *plan)
+    checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
+    plain, rerun = (_layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))
     head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
-    per_layer, outside = traffic_bytes(c, tokens, TRACED[layout.recompute])
+    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(layout, plan))
     return {
         "attention": n * (t["attention"] + t["attention_backward"]),
         "matmul": n * 3 * t["matmul"] + head,
         # what the trace's memory-bound ops write is read once more: twice those bytes at HBM speed
-        "memory_bound": 2 * (n * per_layer + outside) / (gpu.hbm_bytes_per_s * eff.hbm),
-        "recompute": sum(recompute),
-        "exposed_copy": sum(copy),
-        "communication": comm,
+        "memory_bound": 2 * (n * per_layer_bytes + outside) / (gpu.hbm_bytes_per_s * eff.hbm),
+        "recompute": costs["recompute"],
+        "exposed_copy": costs["exposed_copy"],
+        "communication": (n - checkpointed) * plain + checkpointed * rerun,
     }
-
-
-def _layout_policy(layout: Layout) -> ActivationPolicy:
-    """Returns which layers a memo-style layout offloads and reloads, as the swap engine decides it."""
-    return ActivationPolicy("memo", offload_last_layers=layout.recompute == "offload")
 
 
 def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
@@ -402,11 +492,12 @@ def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
     return gpu.nvlink_bytes_per_s * eff.nvlink if gpus <= gpu.gpus_per_node else gpu.network_bytes_per_s * eff.network
 
 
-def _layer_comm_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu, eff, fwd, bwd, t) -> float:
-    """Returns one layer's communication seconds on the critical path (forward + backward + recompute)."""
+def _layer_comm_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu, eff, fwd, bwd, t, again: bool) -> float:
+    """Returns one layer's communication seconds on the critical path: forward + backward, and the recomputed
+    forward when the layer runs `again` (whole-layer recomputation)."""
     d, a, g = c.head_dim, c.n_heads, c.n_kv_heads
     tp, cp = layout.tp, layout.cp
-    passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the recomputed forward
+    passes = 3 if again else 2  # forward, backward, and the recomputed forward
     seconds = 0.0
     if tp > 1:  # 2 all-gathers + 2 reduce-scatters of the (s/cp, h) activations per pass
         tp_bytes = 4 * tokens * tp * c.hidden_size * 2 * (tp - 1) / tp
@@ -418,11 +509,19 @@ def _layer_comm_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu, eff, 
     sp = layout.ulysses
     if sp > 1:  # Ulysses: q, k, v in and the output back, per pass
         a2a = (2 * a + 2 * g) * d * tokens * 2 * (sp - 1) / sp / _link(sp, gpu, eff)
-        seconds += a2a * (3 if layout.recompute == "full" else 2)
+        seconds += a2a * passes
     if system != "megatron" and gpus > 1:  # ZeRO-3 / FSDP: gather weights for forward and backward
         move = linear_params_per_layer(c) * 2 * (gpus - 1) / gpus / _link(gpus, gpu, eff)
         seconds += max(0.0, move - fwd) + max(0.0, 2 * move - bwd)
     return seconds
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest sequence that fits, and why the next length tried does not (or the shortest, when none fits)."""
+
+    tokens: int
+    why_not: str
 
 
 def max_seq(
@@ -435,13 +534,17 @@ def max_seq(
     limit: int = 1 << 26,
     point: str = "mid",
     fragmentation: bool = True,
-) -> int:
+    host_memory: int | None = None,
+) -> Longest:
     """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
-    or 0 if none does."""
+    0 if none does, with what stops the next length."""
     step = 1024 * (gpus if sp is None else sp)
+    why = {}
 
     def fits(seq: int) -> bool:
-        return estimate(c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation).fits
+        e = estimate(c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation, host_memory=host_memory)
+        why[seq] = e.why
+        return e.fits
 
     lo, hi = 0, step
     while hi <= limit and fits(hi):
@@ -450,15 +553,22 @@ def max_seq(
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    if lo + step not in why and lo + step <= limit:
+        fits(lo + step)
+    return Longest(lo, why.get(lo + step) or f"the search stops at {format_count(limit)} tokens")
 
 
-def max_seq_range(c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None) -> dict:
-    """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's α, and so its
-    host memory, depends on speed), "mid", and "high" at the fast end with memory served at LOAD (no
-    caching-allocator fragmentation, as a planned arena or expandable segments would give)."""
+def max_seq_range(
+    c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None, host_memory=None
+) -> dict:
+    """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
+    and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
+    caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
+    "mid"."""
+    mid = max_seq(c, gpus, gpu, system, sp, eff, host_memory=host_memory)
     return {
-        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low"),
-        "mid": max_seq(c, gpus, gpu, system, sp, eff),
-        "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False),
+        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", host_memory=host_memory).tokens,
+        "mid": mid.tokens,
+        "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, host_memory=host_memory).tokens,
+        "why_not": mid.why_not,
     }

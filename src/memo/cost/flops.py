@@ -8,8 +8,10 @@ counted apart, for HFU). Two conventions for attention, each named wherever a ut
 
 from __future__ import annotations
 
+import math
+
 from ..config import ModelConfig
-from ..policy import split_row
+from ..policy import PlanProblem, plan_costs, split_row
 
 
 def linear_params_per_layer(c: ModelConfig) -> int:
@@ -40,23 +42,42 @@ def model_flops_per_token(c: ModelConfig, seq: int, causal: bool = True) -> floa
     return 3.0 * (c.n_layers * (matmul + attention) + 2.0 * c.vocab_size * c.hidden_size)
 
 
-def recompute_flops(
-    c: ModelConfig, seq: int, strategy: str, alphas=None, reloaded=(), tokens=None, causal: bool = False
-) -> float:
-    """Returns the forward FLOPs a strategy spends again before backward, for one sequence.
+def token_local_flops(c: ModelConfig, tokens: int) -> tuple[float, float]:
+    """Returns the forward FLOPs of one layer's token-local matmuls a recompute runs again for `tokens` tokens:
+    (the q, k, v projections; the output projection and the MLP's input projections). The MLP's last
+    projection is not rerun: its output is the layer's, not a skeletal tensor."""
+    h, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    mlp_in = (1 if c.arch == "gpt" else 2) * h * c.ffn_hidden_size
+    return 2.0 * h * (q + 2 * kv) * tokens, 2.0 * (q * h + mlp_in) * tokens
 
-    `full` re-runs each layer's forward except the last projection (its output is not needed);
-    `memo` re-runs the token-local matmuls (all but the last projection) for the (1 − α) tokens of
-    every layer whose tensors come back from host (`ActivationPolicy.reloaded_layers`, §3).
-    """
+
+def recompute_flops(
+    c: ModelConfig, seq: int, modes: list[str], alphas: list[float], offload_last_layers: bool = False,
+    tokens: int | None = None, causal: bool = False,
+) -> float:
+    """Returns the forward FLOPs a plan (policy.py's modes and α per layer) spends again before backward, for one
+    sequence: the token-local matmuls of the rows a layer does not keep, and a checkpointed or recomputed
+    layer's attention (`policy.plan_costs`, with FLOPs for its seconds)."""
     tokens = seq if tokens is None else tokens
-    w_down = c.ffn_hidden_size * c.hidden_size
-    local = 2.0 * (linear_params_per_layer(c) - w_down)
-    if strategy == "full":
-        return c.n_layers * (local * tokens + layer_forward_flops(c, seq, tokens, causal)[1])
-    if strategy == "memo":
-        return sum(local * (tokens - split_row(alphas[i], tokens)) for i in reloaded)
-    return 0.0
+    qkv, mlp = token_local_flops(c, tokens)
+    problem = PlanProblem(
+        n_layers=c.n_layers,
+        input_bytes=0,
+        attention_bytes=0,
+        other_bytes=0,
+        local_bytes=0,
+        keep_bytes=0,
+        bandwidth=math.inf,
+        layer_seconds=0.0,
+        backward_seconds=0.0,
+        attention_seconds=layer_forward_flops(c, seq, tokens, causal)[1],
+        qkv_seconds=qkv,
+        mlp_seconds=mlp,
+        host_budget=0,
+        offload_last_layers=offload_last_layers,
+    )
+    kept = [split_row(a, tokens) / tokens for a in alphas]  # whole token rows, as the store splits them
+    return plan_costs(problem, modes, kept)["recompute"]
 
 
 PUBLISHED_CONVENTIONS = {  # how published runs count the FLOPs their utilisation divides by the peak

@@ -9,7 +9,7 @@ from ..config import ModelConfig
 from ..policy import ActivationPolicy
 from .estimate import Layout, estimate
 from .hardware import GPUSpec
-from .memory import host_bytes_per_gpu, persistent_activation_bytes, training_lower_bound, transient_peak
+from .memory import Traced, store_bytes, training_lower_bound, transient_peak
 
 OFF_BY = 0.15  # a measured peak further than this from its prediction is a warning
 
@@ -26,26 +26,28 @@ def predict_run(
     kernels: str,
     spec: GPUSpec | None = None,
 ) -> dict:
-    """Returns one rank's predicted memory (model states, skeletal buffers, the step's transient peak traced at
-    the run's dtype and kernels, their sum, and memo's host pool when α is known) and, on a known GPU, the step
-    time and MFU with their ranges."""
+    """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
+    the step's transient peak traced at the run's dtype, kernels, tiles and modes, their sum, and memo's host
+    pool when the plan and α are known) and, on a known GPU, the step time and MFU with their ranges."""
     tokens = micro_batch * seq // sp
+    n = c.n_layers
     states = training_lower_bound(c, tokens, policy, dtype, shards=world)["states"]
-    buffers = persistent_activation_bytes(c, tokens, policy.strategy, dtype)
-    transient = transient_peak(c, tokens, policy.strategy, loss_chunk_tokens, dtype=dtype, kernels=kernels)
+    modes, alphas = policy.least_host_plan(n)  # the device buffers are the same for every solved plan
+    tile = policy.tile_for(tokens)
+    store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
+    traced = Traced(policy.strategy, "checkpoint" in modes, tile if tile < tokens else None, sp)
+    transient = transient_peak(c, tokens, traced, loss_chunk_tokens, dtype=dtype, kernels=kernels)
     predicted = {
-        "device_peak_bytes": states + buffers + transient,
+        "device_peak_bytes": states + store.device_bytes + transient,
         "model_state_bytes": states,
-        "skeletal_buffer_bytes": buffers,
+        "skeletal_buffer_bytes": store.device_bytes,
         "step_transient_bytes": transient,
     }
-    alphas = policy.layer_alphas(c.n_layers) if policy.strategy == "memo" else None
-    if alphas:
-        predicted["host_pool_bytes"] = host_pool_bytes(c, tokens, policy, alphas, dtype)
+    if policy.strategy == "memo" and policy.layer_modes(n) and policy.layer_alphas(n):
+        predicted["host_pool_bytes"] = store.host_total
     if spec is not None:
-        e = estimate(
-            c, seq, world, spec, "memo", layout=Layout(ulysses=sp, recompute=policy.strategy), micro_batch=micro_batch
-        )
+        layout = Layout(ulysses=sp, recompute=policy.strategy, tile=tile if tile < tokens else None)
+        e = estimate(c, seq, world, spec, "memo", layout=layout, micro_batch=micro_batch)
         predicted.update(
             gpu=spec.name,
             step_seconds=e.step_seconds,
@@ -57,9 +59,11 @@ def predict_run(
     return predicted
 
 
-def host_pool_bytes(c: ModelConfig, tokens: int, policy: ActivationPolicy, alphas: list[float], dtype) -> int:
-    """Returns the host pool memo's offload fills at these α (§3)."""
-    return host_bytes_per_gpu(c, tokens, alphas, policy.offloaded_layers(c.n_layers), dtype)
+def host_pool_bytes(
+    c: ModelConfig, tokens: int, policy: ActivationPolicy, modes: list[str], alphas: list[float], dtype
+) -> int:
+    """Returns the host pool a plan (mode and α per layer) fills (§3)."""
+    return store_bytes(c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype).host_total
 
 
 def compare(predicted: dict, measured: dict) -> dict:

@@ -28,9 +28,10 @@ def sweep(
     systems=SYSTEMS,
     sp: int | None = None,
     eff: Band | None = None,
+    host_memory: int | None = None,
 ) -> dict[str, list[Estimate]]:
     """Returns each system's estimate at each length."""
-    return {s: [estimate(c, n, gpus, gpu, s, sp, eff) for n in lengths] for s in systems}
+    return {s: [estimate(c, n, gpus, gpu, s, sp, eff, host_memory=host_memory) for n in lengths] for s in systems}
 
 
 def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str) -> None:

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from .. import device as dev
-from ..policy import split_row
-from ..swap import pack_layout
+from ..swap import store_layout
 from ..units import format_bytes
 
 
@@ -26,16 +25,12 @@ def host_budget_per_rank(node_bytes: int | None = None) -> int:
 
 
 def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) -> int:
-    """Returns the host bytes one rank's swap engine needs for a local batch (batch, seq): the fixed α of the
-    model's policy, or α = 0 (the least any solved α needs) when α is solved."""
+    """Returns the host bytes one rank's activation store needs for a local batch (batch, seq): its plan and α,
+    or, where they are solved, the least a solved plan can take (`ActivationPolicy.least_host_plan`)."""
     policy, n = model.policy, len(model.layers)
     specs = model.layers[0].skeletal_specs(batch, seq, dtype, next(model.parameters()).device)
-    alphas = policy.layer_alphas(n) or [0.0] * n
-    total = 0
-    for i in policy.offloaded_layers(n):
-        split = split_row(alphas[i], seq)
-        total += pack_layout({k: sp.rows(split) if sp.role == "other" else sp for k, sp in specs.items()})[1]
-    return total
+    modes, alphas = policy.least_host_plan(n)
+    return store_layout(specs, modes, alphas, policy.tile_for(seq), policy.offload_last_layers).host_total
 
 
 def check_host_budget(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, budget: int) -> None:

@@ -41,6 +41,15 @@ class TrainConfig:
     alpha: float | tuple[float, ...] | None = _f(
         0.5, "memo: fraction of tokens offloaded in [0, 1], or one per layer (0.2,0.5,...); 'auto' solves it (§3)"
     )
+    plan: tuple[str, ...] | None = _f(
+        None,
+        "memo: where each layer's tensors live, one mode per layer: keep, memo or checkpoint (e.g. "
+        "checkpoint,memo,memo,keep); default every layer memo, or solved with the host and device budgets when "
+        "--alpha is auto",
+    )
+    tile_tokens: int | None = _f(
+        None, "tokens per tile of the token-local work (default 8K, or the whole sequence shard when shorter)", kind=int
+    )
     host_budget: str | None = _f(
         None,
         "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
@@ -112,6 +121,8 @@ class TrainConfig:
                 raise ValueError(f"`--{_flag(f.name)}` must not be empty")
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "keep_checkpoints", "eval_every", "eval_batches")
         positive += ("sp", "nproc", "nnodes")
+        if self.tile_tokens is not None and self.tile_tokens <= 0:
+            raise ValueError(f"`--tile-tokens` must be positive, got {self.tile_tokens}")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
@@ -191,13 +202,21 @@ class TrainConfig:
                 f"({dp} x {self.grad_accum})"
             )
 
-    def policy(self, alphas: list[float] | None = None, host_budget_bytes: int | None = None) -> ActivationPolicy:
-        """Returns the activation policy; `alphas` (per layer, e.g. from a checkpoint) pins a solved α, and
-        `host_budget_bytes` (one rank's share of the node) replaces `--host-budget`."""
+    def policy(
+        self, alphas: list[float] | None = None, host_budget_bytes: int | None = None, modes: list[str] | None = None
+    ) -> ActivationPolicy:
+        """Returns the activation policy; `alphas` and `modes` (per layer, e.g. from a checkpoint) pin a solved α
+        and plan, and `host_budget_bytes` (one rank's share of the node) replaces `--host-budget`."""
+        memo = self.strategy == "memo"
         alpha = alphas if alphas is not None else self.alpha
+        plan = modes if modes is not None else self.plan
         budget = host_budget_bytes or (parse_size(self.host_budget) if self.host_budget else None)
         return ActivationPolicy(
-            self.strategy, alpha=alpha if self.strategy == "memo" else None, host_budget_bytes=budget
+            self.strategy,
+            alpha=alpha if memo else None,
+            host_budget_bytes=budget,
+            plan=plan if memo else None,
+            tile_tokens=self.tile_tokens,
         )
 
     def to_dict(self) -> dict:
@@ -272,6 +291,8 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
         return None
     if name == "alpha" and isinstance(value, (list, tuple, str)):  # one α per layer: a list, or "0.2,0.5,..."
         return alpha_value(value) if isinstance(value, str) else _alpha_list(value, origin)
+    if name == "plan" and isinstance(value, (list, tuple, str)):  # a list, or "checkpoint,memo,..."
+        return plan_value(value) if isinstance(value, str) else tuple(str(v) for v in value)
     if value is None:
         if default is not None:  # a null in a config file where the field needs a value
             raise ValueError(f"{origin}: `{name}` needs a value, got null (leave it out for {default!r})")
@@ -302,6 +323,11 @@ def alpha_value(text: str) -> float | tuple[float, ...] | None:
     except ValueError:
         raise ValueError(f"`--alpha` must be a number in [0, 1], one per layer (0.2,0.5,...), or auto; got {text!r}")
     return values[0] if len(values) == 1 else values
+
+
+def plan_value(text: str) -> tuple[str, ...]:
+    """Returns `--plan` as written: modes separated by commas (checked by ActivationPolicy)."""
+    return tuple(part.strip() for part in text.split(","))
 
 
 def _alpha_list(values, origin: str) -> tuple[float, ...]:

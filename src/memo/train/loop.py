@@ -116,9 +116,10 @@ class Trainer:
         self.device = self._device()
         self.arena = self._planned_allocator() if cfg.arena else None  # on CUDA: before any CUDA allocation
         check_memory(cfg, self.device, self.mesh)
-        # a solved α is pinned to the checkpoint's (it decides which rows are recomputed); a given one wins
+        # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
-        self.model = self._build_model(pinned)
+        modes = saved.state.get("modes") if saved and cfg.alpha is None and cfg.plan is None else None
+        self.model = self._build_model(pinned, modes)
         self.source, self.held_out = self._sources()
         for source in (self.source, self.held_out):
             if source is not None:
@@ -148,14 +149,14 @@ class Trainer:
             )
         return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device(kind)
 
-    def _build_model(self, alphas: list[float] | None) -> Transformer:
+    def _build_model(self, alphas: list[float] | None, modes: list[str] | None) -> Transformer:
         """Returns the model; under torchrun sharded over the mesh, float32 with FSDP's bf16 mixed precision
         (its fp32 parameters are the masters), after checking that the node's host memory holds the offload."""
         cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
         if not self.mesh:
-            return build_model(cfg, cfg.policy(alphas), self.device, dtype)
+            return build_model(cfg, cfg.policy(alphas, modes=modes), self.device, dtype)
         budget = parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
-        model = build_model(cfg, cfg.policy(alphas, budget), self.device, torch.float32)
+        model = build_model(cfg, cfg.policy(alphas, budget, modes), self.device, torch.float32)
         dp = self.mesh["dp"].size()
         parallel.check_host_budget(model, cfg.batch_size // cfg.grad_accum // dp, cfg.seq_len // cfg.sp, dtype, budget)
         return parallel.parallelize(model, self.mesh, mixed_precision=cfg.dtype == "bfloat16")
@@ -324,7 +325,7 @@ class Trainer:
         if last["alphas"] and self.prediction.get("host_pool_bytes") is None:  # α was solved in the first step
             tokens = sequences_per_rank(cfg, self.mesh.size() if self.mesh else 1) * (cfg.seq_len // cfg.sp)
             self.prediction["host_pool_bytes"] = host_pool_bytes(
-                self.model.config, tokens, self.model.policy, last["alphas"], DTYPES[cfg.dtype]
+                self.model.config, tokens, self.model.policy, last["modes"], last["alphas"], DTYPES[cfg.dtype]
             )
         if "device_peak_allocated" in last:
             measured["device_peak_bytes"] = max(r["device_peak_allocated"] for r in self.steady)
@@ -408,6 +409,8 @@ class Trainer:
             "bytes_offloaded": stats.bytes_offloaded,
             "bytes_recomputed": stats.bytes_recomputed,
             "alphas": stats.alphas,
+            "modes": stats.modes,
+            "tile_tokens": stats.tile_tokens,
         }
         if caching:
             record["device_peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -440,6 +443,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "model_config": dataclasses.asdict(self.model.config),  # export and eval need not find --model again
             "alphas": self.model.swap_stats().alphas or None,
+            "modes": self.model.swap_stats().modes or None,
             "rng": _rng_state(self.device),
             "data": {"next_step": self.step + 1},
             "skipped_steps": self.skipped,
