@@ -25,13 +25,16 @@ POLICIES = {
     "memo-per-layer": ActivationPolicy("memo", alpha=[0.1, 0.55, 0.9, 0.3]),
     "memo-all-layers": ActivationPolicy("memo", alpha=[0.8, 0.25, 0.37, 0.6], offload_last_layers=True),
 }
-# token tiles that divide no sequence length below, and per-layer plans (docs/method.md §3)
+# token tiles that divide no sequence length below, per-layer plans (docs/method.md §3), and attention calls of a
+# few heads (one: parts of a key/value group, their dk, dv summed; two: whole groups of tiny's two)
 TILED = {
     "none-tile-16": ActivationPolicy("none", tile_tokens=16),
-    "full-tile-7": ActivationPolicy("full", tile_tokens=7),
+    "full-tile-7-heads-1": ActivationPolicy("full", tile_tokens=7, attention_heads=1),
     "memo-a0.37-tile-8": ActivationPolicy("memo", alpha=0.37, tile_tokens=8),
-    "memo-a1-tile-5": ActivationPolicy("memo", alpha=1.0, tile_tokens=5),
-    "plan-tile-6": ActivationPolicy("memo", alpha=0.6, plan=("checkpoint", "memo", "keep", "memo"), tile_tokens=6),
+    "memo-a1-tile-5-heads-2": ActivationPolicy("memo", alpha=1.0, tile_tokens=5, attention_heads=2),
+    "plan-tile-6": ActivationPolicy(
+        "memo", alpha=0.6, plan=("checkpoint", "memo", "keep", "memo"), tile_tokens=6, attention_heads=1
+    ),
     "plan-all-offloaded-tile-4": ActivationPolicy(
         "memo", alpha=[0.1, 0.5, 0.9, 0.3], plan=("memo", "checkpoint", "memo", "checkpoint"), tile_tokens=4,
         offload_last_layers=True,

@@ -35,8 +35,10 @@ POLICIES = {
     "memo": ActivationPolicy("memo", alpha=0.5),
     "memo-all-layers": ActivationPolicy("memo", alpha=0.5, offload_last_layers=True),
     "memo-solved": ActivationPolicy("memo", host_budget_bytes=1 << 30),  # α from layer 0's timed forward
-    # tiles of 5 tokens (not dividing any shard), one layer of each mode
-    "tiled-plan": ActivationPolicy("memo", alpha=0.4, plan=("checkpoint", "memo", "keep", "memo"), tile_tokens=5),
+    # tiles of 5 tokens (not dividing any shard), one layer of each mode, attention one head per call
+    "tiled-plan": ActivationPolicy(
+        "memo", alpha=0.4, plan=("checkpoint", "memo", "keep", "memo"), tile_tokens=5, attention_heads=1
+    ),
 }
 # Sharded runs sum weight gradients over ranks in another order than one process sums over tokens, and
 # row-sliced matmuls may block differently: float32 rounding, nothing more.

@@ -376,12 +376,28 @@ def test_alpha_per_layer_from_the_command_line_and_a_config_file(tmp_path, capsy
     assert main(["train", "--alpha", "0.1,0.5,0.9,0.3", "--strategy", "memo", *SMALL, "--steps", "1",
                  "--out", str(tmp_path / "a"), "--json"]) == 0  # fmt: skip
     assert json.loads((tmp_path / "a" / "config.json").read_text())["alpha"] == [0.1, 0.5, 0.9, 0.3]
-    assert _records(capsys)[0]["alphas"] == [0.1, 0.5, 1.0, 1.0]  # the last two layers stay on the device
+    # every memo layer keeps α of its rows: the last two send only their token-local ones (their buffers survive)
+    assert _records(capsys)[0]["alphas"] == [0.1, 0.5, 0.9, 0.3]
     assert TrainConfig.from_dict({"alpha": [0.2, 0.4, 0.6, 0.8]}).alpha == (0.2, 0.4, 0.6, 0.8)
     with pytest.raises(SystemExit):  # an argparse usage error, in the user's words
         main(["train", "--alpha", "0.1,x", "--steps", "1"])
     err = capsys.readouterr().err
     assert "`--alpha` must be a number in [0, 1], one per layer" in err and "_alpha" not in err
+
+
+def test_a_per_layer_plan_and_tiles_from_the_command_line_and_a_config_file(tmp_path, capsys):
+    argv = ["train", "--plan", "checkpoint,memo,keep,memo", "--tile-tokens", "24", "--alpha", "0.4", *SMALL]
+    assert main([*argv, "--steps", "1", "--out", str(tmp_path / "a"), "--json"]) == 0
+    record = _records(capsys)[0]
+    assert record["modes"] == ["checkpoint", "memo", "keep", "memo"] and record["tile_tokens"] == 24
+    assert record["alphas"] == [0.0, 0.4, 1.0, 0.4]
+    config = TrainConfig.from_dict({"plan": "memo,memo,checkpoint,keep", "tile_tokens": 512})
+    assert config.policy().plan == ("memo", "memo", "checkpoint", "keep") and config.policy().tile_for(8192) == 512
+    assert main(["train", "--plan", "memo,swap", "--steps", "1"]) == 2
+    assert "`--plan` modes must be keep, memo, checkpoint, got 'swap'" in capsys.readouterr().err
+    assert main(["train", "--plan", "memo,memo", "--steps", "1", "--out", str(tmp_path / "b")]) == 2
+    assert "`--plan` lists 2 modes for a model of 4 layers" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()  # refused before any work
 
 
 def test_every_run_records_the_cost_models_prediction_and_the_measurements_beside_it(tmp_path, capsys):

@@ -35,13 +35,18 @@ def lse_seq_len(seq_len: int, device: torch.device, dtype: torch.dtype) -> int:
 MIN_CALL_ROWS = 1 << 16  # query rows x heads per call that keep a GPU's SMs busy (512 blocks of 128 rows)
 
 
-def head_chunks(heads: int, kv_heads: int, seq: int, tile: int, device: torch.device) -> list[tuple[slice, list[slice]]]:
-    """Returns the kernel calls over `heads` query heads attending over `seq` tokens, as (key/value heads, the
-    query-head slices that use them): about `tile` rows of every head per call (heads·tile/seq heads, at least
-    one), on a GPU never fewer rows than fill it; whole key/value groups per call, or parts of one group."""
-    per_call = max(1, heads * tile // seq)
-    if kernel_device_type(device) == "cuda":
-        per_call = max(per_call, -(-MIN_CALL_ROWS // seq))
+def heads_per_call(heads: int, seq: int, tile: int, device: torch.device) -> int:
+    """Returns how many of `heads` query heads attending over `seq` tokens each kernel call takes by default: on a
+    GPU about `tile` rows of every head (heads·tile/seq heads, at least one), never fewer rows than fill it; the
+    CPU kernels spread their work over heads (one head runs on one thread): all of them."""
+    if kernel_device_type(device) != "cuda":
+        return heads
+    return min(heads, max(1, heads * tile // seq, -(-MIN_CALL_ROWS // seq)))
+
+
+def head_chunks(heads: int, kv_heads: int, per_call: int) -> list[tuple[slice, list[slice]]]:
+    """Returns the kernel calls over `heads` query heads, at most `per_call` each, as (key/value heads, the
+    query-head slices that use them): whole key/value groups per call, or parts of one group."""
     group = heads // kv_heads
     if per_call >= group:
         kv = _divisor_at_most(kv_heads, per_call // group)

@@ -339,6 +339,9 @@ def _estimate_parser(sub) -> None:
         help="host memory per node, e.g. 1.5T or 512G (default: the GPU spec's); 90%% of it may hold offloads",
     )
     p.add_argument("--calibration", type=PATH, default=None, help="JSON written by `memo calibrate` on this GPU type")
+    p.add_argument(
+        "--arena", action="store_true", help="memo runs with its planned allocator (memo train --arena), not PyTorch's"
+    )
     p.add_argument("--max-seq", action="store_true", help="search the longest sequence that fits, per system")
     p.add_argument("--sweep", action="store_true", help="MFU against sequence length (32K..4M) for all systems")
     p.add_argument("--plot", type=PATH, default=None, help="with --sweep: write the MFU plot to this PNG")
@@ -361,7 +364,7 @@ def _run_estimate(args) -> int:
     if args.sweep:
         return _print_sweep(args, cfg, spec, systems, eff)
     if args.max_seq:
-        found = {s: max_seq_range(cfg, args.gpus, spec, s, args.sp, eff, args.host_memory) for s in systems}
+        found = {s: max_seq_range(cfg, args.gpus, spec, s, args.sp, eff, args.host_memory, args.arena) for s in systems}
         if args.json:
             print(json.dumps(found))
             return 0
@@ -374,7 +377,10 @@ def _run_estimate(args) -> int:
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
-    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, host_memory=args.host_memory) for s in systems]
+    results = [
+        estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, host_memory=args.host_memory, arena=args.arena)
+        for s in systems
+    ]
     if args.json:
         print(json.dumps([e.as_dict() for e in results]))
         return 0

@@ -132,6 +132,23 @@ def timed(fn, device: torch.device, repeats: int = 1) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+EXPANDABLE = "expandable_segments:True"
+
+
+def use_expandable_segments() -> str:
+    """Returns the CUDA caching allocator's settings for this process, after turning on expandable segments
+    unless the user set PYTORCH_CUDA_ALLOC_CONF: a pool grows one segment instead of cutting new ones, so a
+    long-context step's large, varied tensors leave far less reserved-but-unusable memory (torchtitan and
+    DeepSpeed's long-sequence recipes do the same)."""
+    given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if given:
+        return given
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE  # read when the allocator starts
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # started already: change it in place
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    return EXPANDABLE
+
+
 def available_host_bytes() -> int:
     """Returns the host memory the OS reports as available (MemAvailable), or total RAM if unknown."""
     try:

@@ -103,6 +103,7 @@ class Tiles(Protocol):
     """Where the token-local ("qkv", "mlp") tensors of one layer live, tile by tile (swap.py decides)."""
 
     tile: int  # rows per tile (the last one may be shorter)
+    heads: int  # query heads per attention kernel call, at most
 
     def ranges(self, start: int = 0) -> list[slice]:
         """Returns the tiles of token rows [start, s) in order."""
@@ -125,12 +126,13 @@ class FreshTiles:
     batch: int
     seq: int
     tile: int
+    heads: int
 
     @classmethod
-    def of(cls, specs: dict[str, SkeletalSpec], tile: int) -> "FreshTiles":
+    def of(cls, specs: dict[str, SkeletalSpec], tile: int, heads: int) -> "FreshTiles":
         x = specs["x"]
         shapes = tuple((n, sp.group, sp.shape[2:], sp.dtype) for n, sp in specs.items() if sp.group != "whole")
-        return cls(shapes, x.shape[0], x.shape[1], tile)
+        return cls(shapes, x.shape[0], x.shape[1], tile, heads)
 
     def ranges(self, start: int = 0) -> list[slice]:
         return tile_ranges(start, self.seq, self.tile)
@@ -271,13 +273,17 @@ class DecoderLayer(nn.Module):
             rotate(proj, cos, sin, v[name])
         linear_into(v["v"].flatten(2), n1, self.wv)  # (b, r, g·d)
 
-    def _head_chunks(self, t: dict, tile: int) -> list[tuple[slice, list[slice]]]:
-        """Returns the attention kernel calls over this rank's heads (attention.head_chunks)."""
-        c, sp, s = self.config, self.seq_parallel, t["x"].shape[1]
+    def attention_shape(self, s: int) -> tuple[int, int, int]:
+        """Returns (query heads, key/value heads, tokens) the attention kernels see on this rank for its `s`."""
+        c, sp = self.config, self.seq_parallel
         if sp is None:
-            return head_chunks(c.n_heads, c.n_kv_heads, s, tile, t["x"].device)
-        kv = c.n_kv_heads * sp.kv_repeat // sp.size
-        return head_chunks(c.n_heads // sp.size, kv, s * sp.size, tile, t["x"].device)
+            return c.n_heads, c.n_kv_heads, s
+        return c.n_heads // sp.size, c.n_kv_heads * sp.kv_repeat // sp.size, s * sp.size
+
+    def _head_chunks(self, t: dict, per_call: int) -> list[tuple[slice, list[slice]]]:
+        """Returns the attention kernel calls over this rank's heads (attention.head_chunks)."""
+        heads, kv, _ = self.attention_shape(t["x"].shape[1])
+        return head_chunks(heads, kv, per_call)
 
     def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, heads: slice):
         """Returns k and v (b, kv heads, all tokens, d) of the kv `heads` of this rank, for the kernels."""
@@ -291,12 +297,12 @@ class DecoderLayer(nn.Module):
         sp = self.seq_parallel
         return (t["k"], t["v"]) if sp is None else (sp.expand_kv(t["k"]), sp.expand_kv(t["v"]))
 
-    def attend(self, t: dict, tile: int) -> tuple:
-        """Writes the attention output and LSE of all s tokens from q, k, v, a few heads per kernel call (about
-        `tile` rows of every head: `attention.head_chunks`); returns the kernel's aux."""
+    def attend(self, t: dict, per_call: int) -> tuple:
+        """Writes the attention output and LSE of all s tokens from q, k, v, `per_call` query heads per kernel call
+        at most (`attention.head_chunks`); returns the kernel's aux."""
         sp = self.seq_parallel
         k, v = self._kv(t)
-        for kv_heads, q_chunks in self._head_chunks(t, tile):
+        for kv_heads, q_chunks in self._head_chunks(t, per_call):
             kc, vc = self._kv_heads(k, v, kv_heads)  # (b, kv heads, all tokens, d)
             for heads in q_chunks:
                 if sp is None:
@@ -358,14 +364,14 @@ class DecoderLayer(nn.Module):
         """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ for the rows of dx1."""
         dattn.copy_(self._linear_backward(dx1, v["attn"].flatten(2), "wo", grads).view(dattn.shape))
 
-    def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple, tile: int):
+    def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple, per_call: int):
         """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d), a few heads per kernel
         call as in `attend`; attention is not rerun. dq is written over dattn, each head once the kernel has read
         it."""
         sp = self.seq_parallel
         k, v = self._kv(t)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        for kv_heads, q_chunks in self._head_chunks(t, tile):
+        for kv_heads, q_chunks in self._head_chunks(t, per_call):
             kc, vc = self._kv_heads(k, v, kv_heads)
             dkc = dvc = None  # summed over the calls that share these kv heads
             for heads in q_chunks:
@@ -424,8 +430,8 @@ class DecoderLayer(nn.Module):
             b, s = x.shape[:2]
             specs = self.skeletal_specs(b, s, x.dtype, x.device)
             t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
-            tile = s if store is None else store.tile_tokens(s)
-            return forward_phase(self, {**t, "x": x}, FreshTiles.of(specs, tile))[0]
+            tile, heads = (s, self.attention_shape(s)[0]) if store is None else store.tiling(self, s, x.device)
+            return forward_phase(self, {**t, "x": x}, FreshTiles.of(specs, tile, heads))[0]
         if store is None:
             raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
         return LayerFunction.apply(x, self, store, *self.parameters())
@@ -454,7 +460,7 @@ def forward_phase(layer: DecoderLayer, t: dict, tiles: Tiles) -> tuple[torch.Ten
     for rows in tiles.ranges():  # n1 -> q, k, v, a tile at a time
         layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
         tiles.close(rows, "qkv")
-    aux = layer.attend(t, tiles.tile)  # all s tokens
+    aux = layer.attend(t, tiles.heads)  # all s tokens
     y = torch.empty_like(t["x"])  # (b, s, h)
     for rows in tiles.ranges():  # x1 -> n2 -> MLP -> y
         v = {**rows_of(t, rows), **tiles.open(t, rows, "mlp")}
@@ -472,7 +478,7 @@ def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, t
         for rows in tiles.ranges(recompute.start):
             layer.fill_qkv({**rows_of(t, rows), **tiles.open(t, rows, "qkv")}, rows, s)
         if recompute.attention:
-            aux = layer.attend(t, tiles.tile)
+            aux = layer.attend(t, tiles.heads)
     grads: dict[str, torch.Tensor] = {}
     dx = dy  # (b, s, h): dx1 written over dy tile by tile (each tile reads its dy rows first), then + the rest
     dattn = torch.empty_like(t["attn"])  # (b, s, a, d)
@@ -483,7 +489,7 @@ def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, t
             layer.fill_mlp(_tail(v, start))  # the (1 - α) rows: recomputed, token-wise
         layer.mlp_backward(dy[:, rows], v, grads, dx[:, rows])
         layer.projection_backward(dx[:, rows], v, grads, dattn[:, rows])
-    dq, dk, dv = layer.attention_backward(dattn, t, aux, tiles.tile)  # (b, s, heads, d), all tokens; dq is dattn
+    dq, dk, dv = layer.attention_backward(dattn, t, aux, tiles.heads)  # (b, s, heads, d), all tokens; dq is dattn
     del dattn
     for rows in tiles.ranges():  # q, k, v projections and the attention norm, a tile at a time
         v, start = tiles.restore(t, rows, "qkv")

@@ -38,7 +38,8 @@ class ActivationPolicy:
       whole-length tensors in its rounding buffer through its backward unless `offload_last_layers`.
 
     `tile_tokens` is the length of the token tiles of the token-local work (default `DEFAULT_TILE_TOKENS`,
-    or the whole sequence when shorter).
+    or the whole sequence when shorter); `attention_heads` how many query heads each attention kernel call
+    takes at most (default `attention.heads_per_call`: on a GPU about a tile's rows of every head).
     """
 
     strategy: Strategy = "none"
@@ -48,6 +49,7 @@ class ActivationPolicy:
     plan: tuple[str, ...] | None = None
     tile_tokens: int | None = None
     device_budget_bytes: int | None = None
+    attention_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -73,6 +75,8 @@ class ActivationPolicy:
             raise ValueError(f"`--host-budget` must be positive, got {self.host_budget_bytes} bytes")
         if self.tile_tokens is not None and self.tile_tokens <= 0:
             raise ValueError(f"`--tile-tokens` must be positive, got {self.tile_tokens}")
+        if self.attention_heads is not None and self.attention_heads <= 0:
+            raise ValueError(f"`--attention-heads` must be positive, got {self.attention_heads}")
         if self.device_budget_bytes is not None and self.device_budget_bytes < 0:
             raise ValueError(f"`--device-budget` must not be negative, got {self.device_budget_bytes} bytes")
 

@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import device as dev
+from .attention import heads_per_call
 from .layer import DecoderLayer, FreshTiles, Recompute, SkeletalSpec, bytes_by_role, in_group, rows_of, tile_ranges
 from .policy import BUFFERED, ActivationPolicy, PlanProblem, mode_alphas, offloaded, reloaded, solve_plan, split_row
 from .units import format_bytes
@@ -170,6 +171,7 @@ class KeptTiles:
     names: tuple[tuple[str, str], ...]  # (name, group)
     seq: int
     tile: int
+    heads: int
 
     def ranges(self, start: int = 0) -> list[slice]:
         return tile_ranges(start, self.seq, self.tile)
@@ -190,9 +192,9 @@ class SlotTiles:
     and come back one tile ahead (backward), on the tile stream; the other rows are recomputed. Events order
     every slot and its copies."""
 
-    def __init__(self, slots, host: dict[str, torch.Tensor], split: int, seq: int, tile: int, stream):
+    def __init__(self, slots, host: dict[str, torch.Tensor], split: int, seq: int, tile: int, heads: int, stream):
         self.slots = slots  # per slot: group -> {name: (b, tile, ...)}; the groups share a slot's bytes
-        self.host, self.split, self.seq, self.tile, self.stream = host, split, seq, tile, stream
+        self.host, self.split, self.seq, self.tile, self.heads, self.stream = host, split, seq, tile, heads, stream
         self.device = next(iter(slots[0]["mlp"].values())).device
         self._uses = 0  # slot of the next tile: 0, 1, 0, ...
         self._copied = [None] * len(slots)  # per slot: the tile stream's last copy into or out of it
@@ -251,18 +253,18 @@ class SlotTiles:
 def _flatten_slot_tiles(t: SlotTiles):
     names = tuple((j, g, n) for j in range(len(t.slots)) for g in TILE_GROUPS for n in t.slots[j][g])
     leaves = [t.slots[j][g][n] for j, g, n in names] + list(t.host.values())
-    return leaves, (names, tuple(t.host), t.split, t.seq, t.tile, t.stream)
+    return leaves, (names, tuple(t.host), t.split, t.seq, t.tile, t.heads, t.stream)
 
 
 def _unflatten_slot_tiles(leaves, context) -> SlotTiles:
-    names, host_names, split, seq, tile, stream = context
+    names, host_names, split, seq, tile, heads, stream = context
     leaves = list(leaves)
     slots = tuple({g: {} for g in TILE_GROUPS} for _ in range(1 + max(j for j, _, _ in names)))
     for (j, g, n), leaf in zip(names, leaves):
         slots[j][g][n] = leaf
     host = dict(zip(host_names, leaves[len(names) :]))
     meta = leaves and leaves[0].device.type == "meta"  # the arena's meta twin: no streams
-    return SlotTiles(slots, host, split, seq, tile, None if meta else stream)
+    return SlotTiles(slots, host, split, seq, tile, heads, None if meta else stream)
 
 
 # the planned arena traces a phase on `meta` twins of its arguments: SlotTiles twins like any tensor container
@@ -285,7 +287,7 @@ class ActivationStore:
         self._split: list[int] = []
         self._sent: list[bool] = []
         self._back: list[bool] = []
-        self._tile = 0
+        self._tile = self._heads = 0
         self._buffers: list[dict[str, torch.Tensor]] = []  # whole-length views per rounding buffer
         self._slots: list[tuple] = []  # two tile slots per rounding buffer
         self._keep: dict[int, dict[str, torch.Tensor]] = {}
@@ -297,9 +299,13 @@ class ActivationStore:
         self._streams: tuple = (None, None, None)  # offload, prefetch, tile
         self._device = torch.device("cpu")
 
-    def tile_tokens(self, seq: int) -> int:
-        """Returns the tile length for `seq` tokens (inference runs tiled too)."""
-        return self.policy.tile_for(seq)
+    def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
+        """Returns (tile length, query heads per attention call) for `seq` of `layer`'s tokens: the policy's, or
+        by default the tile of `ActivationPolicy.tile_for` and the heads of `attention.heads_per_call` (inference
+        runs tiled too)."""
+        tile = self.policy.tile_for(seq)
+        heads, _, tokens = layer.attention_shape(seq)
+        return tile, self.policy.attention_heads or heads_per_call(heads, tokens, tile, device)
 
     # ---- sizing -----------------------------------------------------------------------------------------
     def begin_step(self, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -319,7 +325,7 @@ class ActivationStore:
         self._drop_buffers()
         self._device = device
         self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
-        self._tile = self.policy.tile_for(seq)
+        self._tile, self._heads = self.tiling(layers[0], seq, device)
         budget = self.policy.host_budget_bytes or int(0.8 * dev.available_host_bytes())
         self.modes, self._alphas = self._plan(layers[0], batch, seq, budget)
         self._split = [split_row(a, seq) for a in self._alphas]
@@ -384,7 +390,7 @@ class ActivationStore:
         by_role = bytes_by_role(specs)
         local = sum(sp.nbytes for sp in specs.values() if sp.group != "whole")
         whole = {n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device) for n, sp in in_group(specs, "whole").items()}
-        seconds = measure_layer_seconds(layer, whole, FreshTiles.of(specs, self.policy.tile_for(seq)))
+        seconds = measure_layer_seconds(layer, whole, FreshTiles.of(specs, self._tile, self._heads))
         host_slots = self.n_layers * len(specs) * ALIGN  # room for slot alignment
         return PlanProblem(
             n_layers=self.n_layers,
@@ -424,13 +430,14 @@ class ActivationStore:
 
     def _kept_tiles(self) -> KeptTiles:
         names = tuple((n, sp.group) for n, sp in self.specs.items() if sp.group != "whole")
-        return KeptTiles(names, self.specs["x"].shape[1], self._tile)
+        return KeptTiles(names, self.specs["x"].shape[1], self._tile, self._heads)
 
     def _slot_tiles(self, index: int) -> SlotTiles:
         j = 0 if self.modes[index] == "recompute" else index % 2
         host = {n: h for n, h in self._host.get(index, {}).items() if self.specs[n].group != "whole"}
         split = self._split[index] if self.modes[index] == "memo" else 0
-        return SlotTiles(self._slots[j], host, split, self.specs["x"].shape[1], self._tile, self._streams[2])
+        seq = self.specs["x"].shape[1]
+        return SlotTiles(self._slots[j], host, split, seq, self._tile, self._heads, self._streams[2])
 
     def after_forward(self, index: int, aux: tuple) -> None:
         """Starts the copy of the layer's whole-length host part; notes the tile copies still running."""
@@ -585,7 +592,7 @@ def measure_layer_seconds(layer: DecoderLayer, t: dict[str, torch.Tensor], tiles
     with torch.no_grad():
         return {
             "qkv": dev.timed(qkv, t["x"].device),
-            "attention": dev.timed(lambda: layer.attend(t, tiles.tile), t["x"].device),
+            "attention": dev.timed(lambda: layer.attend(t, tiles.heads), t["x"].device),
             "mlp": dev.timed(mlp, t["x"].device),
         }
 

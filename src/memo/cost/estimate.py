@@ -22,9 +22,11 @@ tensor-parallel collectives on the critical path; parameter gathers and context-
 with compute). Data-parallel gradient reduction and the optimizer step are left out (once per step,
 overlapped with backward in all four systems alike). Every time comes as a range from the efficiency band.
 
-Device memory = model states + skeletal buffers + the traced step's transient peak (kernel scratch in it;
-the baselines' materialised loss where it is higher) + the caching allocator's fragmentation on that step
-(`plan.caching_sim`) + the runtime (CUDA context, cuBLAS and NCCL buffers).
+Device memory = model states + the activation store's buffers for the plan (`swap.store_layout`, what `memo
+train` allocates) + the traced step's transient peak (kernel scratch in it; the baselines' materialised loss
+where it is higher) + what the allocator takes beyond that step's LOAD (the caching allocator's fragmentation,
+`plan.caching_sim`, with expandable segments for memo as `memo train` runs it; or memo's planned arena) + the
+runtime (CUDA context, cuBLAS and NCCL buffers).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole
 # the caching allocator's mode each system runs: `memo train` turns on expandable segments on CUDA (as
 # torchtitan does); Megatron-LM and DeepSpeed leave PyTorch's default
 EXPANDABLE = ("memo", "offload-all")
+ALLOCATOR_NAMES = {
+    "caching": "PyTorch's caching allocator, default settings",
+    "expandable": "PyTorch's caching allocator, expandable segments",
+    "arena": "memo's planned arena (memo train --arena)",
+}
 # DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py): `stage3_prefetch_bucket_size` 5e7 parameters
 # gathered ahead of the current module, `reduce_bucket_size` 5e8 elements held in bf16 (stage3.py)
 ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
@@ -193,6 +200,7 @@ def estimate(
     fragmentation: bool = True,
     micro_batch: int = 1,
     host_memory: int | None = None,
+    arena: bool = False,
 ) -> Estimate:
     """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
     of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
@@ -201,7 +209,8 @@ def estimate(
     `eff` is a measured band (`memo calibrate`); by default the published one for this GPU and shape. `point`
     (low, mid, high) picks the band member that decides the plan, α and fit; `fragmentation` False plans memory
     as an arena at LOAD would (no caching-allocator overhead). `host_memory` is each node's (default the GPU
-    spec's), of which `HOST_FRACTION` may hold offloaded tensors.
+    spec's), of which `HOST_FRACTION` may hold offloaded tensors. `arena`: memo runs with its planned allocator
+    (`memo train --arena`), not the caching allocator.
     """
     if micro_batch < 1:
         raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
@@ -211,6 +220,8 @@ def estimate(
     if not candidates:
         return _unsupported(c, seq, gpus, gpu, system, sp)
     run = (c, seq, gpus, gpu, system)
+    allocator = "arena" if arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
+    fragmentation = allocator if fragmentation else None
     results = []
     for lay in candidates:  # a smaller tile is never faster (efficiency.published_band): the largest that fits
         if any(r.fits and r.layout == str(dataclasses.replace(lay, tile=t)) for r in results for t in MEMO_TILES):
@@ -296,15 +307,9 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
         layout.tile,
         f"{tightest} {format_bytes(use[tightest][0])} of {format_bytes(use[tightest][1])}"
         + (" per node" if tightest == "host memory" else " per GPU"),
-        _allocator(system, fragmentation),
+        ALLOCATOR_NAMES[fragmentation] if fragmentation else "an arena at LOAD (no fragmentation)",
         sequences * seq,
     )
-
-
-def _allocator(system: str, fragmentation: bool) -> str:
-    if not fragmentation:
-        return "an arena at LOAD (no fragmentation)"
-    return "caching allocator, expandable segments" if system in EXPANDABLE else "caching allocator, default"
 
 
 def _baseline_modes(layout: Layout, n: int) -> list[str]:
@@ -349,10 +354,11 @@ def _plan_problem(c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: in
     )
 
 
-def _traced(layout: Layout, plan) -> Traced:
+def _traced(c: ModelConfig, tokens: int, layout: Layout, plan) -> Traced:
     """Returns the step whose trace gives a layout's transient memory: its strategy, a checkpointed layer when
-    the plan has one, its tiles, and Ulysses' all-to-all buffers."""
-    return Traced(TRACED[layout.recompute], bool(plan) and "checkpoint" in plan[0], layout.tile, layout.ulysses)
+    the plan has one, its tiles, Ulysses' all-to-all buffers, and its attention calls on a GPU."""
+    checkpoint = bool(plan) and "checkpoint" in plan[0]
+    return Traced.of(c, tokens, TRACED[layout.recompute], checkpoint, layout.tile, layout.ulysses)
 
 
 def _store(c, tokens: int, layout: Layout, plan):
@@ -389,7 +395,7 @@ def device_bytes(
     gpus: int,
     system: str,
     layout: Layout,
-    fragmentation: bool = True,
+    fragmentation: str | None = "caching",
     batch: int = 1,
     plan: tuple[list[str], list[float]] | None = None,
     capacity: int | None = None,
@@ -397,7 +403,8 @@ def device_bytes(
     """Returns the per-GPU device memory of a system's layout (memo: and its plan), by term, and the total.
 
     The activation store's buffers are what `memo train`'s store allocates for the plan (`swap.store_layout`);
-    the transient peak and the fragmentation come from a traced step of the same tiles and modes. When the
+    the transient peak and the allocator's overhead (`fragmentation`: an allocator of `memory.ALLOCATORS`, or
+    None for none) come from a traced step of the same tiles and modes. When the
     terms known without a trace already exceed `capacity`, the step is not traced: its terms are 0 and the
     total a lower bound (`"lower_bound": 1`)."""
     tokens = batch * seq // layout.sp
@@ -409,7 +416,7 @@ def device_bytes(
     }
     if capacity is not None and sum(static.values()) > capacity:
         return {**static, "transient_peak": 0, "fragmentation": 0, "total": sum(static.values()), "lower_bound": 1}
-    traced = _traced(layout, plan)
+    traced = _traced(c, tokens, layout, plan)
     transient = transient_peak(c, tokens, traced)
     if system in ("megatron", "deepspeed"):
         transient = max(transient, _loss_peak(c, tokens, system, layout))
@@ -419,7 +426,7 @@ def device_bytes(
         # Megatron's output layer gathers the sequence-parallel input into a global buffer that only grows
         # (megatron/core/utils.py GlobalMemoryBuffer; tensor_parallel/layers.py, the "mpu" buffer)
         "gather_buffer": tokens * layout.tp * c.hidden_size * 2 if layout.tp > 1 else 0,
-        "fragmentation": fragmentation_bytes(c, tokens, traced, expandable=system in EXPANDABLE) if fragmentation else 0,
+        "fragmentation": fragmentation_bytes(c, tokens, traced, allocator=fragmentation) if fragmentation else 0,
     }
     return {**terms, "total": sum(terms.values())}
 
@@ -475,7 +482,7 @@ def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, ef
     checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
     plain, rerun = (_layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))
     head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
-    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(layout, plan))
+    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(c, tokens, layout, plan))
     return {
         "attention": n * (t["attention"] + t["attention_backward"]),
         "matmul": n * 3 * t["matmul"] + head,
@@ -535,6 +542,7 @@ def max_seq(
     point: str = "mid",
     fragmentation: bool = True,
     host_memory: int | None = None,
+    arena: bool = False,
 ) -> Longest:
     """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
     0 if none does, with what stops the next length."""
@@ -542,7 +550,10 @@ def max_seq(
     why = {}
 
     def fits(seq: int) -> bool:
-        e = estimate(c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation, host_memory=host_memory)
+        e = estimate(
+            c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation, host_memory=host_memory,
+            arena=arena,
+        )
         why[seq] = e.why
         return e.fits
 
@@ -559,15 +570,16 @@ def max_seq(
 
 
 def max_seq_range(
-    c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None, host_memory=None
+    c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None, host_memory=None,
+    arena: bool = False,
 ) -> dict:
     """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
     and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
     caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
     "mid"."""
-    mid = max_seq(c, gpus, gpu, system, sp, eff, host_memory=host_memory)
+    mid = max_seq(c, gpus, gpu, system, sp, eff, host_memory=host_memory, arena=arena)
     return {
-        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", host_memory=host_memory).tokens,
+        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", host_memory=host_memory, arena=arena).tokens,
         "mid": mid.tokens,
         "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, host_memory=host_memory).tokens,
         "why_not": mid.why_not,

@@ -13,12 +13,15 @@ from functools import lru_cache
 
 import torch
 
+from ..attention import heads_per_call
 from ..config import ModelConfig
 from ..device import meta_kernels
 from ..layer import DecoderLayer, SkeletalSpec, bytes_by_role
 from ..model import Transformer
 from ..parallel.ulysses import Ulysses
 from ..plan.caching_sim import replay
+from ..plan.greedy import greedy
+from ..plan.problem import max_load, peak
 from ..plan.trace import SCRATCH, trace_iteration, windows
 from ..policy import ActivationPolicy
 from ..swap import StoreLayout, store_layout
@@ -34,20 +37,30 @@ TRACE_TILES = 16  # most tiles a traced step runs
 class Traced:
     """The step a memory term is traced from: a strategy, for `memo` the modes of the traced layers (a
     checkpointed layer first when the plan has one), the tile length (None: the whole sequence, as the
-    baselines run), and the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group)."""
+    baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), and the
+    query heads per attention call (None: the default at each traced length). `of` fixes the heads a run makes
+    at its length, so that the traces around it make the same calls and each phase stays linear in tokens."""
 
     strategy: str = "memo"
     checkpoint: bool = False
     tile: int | None = None
     sp: int = 1
+    heads: int | None = None
 
-    def policy(self) -> ActivationPolicy:
+    @classmethod
+    def of(
+        cls, c: ModelConfig, tokens: int, strategy: str, checkpoint=False, tile=None, sp=1, kernels="cuda"
+    ) -> "Traced":
+        """Returns the step of a run of `tokens` tokens per GPU: its attention calls as they are at that length."""
+        heads = heads_per_call(c.n_heads // sp, tokens * sp, tile or tokens, torch.device(kernels))
+        return cls(strategy, checkpoint, tile, sp, heads)
+
+    def policy(self, layers: int) -> ActivationPolicy:
+        every = dict(tile_tokens=self.tile or 1 << 62, attention_heads=self.heads)
         if self.strategy != "memo":
-            return ActivationPolicy(self.strategy, tile_tokens=self.tile or 1 << 62)
-        plan = ("checkpoint" if self.checkpoint else "memo",) + ("memo",) * (TRACE_LAYERS - 1)
-        return ActivationPolicy(
-            "memo", alpha=0.5, plan=plan, tile_tokens=self.tile or 1 << 62, host_budget_bytes=1 << 60
-        )
+            return ActivationPolicy(self.strategy, **every)
+        plan = ("checkpoint" if self.checkpoint else "memo",) + ("memo",) * (layers - 1)
+        return ActivationPolicy("memo", alpha=0.5, plan=plan, host_budget_bytes=1 << 60, **every)
 
 
 @lru_cache(maxsize=1024)
@@ -84,13 +97,21 @@ def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_token
     return max(_line(at_lo[k], at_hi[k], lo, hi, tokens) for k in at_hi)
 
 
+ALLOCATORS = {  # how a run's device memory is served, and the StepTrace field of what it costs beyond LOAD
+    "caching": "fragmentation",  # PyTorch's CUDA caching allocator, default settings
+    "expandable": "expandable",  # the same with expandable_segments (what `memo train` turns on)
+    "arena": "arena",  # memo's planned allocator (`memo train --arena`): one arena for the step
+}
+
+
 def fragmentation_bytes(
-    c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, expandable: bool = False
+    c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, allocator: str = "caching"
 ) -> int:
-    """Returns the bytes PyTorch's CUDA caching allocator reserves beyond the allocated peak over the step
-    (with `expandable_segments` when `expandable`): the traced step replayed through `plan.caching_sim`, read
-    on the line between the two traced lengths as in `transient_peak`."""
-    return _on_line(c, tokens, traced, loss_chunk_tokens, "expandable" if expandable else "fragmentation")
+    """Returns the bytes an allocator (`ALLOCATORS`) takes beyond the step's LOAD: the caching allocator's
+    reserved beyond its allocated peak, the traced step replayed through `plan.caching_sim`; or the planned
+    arena's size beyond LOAD, the traced step placed by `plan.greedy` (the planned allocator's first answer;
+    its search only improves on it). Read on the line between the two traced lengths as in `transient_peak`."""
+    return _on_line(c, tokens, traced, loss_chunk_tokens, ALLOCATORS[allocator])
 
 
 def traffic_bytes(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> tuple[int, int]:
@@ -143,6 +164,7 @@ class StepTrace:
     peaks: dict  # phase -> its peak bytes beyond the store: ("fwd" | "bwd", layer), and "rest"
     fragmentation: int  # the caching allocator's reserved beyond its peak, default settings
     expandable: int  # the same with expandable segments
+    arena: int  # a greedy placement of the whole step beyond its LOAD
     traffic_layer: int  # memory-bound bytes written per layer
     traffic_outside: int  # and outside the layers
 
@@ -155,7 +177,7 @@ def _traced_step(
     layers = min(c.n_layers, TRACE_LAYERS)
     small = dataclasses.replace(c, n_layers=layers)
     with torch.device("meta"):
-        model = Transformer(small, traced.policy(), loss_chunk_tokens=loss_chunk_tokens).to(dtype)
+        model = Transformer(small, traced.policy(layers), loss_chunk_tokens=loss_chunk_tokens).to(dtype)
     if traced.sp > 1:
         for layer in model.layers:
             layer.seq_parallel = Ulysses.traced(traced.sp, c.n_heads, c.n_kv_heads)
@@ -172,10 +194,13 @@ def _traced_step(
     ]
     spans = windows(step)
     in_layers = sum(sum(written[lo:hi]) for lo, hi in spans.values())
+    problem = step.to_problem()
+    placed = peak(problem, greedy(problem)[0])
     return StepTrace(
         {k: v - held for k, v in _phase_peaks(step, spans).items()},
         cached.peak_reserved - cached.peak_allocated,
         expandable.peak_reserved - expandable.peak_allocated,
+        placed - max_load(problem),
         in_layers // layers,
         sum(written) - in_layers,
     )

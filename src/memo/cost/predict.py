@@ -35,7 +35,7 @@ def predict_run(
     modes, alphas = policy.least_host_plan(n)  # the device buffers are the same for every solved plan
     tile = policy.tile_for(tokens)
     store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
-    traced = Traced(policy.strategy, "checkpoint" in modes, tile if tile < tokens else None, sp)
+    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, tile if tile < tokens else None, sp, kernels)
     transient = transient_peak(c, tokens, traced, loss_chunk_tokens, dtype=dtype, kernels=kernels)
     predicted = {
         "device_peak_bytes": states + store.device_bytes + transient,

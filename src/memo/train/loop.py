@@ -115,6 +115,8 @@ class Trainer:
             raise ValueError(f"{self.run_dir} already holds a run: `--resume {self.run_dir}` or another `--out`")
         self.device = self._device()
         self.arena = self._planned_allocator() if cfg.arena else None  # on CUDA: before any CUDA allocation
+        if self.device.type == "cuda" and not cfg.arena:
+            log.info("CUDA allocator: %s", dev.use_expandable_segments())
         check_memory(cfg, self.device, self.mesh)
         # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
