@@ -16,12 +16,12 @@ from memo.plan.mip import solve_mip
 from memo.plan.problem import Problem, check_placement, max_load, peak, read_csv
 from memo.plan.search import SearchStats, Techniques, search
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "dsa-benchmarks"
+INSTANCES = Path(__file__).resolve().parents[1] / "benchmarks" / "dsa-instances"
 # Budgets are kernel work, not seconds, so no answer depends on the machine's speed or load; this one is about
 # 60x what the largest small case below takes (0.2 s on this project's machine).
 WORK = 100_000_000
 
-# memo-method.md §5: one layer's allocation sequence in MB; 15 and 16 live from forward into backward
+# docs/method.md §5: one layer's allocation sequence in MB; 15 and 16 live from forward into backward
 PAPER_LAYER = (
     "malloc 13 128, malloc 14 128, free 14, malloc 15 256, free 13, malloc 16 512, malloc 17 128, malloc 18 128, "
     "malloc 19 256, free 17, free 19, free 18, malloc 20 512, free 20, malloc 21 1024, malloc 22 256, free 15, "
@@ -146,9 +146,8 @@ def test_each_technique_cuts_the_work_of_proofs(flag):
     assert nodes[True] < nodes[False]
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared/dsa-benchmarks not beside the checkout")
 def test_decomposition_cuts_the_work_on_a_real_instance():
-    p = read_csv(SHARED / "minimalloc" / "benchmarks" / "challenging" / "G.1048576.csv")
+    p = read_csv(INSTANCES / "minimalloc" / "challenging" / "G.1048576.csv")
     with_it = SearchStats()
     assert search(p, max_load(p), None, stats=with_it, work_limit=20 * WORK) is not None
     # without decomposition the same work finds nothing

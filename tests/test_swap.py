@@ -123,7 +123,7 @@ def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
     model(ids, labels=ids).backward()
     stats = model.swap_stats()
     h, s = 4096, 1 << 20
-    # per layer: 16·b·s·h bf16 (memo-method.md §2) + LSE + two norms' (mean, rstd) in fp32, 512 B-rounded
+    # per layer: 16·b·s·h bf16 (docs/method.md §2) + LSE + two norms' (mean, rstd) in fp32, 512 B-rounded
     assert stats.device_skeletal_bytes == pytest.approx(2 * (16 * s * h * 2 + 32 * s * 4 + 2 * 2 * s * 4), rel=1e-6)
     assert model.layers[0].wq.weight.grad.is_meta
 

@@ -1,4 +1,4 @@
-"""The planned allocator at run time (memo-method.md §5): a training step allocates the same tensors in the same
+"""The planned allocator at run time (docs/method.md §5): a training step allocates the same tensors in the same
 order every time, so one step's allocations, recorded at PyTorch's allocator where every one of them is seen
 (kernel scratch included), are planned once as a flat Dynamic Storage Allocation problem and the next steps are
 served from one arena at the solved offsets: no fragmentation, and a footprint at the step's LOAD.

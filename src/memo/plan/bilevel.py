@@ -1,4 +1,4 @@
-"""Static memory plans of one training step (memo-method.md §5), traced on the `meta` device from the real
+"""Static memory plans of one training step (docs/method.md §5), traced on the `meta` device from the real
 model (so a 7B model at 512K tokens plans in seconds without memory): forward, backward and the optimizer
 step, with the scratch CUDA kernels take inside an op (`plan.scratch`).
 

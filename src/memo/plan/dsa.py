@@ -22,7 +22,7 @@ from .problem import Problem, check_placement, max_load, peak
 from .search import HEURISTICS, SearchStats, Techniques, compile_kernel, search
 
 log = logging.getLogger(__name__)
-MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (memo-method.md §5)
+MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (docs/method.md §5)
 # The search's overlap lists take 16 bytes and its per-node work grows with the overlapping pairs: beyond this
 # many (S_1 has 43M, Y_1 180M) building them alone costs more than the time limit leaves.
 SEARCH_MAX_OVERLAPS = 20_000_000

@@ -1,4 +1,4 @@
-"""The paper's DSA mixed-integer program (memo-method.md §5), solved with HiGHS.
+"""The paper's DSA mixed-integer program (docs/method.md §5), solved with HiGHS.
 
     minimise M  s.t.  A_i + S_i <= M;   A_i + S_i <= A_j + z_ij·C;   A_j + S_j <= A_i + (1 − z_ij)·C
                       for every pair (i, j) live at the same time;  A_i >= 0, z_ij ∈ {0, 1},  LOAD <= M <= C

@@ -1,4 +1,4 @@
-"""Exact DSA search: lowest-offset depth-first placement with load-based pruning (memo-method.md §5).
+"""Exact DSA search: lowest-offset depth-first placement with load-based pruning (docs/method.md §5).
 
 The technique is the one MiniMalloc (Moffitt, ASPLOS 2023) made fast, written here from its description:
 
