@@ -124,6 +124,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_whole(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         for _ in Trainer(cfg).records():
             pass
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the partial folder went with the interruption
     latest = checkpoint.load_latest(tmp_path)
     assert latest.step == 2 and set(latest.model) == set(Transformer(ModelConfig.preset("tiny")).state_dict())
     monkeypatch.setattr(checkpoint, "save_file", real)

@@ -132,6 +132,9 @@ def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, ke
         _write_state(tmp, state, step)
     except OSError as err:
         raise _save_failed(run_dir, final, tmp, err) from None
+    except BaseException:  # a second Ctrl-C stops the save at once: no partial folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(tmp, final)
     _prune(run_dir, keep)
     return final
@@ -189,14 +192,21 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
         _remove_leftovers(root)
         tmp.mkdir()
     dist.barrier()
-    for part, tensors in zip(PARTS, (model, optimizer)):
-        writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
-        _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
+    try:
+        for part, tensors in zip(PARTS, (model, optimizer)):
+            writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
+            _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
+    except BaseException:  # a second Ctrl-C mid-write: each rank deletes the folder once its own writes stopped
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank0:  # DCP's save ends once every rank's files are written
         try:
             _write_state(tmp, state, step)
         except OSError as err:
             raise _save_failed(run_dir, final, tmp, err) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _publish(tmp, final)
         _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
