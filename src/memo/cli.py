@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import eval as evaluation
 from .config import PRESETS, ModelConfig
 from .cost.calibrate import Shape, calibrate
 from .cost.efficiency import check_calibration_device, efficiency_from_calibration
@@ -621,25 +622,35 @@ def _eval_parser(sub) -> None:
         type=PATH,
         help="Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)",
     )
+    cpu, cuda = evaluation.DEFAULTS["cpu"], evaluation.DEFAULTS["cuda"]
     p.add_argument(
         "--lengths",
         type=_cli_type(_lengths, "lengths"),
-        default=[1024, 4096, 16384],
-        help="prompt lengths in tokens (default: 1K,4K,16K)",
+        help=f"prompt lengths in tokens (default: {_by_device(cpu.lengths, cuda.lengths, format_count)})",
     )
     p.add_argument(
         "--depths",
         type=_cli_type(_numbers, "depths"),
-        default=[0.0, 0.25, 0.5, 0.75, 1.0],
-        help="needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question (default: 0,0.25,0.5,0.75,1)",
+        help="needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question "
+        f"(default: {_by_device(cpu.depths, cuda.depths, '{:g}'.format)})",
     )
-    p.add_argument("--trials", type=int, default=4, help="prompts per length and depth; 0: no pass key (default: 4)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        help=f"prompts per length and depth; 0: no pass key (default: {_by_device(cpu.trials, cuda.trials)})",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of keys and filler (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: %(default)s)")
     p.add_argument(
         "--ppl-file",
         type=PATH,
         help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)",
+    )
+    p.add_argument(
+        "--max-sequences",
+        type=int,
+        help="score at most this many sequences of --ppl-file, spread evenly over it "
+        f"(default: {_by_device(cpu.max_sequences, cuda.max_sequences)})",
     )
     p.add_argument(
         "--bucket-size",
@@ -651,6 +662,12 @@ def _eval_parser(sub) -> None:
     p.add_argument("--plot", type=PATH, help="write the pass-key heatmap (length x depth) to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=_run_eval)
+
+
+def _by_device(cpu, cuda, show=str) -> str:
+    """Returns a default that depends on the device, as help text: "256,1K on CPU; 1K,4K,16K on CUDA"."""
+    spell = lambda v: ",".join(map(show, v)) if isinstance(v, tuple) else show(v)
+    return f"{spell(cpu)} on CPU; {spell(cuda)} on CUDA"
 
 
 def _lengths(text: str) -> list[int]:
@@ -665,12 +682,15 @@ def _numbers(text: str) -> list[float]:
 
 
 def _run_eval(args) -> int:
+    device = check_device(args.device)
+    _eval_defaults(args, evaluation.defaults(device))
     if args.trials == 0 and not args.ppl_file:
         raise ValueError("nothing to evaluate: `--trials 0` and no `--ppl-file`")
     if args.plot and args.trials == 0:
         raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
-    loaded = load(args.path, check_device(args.device), EVAL_DTYPES[args.dtype], args.tokenizer)
-    report = {"model": loaded.source, "tokenizer": loaded.tokenizer.name, "device": args.device, "dtype": args.dtype}
+    if args.max_sequences < 1:
+        raise ValueError(f"`--max-sequences` must be positive, got {args.max_sequences}")
+    loaded = load(args.path, device, EVAL_DTYPES[args.dtype], args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
     limit = model.config.max_position_embeddings
     if limit and max(args.lengths) > limit:
@@ -681,48 +701,81 @@ def _run_eval(args) -> int:
     if args.trials:  # bad arguments fail at once, before any progress bar or long run
         PasskeyTask(tokenizer).check(model, args.lengths, args.depths, args.trials, args.seed)
     longest = max(args.lengths)
-    vocab_size = model.config.vocab_size
-    data = held_out_sequences(args.ppl_file, loaded.tokenizer_path, longest, vocab_size) if args.ppl_file else None
-    if args.trials:
-        total = len(args.lengths) * len(args.depths) * args.trials
-        with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=args.json) as bar:
-            cells = passkey_accuracy(
-                model, tokenizer, args.lengths, args.depths, args.trials, args.seed, args.batch_size, bar.update
-            )
-        report["passkey"] = [c.as_dict() for c in cells]
-        if args.plot:
-            plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {args.trials} trials per cell")
-            print(f"wrote {args.plot}", file=sys.stderr)
-    if data is not None:
-        with tqdm(total=data.num_sequences, desc="loss", unit="seq", file=sys.stderr, disable=args.json) as bar:
-            buckets = perplexity_by_position(model, data, args.bucket_size, bar.update)
-        report["perplexity"] = {
-            "file": args.ppl_file,
-            "sequences": data.num_sequences,
-            "length": longest,
-            "buckets": [b.as_dict() for b in buckets],
-        }
+    data = None
+    if args.ppl_file:
+        data = held_out_sequences(args.ppl_file, loaded.tokenizer_path, longest, model.config.vocab_size)
+    report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
+    cells = _measure_eval(args, loaded, data, report)
+    if args.plot and cells:
+        plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {args.trials} trials per cell")
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:
         _print_eval(report, args.seed)
+    if report.get("interrupted"):
+        raise KeyboardInterrupt  # `memo eval: interrupted`, exit 130, after what was measured
     return 0
+
+
+def _measure_eval(args, loaded, data, report: dict) -> list:
+    """Scores the pass key and the loss by position into `report`; returns the pass-key cells. On Ctrl-C the
+    report keeps what was finished (whole cells, the sequences scored) and says `interrupted`."""
+    cells = []
+    try:
+        if args.trials:
+            total = len(args.lengths) * len(args.depths) * args.trials
+            with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=args.json) as bar:
+                cells = passkey_accuracy(
+                    loaded.model, loaded.tokenizer, args.lengths, args.depths, args.trials, args.seed,
+                    args.batch_size, bar.update,
+                )  # fmt: skip
+            report["passkey"] = [c.as_dict() for c in cells]
+        if data is not None:
+            picked = evaluation.spread(data.num_sequences, args.max_sequences)
+            report["perplexity"] = {"file": args.ppl_file, "sequences": 0, "of": data.num_sequences}
+            report["perplexity"]["length"] = data.seq_len
+            with tqdm(total=len(picked), desc="loss", unit="seq", file=sys.stderr, disable=args.json) as bar:
+                buckets = perplexity_by_position(loaded.model, data, args.bucket_size, bar.update, picked)
+            report["perplexity"].update(sequences=len(picked), buckets=[b.as_dict() for b in buckets])
+    except evaluation.Interrupted as stop:
+        report["interrupted"] = True
+        if "perplexity" in report:
+            report["perplexity"].update(sequences=stop.done, buckets=[b.as_dict() for b in stop.results])
+        else:
+            cells = stop.results
+            report["passkey"] = [c.as_dict() for c in cells]
+    return cells
+
+
+def _eval_defaults(args, defaults) -> None:
+    """Fills the flags left unset with the device's defaults, once the device is known."""
+    for name in ("lengths", "depths", "trials", "max_sequences"):
+        if getattr(args, name) is None:
+            value = getattr(defaults, name)
+            setattr(args, name, list(value) if isinstance(value, tuple) else value)
 
 
 def _print_eval(report: dict, seed: int) -> None:
     print(f"model {report['model']}  tokenizer {report['tokenizer']}  {report['device']} {report['dtype']}")
-    if "passkey" in report:
+    if report.get("interrupted"):
+        print("interrupted: the results finished before Ctrl-C")
+    if report.get("passkey"):
         cells = report["passkey"]
         lengths = list(dict.fromkeys(c["length"] for c in cells))
-        accuracy = {(c["length"], c["depth"]): c["accuracy"] for c in cells}
+        accuracy = {(c["length"], c["depth"]): f"{c['accuracy']:.0%}" for c in cells}
         print(f"\npass key accuracy, {cells[0]['trials']} trials per cell (seed {seed})")
         print("| depth | " + " | ".join(format_count(n) for n in lengths) + " |")
         print("|---:" * (len(lengths) + 1) + "|")
         for depth in dict.fromkeys(c["depth"] for c in cells):
-            print(f"| {depth:.2f} | " + " | ".join(f"{accuracy[n, depth]:.0%}" for n in lengths) + " |")
+            print(f"| {depth:.2f} | " + " | ".join(accuracy.get((n, depth), "-") for n in lengths) + " |")
     if "perplexity" in report:
         ppl = report["perplexity"]
-        print(f"\nloss of {ppl['file']} by position, {ppl['sequences']} sequence(s) of {format_count(ppl['length'])}")
+        of = f" of {ppl['of']}" if ppl["sequences"] < ppl["of"] else ""
+        print(
+            f"\nloss of {ppl['file']} by position, {ppl['sequences']}{of} sequence(s) of {format_count(ppl['length'])}"
+            + (" (--max-sequences)" if of and not report.get("interrupted") else "")
+        )
         print("| positions | tokens | loss | perplexity |")
         print("|---|---:|---:|---:|")
         for b in ppl["buckets"]:
