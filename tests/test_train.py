@@ -315,11 +315,11 @@ def test_configs_saved_before_text_key_became_text_field_still_load():
     assert TrainConfig.from_dict({"text_key": "body"}).text_field == "body"
 
 
-def _small_hf_checkpoint(path, max_positions: int = 64):
+def _small_hf_checkpoint(path, max_positions: int = 64, **rope):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        vocab_size=256, max_position_embeddings=max_positions, tie_word_embeddings=True, **rope,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return transformers
@@ -345,6 +345,36 @@ def test_context_extension_flags_stretch_a_loaded_checkpoint_and_its_export_says
     ids = torch.randint(0, 256, (1, 200))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_scaling_on_a_scaled_checkpoint_replaces_it_from_its_pretrained_length_and_says_so(tmp_path, capsys):
+    """A checkpoint stretched by llama3 x8 from 32 positions to 256, given `--rope-scaling yarn --rope-factor 4`: the
+    run says what it replaces, YaRN counts from the 32 positions the unscaled RoPE was trained at (not the 256 the
+    old scaling reached), and the export keeps the checkpoint's bos/eos ids (a bytes run has no tokenizer to say
+    otherwise); transformers reads the export with the same logits."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32}
+    llama3 |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    transformers = _small_hf_checkpoint(tmp_path / "base", 256, rope_parameters=llama3, bos_token_id=1, eos_token_id=2)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tmp_path / "base"), "--rope-scaling", "yarn", "--rope-factor", "4", *SMALL]
+    capsys.readouterr()
+    assert main([*argv, "--seq-len", "128", "--steps", "1", "--out", str(out), "--json"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "memo train: warning: `--rope-scaling yarn` replaces the RoPE scaling of model 'base', llama3 (factor 8, "
+        "original 32), with yarn (factor 4, original 32)"
+    ]
+    ours = checkpoint.saved_model_config(checkpoint.load_latest(out).state, out).rope_scaling
+    assert (ours.type, ours.factor, ours.original_max_positions) == ("yarn", 4.0, 32)
+    assert main(["export", str(out), "--hf", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    rope = hf.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 32)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (1, 2)
+    from memo import from_hf
+
+    ids = torch.randint(0, 256, (1, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path / "hf")(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from .files import read_json_object, write_text
 from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
-from .train.config import TrainConfig, alpha_value, read_config_file
+from .train.config import TrainConfig, alpha_value, named_model_config, read_config_file, replaced_rope
 from .train.launch import launch
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
@@ -124,6 +124,9 @@ def _run_train(args) -> int:
         cfg, resume = TrainConfig.from_dict(values, args.config or "flags"), False
     if (cfg.nproc > 1 or cfg.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         return launch(cfg, args.argv)
+    replaced = None if resume else replaced_rope(named_model_config(cfg.model), cfg)
+    if replaced and os.environ.get("RANK", "0") == "0":
+        print(f"memo train: warning: {replaced}", file=sys.stderr)
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume)

@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..files import atomic_output, fsync
-from ..hf import save_hf
+from ..hf import config_token_ids, save_hf
 from .config import TrainConfig, model_config
 
 PREFIX = "step-"
@@ -352,9 +352,10 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
     masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}
     weights = {name: masters.get(name, t) for name, t in weights.items()}
     config = saved.state.get("config", {})
-    if hf is not None:
+    if hf is not None:  # a run from a Hugging Face folder keeps its token ids unless its tokenizer names others
         model = saved_model_config(saved.state, run_dir)
-        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config))
+        source = config_token_ids(config.get("model", ""))
+        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config), source)
     if out is None:
         out = Path(run_dir) / "export" / "model.safetensors"
         out.parent.mkdir(exist_ok=True)
