@@ -37,6 +37,7 @@ from .train.report import plot_report
 from .train.signals import Interrupted, StopRequest
 from .units import format_bytes, format_count, parse_length, parse_size
 
+MODEL_HELP = f"a preset ({', '.join(PRESETS)}), a model config file (.yaml/.toml/.json) or a Hugging Face folder"
 PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` traces (a trace takes seconds per million)
 
 
@@ -322,12 +323,12 @@ def _estimate_parser(sub) -> None:
         "the s x s matrix a causal kernel computes; the full-matrix MFU and HFU (recomputation included) are "
         "shown beside it, each named under the table and in the JSON.",
     )
-    p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
+    p.add_argument("--model", type=PATH, required=True, help=MODEL_HELP)
     p.add_argument(
         "--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence, e.g. 512K or 1M"
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", required=True, help="GPU name: " + ", ".join(GPUS))
+    p.add_argument("--gpu", required=True, help=f"GPU name, any case: {', '.join(GPUS)} (or a usual alias: h100, ...)")
     p.add_argument(
         "--gpu-file", type=PATH, default=None, help="JSON file with more GPU specs (fields as in cost/hardware.py)"
     )
@@ -349,7 +350,7 @@ def _run_estimate(args) -> int:
         calibration = read_json_object(args.calibration)
         check_calibration_device(calibration, spec)
         eff = efficiency_from_calibration(calibration, spec)
-    cfg = ModelConfig.preset(args.model)
+    cfg = named_model_config(args.model)
     systems = args.system or list(SYSTEMS)
     if args.plot and not args.sweep:
         raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
@@ -438,7 +439,7 @@ def _calibrate_parser(sub) -> None:
         "`memo estimate --calibration`.",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
-    p.add_argument("--model", choices=list(PRESETS), default=None, help="model preset whose shapes to time")
+    p.add_argument("--model", type=PATH, default=None, help=f"the model whose shapes to time: {MODEL_HELP}")
     p.add_argument("--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence")
     p.add_argument("--sp", type=int, default=1, help="GPUs per sequence: each times seq/sp tokens of heads/sp heads")
     p.add_argument("--out", type=PATH, default=None, help="write the measurements to this JSON file")
@@ -450,7 +451,7 @@ def _run_calibrate(args) -> int:
     if (args.model is None) != (args.seq is None):
         raise ValueError("give `--model` and `--seq` together (or neither, for a generic shape)")
     device = check_device(args.device)
-    shape = Shape.of(ModelConfig.preset(args.model), args.seq, args.sp) if args.model else None
+    shape = Shape.of(named_model_config(args.model), args.seq, args.sp) if args.model else None
     result = calibrate(device, shape)
     if args.out:
         write_text(args.out, json.dumps(result, indent=2))
@@ -535,7 +536,7 @@ def _plan_parser(sub) -> None:
         "does, each layer's forward and backward (level 1) then the step with layers as blocks (level 2); "
         "compare with PyTorch's caching allocator replaying the same trace.",
     )
-    p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
+    p.add_argument("--model", type=PATH, required=True, help=MODEL_HELP)
     p.add_argument(
         "--seq", type=_cli_type(parse_length, "length"), required=True, help="tokens per sequence, e.g. 512K"
     )
@@ -558,7 +559,7 @@ def _run_plan(args) -> int:
     from .plan.bilevel import plan
     from .plan.plot import plot_plan
 
-    cfg = ModelConfig.preset(args.model)
+    cfg = named_model_config(args.model)
     policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
     _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)
     result = plan(cfg, policy, args.seq // args.tp, args.batch, args.time_limit)
