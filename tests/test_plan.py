@@ -115,3 +115,22 @@ def test_csv_with_offsets_round_trips(tmp_path):
     p = Problem.from_rows([(0, 0, 2, 3), (1, 1, 3, 3)])
     write_csv(p, tmp_path / "o.csv", np.array([0, 3]))
     assert read_csv(tmp_path / "o.csv").ids == ("0", "1")
+
+
+def test_plan_picture_puts_its_legends_below_the_plots_inside_the_picture(tmp_path, monkeypatch):
+    from memo.plan import plot
+
+    result = plan(
+        ModelConfig.preset("tiny-gpt"), ActivationPolicy("memo", alpha=0.5), 256, time_limit=None, work_limit=WORK
+    )
+    drawn = {}
+    monkeypatch.setattr(plot, "save", lambda fig, path: drawn.update(fig=fig))
+    plot.plot_plan(result, tmp_path / "plan.png", "tiny-gpt")
+    fig = drawn["fig"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not legend.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1)
+    plot.pyplot().close(fig)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from memo import ModelConfig, Transformer, to_hf
 from memo.cli import main
 from memo.loss import IGNORE_INDEX
-from memo.train import checkpoint
+from memo.train import checkpoint, report
 from memo.train.config import TrainConfig
 from memo.train.loop import Trainer
 from memo.train.metrics import read_metrics
@@ -188,7 +188,7 @@ def test_a_hugging_face_folder_is_a_model(tmp_path, capsys):
     assert _losses(_records(capsys))[1] > 0
 
 
-def test_metrics_and_report(tmp_path, capsys):
+def test_metrics_and_report(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--steps", "2", "--eval-every", "1", "--out", str(out), "--json"]) == 0
     records = read_metrics(out / "metrics.jsonl")
@@ -202,6 +202,12 @@ def test_metrics_and_report(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     png = out / "report.png"
     assert capsys.readouterr().out.strip() == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+    drawn = {}
+    monkeypatch.setattr(report, "save", lambda fig, path: drawn.update(fig=fig))
+    report.plot_report(out)
+    memory = next(ax for ax in drawn["fig"].axes if ax.get_title() == "memory")
+    assert memory.get_ylim()[0] == 0  # amounts start at zero
+    report.pyplot().close(drawn["fig"])
 
 
 # ------------------------------------------------------------------------------------------- held-out data
@@ -309,6 +315,16 @@ def test_held_out_flags_without_data_exit_2(tmp_path, capsys, flag, value):
     assert main(["train", *SMALL, flag, value, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert f"`{flag}` applies only with `--data`" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_resumed_run_keeps_printing_json_unless_told_no_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "1", "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 0
+    assert [r["step"] for r in map(json.loads, capsys.readouterr().out.splitlines()) if "loss" in r] == [2]
+    assert main(["train", "--resume", str(out), "--steps", "3", "--no-json"]) == 0
+    assert "loss " in capsys.readouterr().out  # the summary, not JSON
 
 
 def test_configs_saved_before_text_key_became_text_field_still_load():

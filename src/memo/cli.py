@@ -58,14 +58,15 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     for f in dataclasses.fields(TrainConfig):
         _add_field(p, f)
-    p.add_argument("--json", action="store_true", help="print one JSON line per record instead of a progress bar")
     p.set_defaults(run=_run_train)
 
 
 def _add_field(p, f) -> None:
     """Adds the flag of one TrainConfig field; defaults are suppressed so that only given flags override."""
     flag = "--" + f.name.replace("_", "-")
-    help_text = f"{f.metadata['help']} (default: {f.default})"
+    help_text = f.metadata["help"]
+    if "(default:" not in help_text:  # a help that words its default itself keeps it alone
+        help_text += f" (default: {f.default})"
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
@@ -131,7 +132,7 @@ def _run_train(args) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume)
-        code = _train(trainer, args.json)
+        code = _train(trainer)
     except BaseException:
         if trainer is not None:
             trainer.abandon()
@@ -142,9 +143,10 @@ def _run_train(args) -> int:
     return code
 
 
-def _train(trainer: Trainer, as_json: bool) -> int:
-    """Trains; rank 0 prints (the records of every rank are the same)."""
+def _train(trainer: Trainer) -> int:
+    """Trains; rank 0 prints (the records of every rank are the same), as JSON lines with `--json`."""
     cfg, quiet = trainer.cfg, trainer.rank != 0
+    as_json = cfg.json
     if trainer.step >= cfg.steps:  # a finished run resumed again (a requeued job): nothing to do, and no error
         if not quiet:
             done = f"{trainer.run_dir} is already complete at step {trainer.step}"

@@ -105,6 +105,7 @@ class TrainConfig:
     eval_data: str | None = _f(None, "held-out data for --data runs, in any --data format (same tokenizer and field)")
     eval_split: float = _f(0.0, "fraction of --data's documents held out whole for evaluation (seeded); 0: none")
     tensorboard: bool = _f(False, "also write TensorBoard events (needs the `tensorboard` package)")
+    json: bool = _f(False, "print one JSON line per record instead of a progress bar (kept by --resume)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
