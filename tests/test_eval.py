@@ -277,7 +277,7 @@ def test_defaults_depend_on_the_device_and_a_cpu_gets_a_smaller_grid(capsys):
     assert defaults(torch.device("meta")) == cpu
     assert max(cpu.lengths) < max(cuda.lengths) and cpu.trials < cuda.trials
     assert cpu.max_sequences < cuda.max_sequences
-    assert "(default: 1K,4K,8K on CPU; 1K,4K,16K on CUDA)" in " ".join(_help(capsys, "eval").split())
+    assert "(default: 1K,4K on CPU; 1K,4K,16K on CUDA)" in " ".join(_help(capsys, "eval").split())
 
 
 def test_eval_without_grid_flags_runs_the_devices_defaults(run_dir, monkeypatch, capsys):
@@ -350,7 +350,13 @@ def test_ctrl_c_during_the_pass_key_prints_and_draws_the_cells_finished_and_exit
     _interrupt_after(monkeypatch, "_score", 5)
     assert main(argv) == 130
     out = capsys.readouterr().out
-    assert "interrupted" in out and "| 0.00 | " in out and "| 128 | 200 |" not in out
+    assert (
+        "interrupted: the results finished before Ctrl-C" in out and "| 0.00 | " in out and "| 128 | 200 |" not in out
+    )
+    monkeypatch.undo()
+    _interrupt_after(monkeypatch, "_score", 0)
+    assert main(argv) == 130
+    assert "interrupted: nothing was finished before Ctrl-C" in capsys.readouterr().out
 
 
 def test_ctrl_c_during_the_loss_keeps_the_pass_key_and_the_sequences_scored(run_dir, tmp_path, monkeypatch, capsys):

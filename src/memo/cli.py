@@ -765,7 +765,8 @@ def _eval_defaults(args, defaults) -> None:
 def _print_eval(report: dict, seed: int) -> None:
     print(f"model {report['model']}  tokenizer {report['tokenizer']}  {report['device']} {report['dtype']}")
     if report.get("interrupted"):
-        print("interrupted: the results finished before Ctrl-C")
+        finished = report.get("passkey") or report.get("perplexity", {}).get("sequences")
+        print(f"interrupted: {'the results finished' if finished else 'nothing was finished'} before Ctrl-C")
     if report.get("passkey"):
         cells = report["passkey"]
         lengths = list(dict.fromkeys(c["length"] for c in cells))
