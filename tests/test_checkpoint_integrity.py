@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import _wrap_exception
 
 from memo.cli import main
 from memo.train import checkpoint
@@ -152,11 +153,14 @@ def test_a_distributed_checkpoint_has_every_file_checksummed(tmp_path, caplog):
     ]
 
 
-def test_a_ctrl_c_during_a_distributed_save_leaves_no_partial_folder(tmp_path, monkeypatch):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-dcp-reports-it"])
+def test_a_ctrl_c_during_a_distributed_save_leaves_no_partial_folder(tmp_path, monkeypatch, wrapped):
     dcp = checkpoint._dcp()
 
     def interrupted(state, storage_writer):  # the shards are written, then the second Ctrl-C arrives
         dcp.save(state, storage_writer=storage_writer)
+        if wrapped:  # DCP catches what a rank raises inside its write and reports every rank's in one exception
+            raise dcp.CheckpointException("write_data", {0: _wrap_exception(KeyboardInterrupt())})
         raise KeyboardInterrupt
 
     tensors = ({"w": torch.ones(4, 3)}, {"w.exp_avg": torch.zeros(4, 3)})

@@ -196,8 +196,10 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
         for part, tensors in zip(PARTS, (model, optimizer)):
             writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
             _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
-    except BaseException:  # a second Ctrl-C mid-write: each rank deletes the folder once its own writes stopped
+    except BaseException as err:  # a second Ctrl-C mid-write: each rank deletes the folder once its writes stopped
         shutil.rmtree(tmp, ignore_errors=True)
+        if _interrupted(err):
+            raise KeyboardInterrupt from None
         raise
     if rank0:  # DCP's save ends once every rank's files are written
         try:
@@ -211,6 +213,17 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
         _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
     return final
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Returns whether `err` is Ctrl-C, also as DCP reports it: a CheckpointException holding each rank's
+    exception (a second Ctrl-C reaches every rank, mid-write, and must end the run as Ctrl-C, not as a bug)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # loaded with DCP, which raised `err`
+
+    if isinstance(err, KeyboardInterrupt):
+        return True
+    failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+    return any(isinstance(cause, KeyboardInterrupt) for cause, _ in failures)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
