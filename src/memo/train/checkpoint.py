@@ -187,28 +187,25 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}"  # the same on every rank
     rank0 = dist.get_rank() == 0
-    if rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
-        tmp.mkdir()
-    dist.barrier()
     try:
+        if rank0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+            tmp.mkdir()
+        dist.barrier()  # the folder exists before any rank writes into it
         for part, tensors in zip(PARTS, (model, optimizer)):
             writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
             _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
-    except BaseException as err:  # a second Ctrl-C mid-write: each rank deletes the folder once its writes stopped
+        if rank0:  # DCP's save ends once every rank's files are written
+            _write_state(tmp, state, step)
+    except OSError as err:  # rank 0's own writes (DCP reports a rank's failure as a CheckpointException)
+        raise _save_failed(run_dir, final, tmp, err) from None
+    except BaseException as err:  # a second Ctrl-C mid-save: each rank deletes the folder once its writes stopped
         shutil.rmtree(tmp, ignore_errors=True)
         if _interrupted(err):
             raise KeyboardInterrupt from None
         raise
-    if rank0:  # DCP's save ends once every rank's files are written
-        try:
-            _write_state(tmp, state, step)
-        except OSError as err:
-            raise _save_failed(run_dir, final, tmp, err) from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    if rank0:
         _publish(tmp, final)
         _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
