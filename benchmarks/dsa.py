@@ -1,7 +1,8 @@
-"""Every DSA instance in ../shared/dsa-benchmarks: our solver against best-of-orders greedy, in one table.
+"""Every DSA instance in benchmarks/dsa-instances (or --root): our solver against best-of-orders greedy, in one table.
 
-python benchmarks/dsa.py                      # 30 s each, 60 s for pangu; greedy only above 20M overlapping pairs
-python benchmarks/dsa.py --only A B pangu     # a subset, matched on the file name
+python benchmarks/dsa.py                      # 30 s each (60 s for pangu); greedy only above 20M overlapping pairs
+python benchmarks/dsa.py --only A B           # a subset, matched on the file name
+python benchmarks/dsa.py --root DIR           # any folder of MiniMalloc CSVs (idealloc's larger ones, say)
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from memo.plan.greedy import greedy  # noqa: E402
 from memo.plan.problem import max_load, peak, read_csv  # noqa: E402
 from memo.plan.search import compile_kernel  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "dsa-benchmarks"
+INSTANCES = Path(__file__).resolve().parent / "dsa-instances"
 LONGER = {"pangu_2.6B": 60.0}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=str(SHARED), help="folder searched for *.csv (default: %(default)s)")
+    parser.add_argument("--root", default=str(INSTANCES), help="folder searched for *.csv (default: %(default)s)")
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--only", nargs="*", default=None, help="substrings of the file names to run")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The caching-allocator simulator against hand-worked cases of each rule (memo-method.md §6)."""
+"""The caching-allocator simulator against hand-worked cases of each rule (docs/method.md §6)."""
 
 from memo.plan.caching_sim import CachingAllocator, replay, round_size, segment_size
 

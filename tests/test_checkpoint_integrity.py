@@ -8,10 +8,12 @@ import io
 import json
 import logging
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import _wrap_exception
 
 from memo.cli import main
 from memo.train import checkpoint
@@ -149,6 +151,30 @@ def test_a_distributed_checkpoint_has_every_file_checksummed(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records if r.name == checkpoint.log.name] == [
         f"checkpoint step-0000002 is damaged ({shard}: checksum mismatch); falling back to step-0000001"
     ]
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-dcp-reports-it"])
+def test_a_ctrl_c_during_a_distributed_save_leaves_no_partial_folder(tmp_path, monkeypatch, wrapped):
+    dcp = checkpoint._dcp()
+
+    def interrupted(state, storage_writer):  # the shards are written, then the second Ctrl-C arrives
+        dcp.save(state, storage_writer=storage_writer)
+        if wrapped:  # DCP catches what a rank raises inside its write and reports every rank's in one exception
+            raise dcp.CheckpointException("write_data", {0: _wrap_exception(KeyboardInterrupt())})
+        raise KeyboardInterrupt
+
+    tensors = ({"w": torch.ones(4, 3)}, {"w.exp_avg": torch.zeros(4, 3)})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        checkpoint.save_sharded(tmp_path, 1, *tensors, {"config": {}}, keep=2)
+        stopping = SimpleNamespace(HuggingFaceStorageWriter=dcp.HuggingFaceStorageWriter, save=interrupted)
+        monkeypatch.setattr(checkpoint, "_dcp", lambda: stopping)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save_sharded(tmp_path, 2, *tensors, {"config": {}}, keep=2)
+    finally:
+        dist.destroy_process_group()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000001"]
+    assert checkpoint.load_latest(tmp_path).step == 1
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,8 @@ def test_memo_train_help_documents_every_flag(capsys):
         assert " ".join(f.metadata["help"].replace("%%", "%").split()[:4]) in out
     for flag in ("--config", "--resume", "--json"):
         assert flag in out
+    assert "(default: 80% of free)" in out  # each flag names its default once
+    assert not re.search(r"\(default: [^()]*\) \(default:", out)
 
 
 def test_console_script_is_installed():

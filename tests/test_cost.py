@@ -3,8 +3,9 @@ import json
 
 import pytest
 import torch
+import yaml
 
-from memo import ActivationPolicy, ModelConfig, Transformer
+from memo import ActivationPolicy, ModelConfig, Transformer, to_hf
 from memo.cli import main
 from memo.cost.efficiency import (
     SPEEDS,
@@ -148,6 +149,29 @@ def test_unknown_gpu_lists_the_known_ones():
         gpu("V100")
 
 
+@pytest.mark.parametrize(
+    "name, spec",
+    [("h100-80gb", "H100-SXM"), ("H100-80GB", "H100-SXM"), ("h100-sxm", "H100-SXM"), ("H100 SXM5", "H100-SXM"),
+     ("h100", "H100-SXM"), ("a100", "A100-80GB"), ("A100_80GB", "A100-80GB"), ("a800", "A800-80GB"),
+     ("h200", "H200"), ("A800-80GB", "A800-80GB")],
+)  # fmt: skip
+def test_gpu_names_take_any_case_and_the_usual_aliases(name, spec):
+    assert gpu(name).name == spec
+
+
+@pytest.mark.parametrize("name", ["h100-pcie", "a100-40gb", "h100-sxm6"])
+def test_another_gpu_of_the_same_family_is_refused_not_taken_for_a_listed_one(name):
+    with pytest.raises(ValueError, match=f"unknown GPU '{name}'; choose one of A800-80GB, A100-80GB, H100-SXM, H200"):
+        gpu(name)
+
+
+def test_a_user_gpu_is_found_in_any_case_and_keeps_its_name_over_an_alias(tmp_path):
+    spec = {k: v for k, v in A800.__dict__.items() if k not in ("name", "source")}
+    (tmp_path / "gpus.json").write_text(json.dumps({"L40S": spec, "h100": {**spec, "hbm_bytes": 1}}))
+    gpus = load_gpus(tmp_path / "gpus.json")
+    assert gpu("l40s", gpus).name == "L40S" and gpu("H100", gpus).hbm_bytes == 1
+
+
 def test_user_gpu_file_extends_the_table_and_rejects_unknown_fields(tmp_path):
     spec = {k: v for k, v in A800.__dict__.items() if k not in ("name", "source")}
     path = tmp_path / "gpus.json"
@@ -244,6 +268,37 @@ def test_estimate_cli_sweep_writes_a_plot(tmp_path, capsys):
 def test_estimate_cli_bad_input_is_one_line(capsys):
     assert main(["estimate", "--model", "gpt-7b", "--seq", "1M", "--gpus", "8", "--gpu", "V100"]) == 2
     assert "unknown GPU 'V100'" in capsys.readouterr().err
+
+
+def _model_files(tmp_path) -> dict[str, str]:
+    """Returns `tiny` as a preset, a ModelConfig YAML file and a Hugging Face folder (what `memo train` reads)."""
+    tiny = ModelConfig.preset("tiny")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(dataclasses.asdict(tiny)))
+    to_hf(Transformer(tiny), tmp_path / "hf")
+    return {"preset": "tiny", "file": str(tmp_path / "tiny.yaml"), "folder": str(tmp_path / "hf")}
+
+
+def test_estimate_plan_and_calibrate_take_a_model_file_or_a_hugging_face_folder(tmp_path, capsys):
+    models = _model_files(tmp_path)
+    answers = {}
+    for kind, model in models.items():
+        capsys.readouterr()
+        assert main(["estimate", "--model", model, "--seq", "4K", "--gpus", "1", "--gpu", "h200", "--json"]) == 0
+        estimates = json.loads(capsys.readouterr().out)
+        assert main(["plan", "--model", model, "--seq", "512", "--json", "--time-limit", "5"]) == 0
+        load = json.loads(capsys.readouterr().out)["load"]
+        out = tmp_path / f"calibration-{kind}.json"
+        assert main(["calibrate", "--device", "cpu", "--model", model, "--seq", "1K", "--out", str(out)]) == 0
+        answers[kind] = ([(e["system"], e["device_bytes"], e["step_seconds"]) for e in estimates], load)
+        answers[kind] += (json.loads(out.read_text())["shape"],)
+    assert answers["file"] == answers["preset"] == answers["folder"]  # one loader, the same model
+
+
+@pytest.mark.parametrize("verb", [["estimate", "--seq", "4K", "--gpus", "1", "--gpu", "H200"], ["plan", "--seq", "1K"]])
+def test_a_model_that_is_neither_preset_file_nor_folder_is_one_line(tmp_path, capsys, verb):
+    assert main([verb[0], "--model", "hf_llama", *verb[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "`--model` 'hf_llama' is neither a preset (" in err and len(err.splitlines()) == 1
 
 
 def test_calibrate_cli_measures_this_cpu(tmp_path, capsys):

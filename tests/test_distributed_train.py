@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import HANG
 from safetensors.torch import load_file
 
 from memo import ModelConfig, Transformer
@@ -28,7 +29,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo
 
 
 def _memo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=300)
+    return subprocess.run([sys.executable, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=HANG)
 
 
 def _two_nodes(port: int, *args: str) -> subprocess.CompletedProcess:
@@ -38,15 +39,15 @@ def _two_nodes(port: int, *args: str) -> subprocess.CompletedProcess:
     launch += ["--master-port", str(port)]
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     other = subprocess.Popen([*launch, "--node-rank", "1"], **pipes, env=ENV)
-    first = subprocess.run([*launch, "--node-rank", "0"], capture_output=True, text=True, env=ENV, timeout=300)
-    out, err = other.communicate(timeout=300)
+    first = subprocess.run([*launch, "--node-rank", "0"], capture_output=True, text=True, env=ENV, timeout=HANG)
+    out, err = other.communicate(timeout=HANG)
     code = first.returncode or other.returncode
     return subprocess.CompletedProcess(launch, code, first.stdout + out, first.stderr + err)
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return subprocess.run([*launch, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=300)
+    return subprocess.run([*launch, "-m", "memo", *args], capture_output=True, text=True, env=ENV, timeout=HANG)
 
 
 # Seen in two of seven full-suite runs on 2 cores, each time in a distributed resume (4 ranks; 2 via --nproc):

@@ -16,9 +16,12 @@ from memo.plan.mip import solve_mip
 from memo.plan.problem import Problem, check_placement, max_load, peak, read_csv
 from memo.plan.search import SearchStats, Techniques, search
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "dsa-benchmarks"
+INSTANCES = Path(__file__).resolve().parents[1] / "benchmarks" / "dsa-instances"
+# Budgets are kernel work, not seconds, so no answer depends on the machine's speed or load; this one is about
+# 60x what the largest small case below takes (0.2 s on this project's machine).
+WORK = 100_000_000
 
-# memo-method.md §5: one layer's allocation sequence in MB; 15 and 16 live from forward into backward
+# docs/method.md §5: one layer's allocation sequence in MB; 15 and 16 live from forward into backward
 PAPER_LAYER = (
     "malloc 13 128, malloc 14 128, free 14, malloc 15 256, free 13, malloc 16 512, malloc 17 128, malloc 18 128, "
     "malloc 19 256, free 17, free 19, free 18, malloc 20 512, free 20, malloc 21 1024, malloc 22 256, free 15, "
@@ -56,7 +59,7 @@ def random_problem(rng, n, horizon=12, max_size=3) -> Problem:
 
 def test_paper_layer_is_packed_at_its_load():
     p = paper_problem()
-    solution = solve(p, time_limit=20)
+    solution = solve(p, time_limit=None, work_limit=WORK)
     assert max_load(p) == 512 + 1024 + 256 + 128 + 512  # 16, 21, 22, 23 and 24 live together
     assert solution.peak == max_load(p) and solution.optimal and solution.gap == 0
     assert check_placement(p, solution.offsets) == []
@@ -67,18 +70,18 @@ def test_search_finds_the_brute_force_optimum_and_proves_nothing_lower():
     for _ in range(25):
         p = random_problem(rng, int(rng.integers(2, 6)))
         best = brute_force_peak(p)
-        found = search(p, best, 20)
+        found = search(p, best, None, work_limit=WORK)
         assert found is not None and check_placement(p, found, best) == []
         if best > max_load(p):
             stats = SearchStats()
-            assert search(p, best - 1, 20, stats=stats) is None and stats.exhausted
+            assert search(p, best - 1, None, stats=stats, work_limit=WORK) is None and stats.exhausted
 
 
 def test_mip_matches_brute_force():
     rng = np.random.default_rng(1)
     for _ in range(10):
         p = random_problem(rng, int(rng.integers(2, 6)))
-        offsets, optimal, bound = solve_mip(p, greedy(p)[0], 20)
+        offsets, optimal, bound = solve_mip(p, greedy(p)[0], None)
         assert optimal and peak(p, offsets) == bound == brute_force_peak(p) and check_placement(p, offsets) == []
 
 
@@ -87,12 +90,11 @@ def test_mip_proves_optimality_to_the_unit_on_large_coprime_sizes():
     for _ in range(15):  # sizes with gcd 1 and ~1e6 magnitude: a relative MIP gap would hide whole units
         small = random_problem(rng, int(rng.integers(3, 7)))
         p = Problem(small.ids, small.lower, small.upper, small.size * 10**6 + rng.integers(0, 3, len(small)))
-        offsets, optimal, bound = solve_mip(p, greedy(p)[0], 20)
-        assert check_placement(p, offsets) == []
-        if optimal:
-            assert search(p, peak(p, offsets), 20) is not None
-            stats = SearchStats()
-            assert search(p, peak(p, offsets) - 1, 20, stats=stats) is None and stats.exhausted
+        offsets, optimal, bound = solve_mip(p, greedy(p)[0], None)
+        assert optimal and check_placement(p, offsets) == []
+        assert search(p, peak(p, offsets), None, work_limit=WORK) is not None
+        stats = SearchStats()
+        assert search(p, peak(p, offsets) - 1, None, stats=stats, work_limit=WORK) is None and stats.exhausted
 
 
 ALL_OFF = Techniques(False, False, False, False, False, False, False)
@@ -108,10 +110,11 @@ def test_every_technique_combination_gives_the_same_answers(techniques):
     rng = np.random.default_rng(2)
     for _ in range(15):
         p = random_problem(rng, int(rng.integers(6, 11)), horizon=16, max_size=4)
-        best = solve(p, time_limit=20, use_search=False).peak  # MIP optimum on these sizes
-        assert search(p, best, 20, techniques) is not None
+        offsets, optimal, _ = solve_mip(p, greedy(p)[0], None)
+        best = peak(p, offsets)
+        assert optimal and search(p, best, None, techniques, work_limit=WORK) is not None
         stats = SearchStats()
-        assert search(p, best - 1, 20, techniques, stats) is None and stats.exhausted
+        assert search(p, best - 1, None, techniques, stats, work_limit=WORK) is None and stats.exhausted
 
 
 def hard_instances() -> list[tuple[Problem, int]]:
@@ -124,7 +127,7 @@ def hard_instances() -> list[tuple[Problem, int]]:
 def test_hard_instances_are_what_they_claim():
     for p, best in hard_instances():
         assert best > max_load(p)
-        offsets, optimal, _ = solve_mip(p, greedy(p)[0], 20)
+        offsets, optimal, _ = solve_mip(p, greedy(p)[0], None)
         assert optimal and peak(p, offsets) == best
 
 
@@ -137,18 +140,29 @@ def test_each_technique_cuts_the_work_of_proofs(flag):
     for p, best in hard_instances():
         for on in (True, False):
             stats = SearchStats()
-            assert search(p, best - 1, 20, base if on else replace(base, **{flag: False}), stats) is None
+            techniques = base if on else replace(base, **{flag: False})
+            assert search(p, best - 1, None, techniques, stats, work_limit=WORK) is None and stats.exhausted
             nodes[on] += stats.nodes
     assert nodes[True] < nodes[False]
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared/dsa-benchmarks not beside the checkout")
 def test_decomposition_cuts_the_work_on_a_real_instance():
-    p = read_csv(SHARED / "minimalloc" / "benchmarks" / "challenging" / "G.1048576.csv")
-    with_it, without = SearchStats(), SearchStats()
-    assert search(p, max_load(p), 30, stats=with_it) is not None
-    search(p, max_load(p), 3, replace(Techniques(), decomposition=False), without)  # finds nothing in 3 s
-    assert with_it.nodes < without.nodes
+    p = read_csv(INSTANCES / "minimalloc" / "challenging" / "G.1048576.csv")
+    with_it = SearchStats()
+    assert search(p, max_load(p), None, stats=with_it, work_limit=20 * WORK) is not None
+    # without decomposition the same work finds nothing
+    without = replace(Techniques(), decomposition=False)
+    assert search(p, max_load(p), None, without, work_limit=with_it.work) is None
+
+
+def test_a_work_budget_stops_the_search_without_claiming_a_proof():
+    p, best = max(hard_instances(), key=lambda h: len(h[0]))
+    full, cut = SearchStats(), SearchStats()
+    assert search(p, best - 1, None, stats=full, work_limit=WORK) is None and full.exhausted
+    assert search(p, best - 1, None, stats=cut, work_limit=full.work // 2) is None and not cut.exhausted
+    assert solve(p, time_limit=None, work_limit=full.work // 2).peak >= best
+    with pytest.raises(ValueError, match="time limit or a work limit"):
+        solve(p, time_limit=None)
 
 
 def test_decomposition_splits_at_boundaries_no_buffer_crosses_from_the_start():
@@ -162,7 +176,8 @@ def test_decomposition_splits_at_boundaries_no_buffer_crosses_from_the_start():
     nodes = {}
     for on in (True, False):
         stats = SearchStats()
-        assert search(p, best - 1, 20, Techniques(decomposition=on, restarts=False), stats) is None and stats.exhausted
+        techniques = Techniques(decomposition=on, restarts=False)
+        assert search(p, best - 1, None, techniques, stats, work_limit=WORK) is None and stats.exhausted
         nodes[on] = stats.nodes
     assert nodes[True] < nodes[False]
 
@@ -173,7 +188,7 @@ def test_search_places_thousands_of_buffers_without_recursion():
     p = Problem(tuple(range(5000)), lo, lo + rng.integers(1, 40, 5000), rng.integers(1, 50, 5000))
     capacity = peak(p, place_greedy(p, order_by(p, "area")))
     # without decomposition the search is one dive 5000 placements deep (the recursive kernel overflowed ~3000)
-    found = search(p, capacity, 60, Techniques(decomposition=False), orders=("AWT",))
+    found = search(p, capacity, None, Techniques(decomposition=False), orders=("AWT",), work_limit=10 * WORK)
     assert found is not None and check_placement(p, found, capacity) == []
 
 

@@ -13,17 +13,21 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memo import ModelConfig, Transformer, to_hf
+from memo import eval as evaluation
 from memo.cli import main
 from memo.eval import (
     FILLER,
     NEEDLE,
     QUESTION,
+    Defaults,
     PasskeyTask,
     bucket_edges,
+    defaults,
     greedy_decode,
     held_out_sequences,
     passkey_accuracy,
     perplexity_by_position,
+    spread,
 )
 from memo.train.data import ByteTokenizer, HFTokenizer
 
@@ -263,3 +267,115 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):
 def test_a_path_that_is_neither_a_run_nor_a_hugging_face_folder_is_an_error(tmp_path, capsys):
     assert main(["eval", str(tmp_path)]) == 2
     assert "is neither a `memo train` run directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------- sized to fit, interruptible
+
+
+def test_defaults_depend_on_the_device_and_a_cpu_gets_a_smaller_grid(capsys):
+    cpu, cuda = defaults(torch.device("cpu")), defaults(torch.device("cuda"))
+    assert defaults(torch.device("meta")) == cpu
+    assert max(cpu.lengths) < max(cuda.lengths) and cpu.trials < cuda.trials
+    assert cpu.max_sequences < cuda.max_sequences
+    assert "(default: 1K,4K on CPU; 1K,4K,16K on CUDA)" in " ".join(_help(capsys, "eval").split())
+
+
+def test_eval_without_grid_flags_runs_the_devices_defaults(run_dir, monkeypatch, capsys):
+    monkeypatch.setitem(evaluation.DEFAULTS, "cpu", Defaults((128, 200), (0.5,), 1, 3))
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--device", "cpu", "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)["passkey"]
+    assert [(c["length"], c["depth"], c["trials"]) for c in cells] == [(128, 0.5, 1), (200, 0.5, 1)]
+
+
+def _help(capsys, verb: str) -> str:
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    return capsys.readouterr().out
+
+
+def test_spread_picks_distinct_indices_evenly_over_the_file():
+    assert spread(10, 3) == [0, 3, 6] and spread(4, None) == spread(4, 8) == list(range(4))
+    picked = spread(917, 16)
+    gaps = np.diff([*picked, 917])  # to the next pick, the last one to the end of the file
+    assert picked[0] == 0 and gaps.min() >= 57 and gaps.max() <= 58
+
+
+def _held_out(tmp_path) -> str:
+    path = tmp_path / "held.txt"
+    path.write_text("There and back again. " * 60)  # 1320 bytes: 11 sequences of 128
+    return str(path)
+
+
+def test_max_sequences_caps_the_loss_and_says_how_many_of_how_many(run_dir, tmp_path, capsys):
+    argv = ["eval", str(run_dir), "--lengths", "128", "--trials", "0", "--ppl-file", _held_out(tmp_path)]
+    capsys.readouterr()
+    assert main([*argv, "--max-sequences", "3", "--json"]) == 0
+    ppl = json.loads(capsys.readouterr().out)["perplexity"]
+    assert (ppl["sequences"], ppl["of"]) == (3, 11)
+    assert sum(b["tokens"] for b in ppl["buckets"]) == 3 * 127  # three whole sequences, each less its first token
+    assert main([*argv, "--max-sequences", "3"]) == 0
+    assert "3 of 11 sequence(s) of 128 (--max-sequences)" in capsys.readouterr().out
+    assert main([*argv, "--max-sequences", "0"]) == 2
+    assert "`--max-sequences` must be positive, got 0" in capsys.readouterr().err
+
+
+def _interrupt_after(monkeypatch, name: str, calls: int) -> None:
+    """Makes memo.eval's `name` raise KeyboardInterrupt (Ctrl-C) on its call number `calls` + 1."""
+    real, seen = getattr(evaluation, name), []
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        if len(seen) > calls:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, name, counted)
+
+
+def test_ctrl_c_during_the_pass_key_prints_and_draws_the_cells_finished_and_exits_130(
+    run_dir, tmp_path, monkeypatch, capsys
+):
+    _interrupt_after(monkeypatch, "_score", 5)  # 2 trials per cell, one per batch: cells 1 and 2 are whole
+    plot = tmp_path / "passkey.png"
+    argv = ["eval", str(run_dir), "--lengths", "128,200", "--depths", "0,1", "--trials", "2", "--plot", str(plot)]
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 130
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["interrupted"] and [(c["length"], c["depth"]) for c in report["passkey"]] == [(128, 0), (128, 1)]
+    assert err.strip().splitlines()[-1] == "memo eval: interrupted"
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.undo()
+    _interrupt_after(monkeypatch, "_score", 5)
+    assert main(argv) == 130
+    out = capsys.readouterr().out
+    assert (
+        "interrupted: the results finished before Ctrl-C" in out and "| 0.00 | " in out and "| 128 | 200 |" not in out
+    )
+    monkeypatch.undo()
+    _interrupt_after(monkeypatch, "_score", 0)
+    assert main(argv) == 130
+    assert "interrupted: nothing was finished before Ctrl-C" in capsys.readouterr().out
+
+
+def test_ctrl_c_during_the_loss_keeps_the_pass_key_and_the_sequences_scored(run_dir, tmp_path, monkeypatch, capsys):
+    _interrupt_after(monkeypatch, "position_losses", 4)
+    argv = [
+        "eval",
+        str(run_dir),
+        "--lengths",
+        "128",
+        "--depths",
+        "0",
+        "--trials",
+        "1",
+        "--ppl-file",
+        _held_out(tmp_path),
+    ]
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 130
+    report = json.loads(capsys.readouterr().out)
+    assert report["interrupted"] and len(report["passkey"]) == 1
+    ppl = report["perplexity"]
+    assert (ppl["sequences"], ppl["of"]) == (4, 11) and sum(b["tokens"] for b in ppl["buckets"]) == 4 * 127

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -111,27 +110,23 @@ def _logged(run: Path) -> int:
     return sum('"loss"' in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def _wait_for_group_exit(group: int) -> None:
-    """Waits until every process of `group` (the launcher's ranks too) has ended."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
+def _group_ended(group: int) -> bool:
+    """Returns whether every process of `group` (the launcher's ranks too) has ended."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
-def test_a_second_trainer_on_a_folder_in_use_exits_at_once_naming_the_holder(tmp_path):
+def test_a_second_trainer_on_a_folder_in_use_exits_at_once_naming_the_holder(tmp_path, wait_until):
     run = tmp_path / "run"
     first = subprocess.Popen(
         [sys.executable, "-m", "memo", "train", *SMALL, "--steps", "100000", "--nproc", "2", "--out", str(run)],
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while _logged(run) < 2 and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _logged(run) >= 2, "two logged steps", first)
         holder = json.loads((run / ".lock").read_text())
         for argv in (["train", *SMALL, "--steps", "3", "--out", str(run)], ["train", "--resume", str(run)]):
             line = _one_line(_memo(*argv))
@@ -140,7 +135,7 @@ def test_a_second_trainer_on_a_folder_in_use_exits_at_once_naming_the_holder(tmp
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # no clean-up: the kernel releases the lock
         first.wait()
-        _wait_for_group_exit(first.pid)
+        wait_until(lambda: _group_ended(first.pid), "the killed trainer's ranks to end")
     assert main(["train", *SMALL, "--steps", "1", "--out", str(run), "--json"]) == 0
 
 

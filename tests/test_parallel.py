@@ -108,7 +108,7 @@ def _check_clip_and_step(single: Transformer, model: Transformer, where: str) ->
 
 
 def _check_planned_arena_under_fsdp() -> None:
-    """The planned arena (memo-method.md §5) runs inside FSDP's unsharded layers as in one process."""
+    """The planned arena (docs/method.md §5) runs inside FSDP's unsharded layers as in one process."""
     mesh = init_mesh(1)
     ids, labels = _batch()
     single, model = _models("tiny", POLICIES["memo"])

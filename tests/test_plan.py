@@ -11,9 +11,12 @@ from memo.plan.problem import Problem, check_placement, max_load, read_csv, writ
 from memo.plan.scratch import efficient_backward_bytes, flash_backward_bytes
 from memo.plan.trace import SCRATCH, Tracer
 
+WORK = 1_000_000_000  # DSA budgets in search work, not seconds: the same plans at any machine load
+
 
 def test_bilevel_plan_of_a_tiny_model_is_valid_and_layer_blocks_never_overlap():
-    result = plan(ModelConfig.preset("tiny-gpt"), ActivationPolicy("memo", alpha=0.5), 256, time_limit=5)
+    policy = ActivationPolicy("memo", alpha=0.5)
+    result = plan(ModelConfig.preset("tiny-gpt"), policy, 256, time_limit=None, work_limit=WORK)
     p = result.problem
     assert check_placement(p, result.iteration.offsets) == []
     blocks = np.flatnonzero([str(i).startswith(("fwd", "bwd")) for i in p.ids])
@@ -37,7 +40,8 @@ def _overlapping_live_pairs(p: Problem, offsets: np.ndarray) -> int:
 
 
 def test_flat_plan_covers_the_whole_step_with_the_update_and_reaches_load():
-    result = plan(ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5), 512, time_limit=5)
+    policy = ActivationPolicy("memo", alpha=0.5)
+    result = plan(ModelConfig.preset("tiny"), policy, 512, time_limit=None, work_limit=WORK)
     flat = result.trace.to_problem()
     assert _overlapping_live_pairs(flat, result.flat.offsets) == 0
     assert result.flat.peak <= 1.01 * result.load
@@ -82,7 +86,7 @@ def test_plan_cli_reports_load_arena_and_allocator(capsys, tmp_path):
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["arena_peak"] >= report["load"] > 0 and report["caching_peak_reserved"] > 0
-    assert report["load"] <= report["flat_peak"] <= 1.01 * report["load"]
+    assert report["flat_peak"] >= report["load"]  # how close within 5 s depends on the machine: see the test above
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -111,3 +115,22 @@ def test_csv_with_offsets_round_trips(tmp_path):
     p = Problem.from_rows([(0, 0, 2, 3), (1, 1, 3, 3)])
     write_csv(p, tmp_path / "o.csv", np.array([0, 3]))
     assert read_csv(tmp_path / "o.csv").ids == ("0", "1")
+
+
+def test_plan_picture_puts_its_legends_below_the_plots_inside_the_picture(tmp_path, monkeypatch):
+    from memo.plan import plot
+
+    result = plan(
+        ModelConfig.preset("tiny-gpt"), ActivationPolicy("memo", alpha=0.5), 256, time_limit=None, work_limit=WORK
+    )
+    drawn = {}
+    monkeypatch.setattr(plot, "save", lambda fig, path: drawn.update(fig=fig))
+    plot.plot_plan(result, tmp_path / "plan.png", "tiny-gpt")
+    fig = drawn["fig"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not legend.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1)
+    plot.pyplot().close(fig)

@@ -16,6 +16,7 @@ from memo.cli import main
 from memo.plan import allocator
 from memo.plan.allocator import PlannedAllocator
 
+WORK = 1_000_000_000  # the plan's DSA budget in search work, not seconds: the same plan at any machine load
 STEPS = 6  # steps 1 (which also makes the optimizer state) to 3 are recorded, 3 is planned, 4-6 are served
 
 
@@ -44,7 +45,7 @@ def _train(preset, strategy, dtype, planned: bool, seqs=(64,) * STEPS, keep_at: 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset(preset), _policy(strategy)).to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    arena = PlannedAllocator() if planned else None
+    arena = PlannedAllocator(time_limit=None, work_limit=WORK) if planned else None
     out, kept = [], []
     with arena or contextlib.nullcontext():
         for step, seq in enumerate(seqs, 1):

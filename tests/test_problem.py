@@ -3,9 +3,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memo.plan.problem import Problem, check_placement, max_load, peak, read_csv, write_csv
+from memo.plan.problem import Problem, check_placement, max_load, read_csv, write_csv
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "dsa-benchmarks"
+INSTANCES = Path(__file__).resolve().parents[1] / "benchmarks" / "dsa-instances"
 
 
 def _brute_force_load(p: Problem) -> int:
@@ -58,16 +58,12 @@ def test_bad_csv_is_a_clear_error(tmp_path, text, message):
         read_csv(tmp_path / "bad.csv")
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared/dsa-benchmarks not beside the checkout")
-def test_load_of_the_shared_instances_matches_the_manifest():
-    expected = {
-        "minimalloc/benchmarks/challenging/D.1048576.csv": 986112,
-        "minimalloc/benchmarks/challenging/J.1048576.csv": 989184,
-        "idealloc/benchmarks/somas_tensors/pangu_2.6B.csv": 5530099775,
-    }
-    for rel, load in expected.items():
-        assert max_load(read_csv(SHARED / rel)) == load
-
-
-def test_peak_of_an_empty_problem_is_zero():
-    assert peak(Problem.from_rows([]), np.zeros(0)) == 0
+def test_shipped_instances_have_the_size_and_load_their_table_lists():
+    rows = [line.split("|")[1:4] for line in (INSTANCES / "README.md").read_text().splitlines() if ".csv |" in line]
+    assert {name.strip() for name, _, _ in rows} == {str(p.relative_to(INSTANCES)) for p in INSTANCES.rglob("*.csv")}
+    for name, n, load in rows:
+        p = read_csv(INSTANCES / name.strip())
+        assert (len(p), max_load(p)) == (int(n), int(load)), name
+    # LOADs published with the instances (MiniMalloc's and idealloc's own tools)
+    for name, load in [("minimalloc/challenging/D.1048576.csv", 986112), ("idealloc/G_1.csv", 3030937746)]:
+        assert max_load(read_csv(INSTANCES / name)) == load

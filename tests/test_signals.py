@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import HANG
 
 from memo.cli import main
 
@@ -24,25 +24,23 @@ def _steps(metrics: Path) -> int:
     return sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line)
 
 
-def _interrupted_run(run: Path, signum: int) -> tuple[subprocess.CompletedProcess, int]:
+def _interrupted_run(run: Path, signum: int, wait_until) -> tuple[subprocess.CompletedProcess, int]:
     """Starts a long `memo train`, signals it once three steps are logged; returns (result, last step)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "memo", "train", *RUN, "--steps", "100000", "--out", str(run)]
     proc = subprocess.Popen(cmd, cwd=run.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while _steps(run / "metrics.jsonl") < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: _steps(run / "metrics.jsonl") >= 3, "three logged steps", proc)
     proc.send_signal(signum)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=HANG)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), _steps(run / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_matches_an_uninterrupted_run(
-    tmp_path, capsys, signum
+    tmp_path, capsys, signum, wait_until
 ):
     run = tmp_path / "run"
-    done, last = _interrupted_run(run, signum)
+    done, last = _interrupted_run(run, signum, wait_until)
     assert done.returncode == 128 + signum, done.stderr
     assert 3 <= last < 100000
     assert f"after step {last}; checkpoint" in done.stderr

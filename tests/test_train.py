@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from memo import ModelConfig, Transformer, to_hf
 from memo.cli import main
 from memo.loss import IGNORE_INDEX
-from memo.train import checkpoint
+from memo.train import checkpoint, report
 from memo.train.config import TrainConfig
 from memo.train.loop import Trainer
 from memo.train.metrics import read_metrics
@@ -124,6 +124,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_whole(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         for _ in Trainer(cfg).records():
             pass
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the partial folder went with the interruption
     latest = checkpoint.load_latest(tmp_path)
     assert latest.step == 2 and set(latest.model) == set(Transformer(ModelConfig.preset("tiny")).state_dict())
     monkeypatch.setattr(checkpoint, "save_file", real)
@@ -187,7 +188,7 @@ def test_a_hugging_face_folder_is_a_model(tmp_path, capsys):
     assert _losses(_records(capsys))[1] > 0
 
 
-def test_metrics_and_report(tmp_path, capsys):
+def test_metrics_and_report(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--steps", "2", "--eval-every", "1", "--out", str(out), "--json"]) == 0
     records = read_metrics(out / "metrics.jsonl")
@@ -201,6 +202,12 @@ def test_metrics_and_report(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     png = out / "report.png"
     assert capsys.readouterr().out.strip() == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+    drawn = {}
+    monkeypatch.setattr(report, "save", lambda fig, path: drawn.update(fig=fig))
+    report.plot_report(out)
+    memory = next(ax for ax in drawn["fig"].axes if ax.get_title() == "memory")
+    assert memory.get_ylim()[0] == 0  # amounts start at zero
+    report.pyplot().close(drawn["fig"])
 
 
 # ------------------------------------------------------------------------------------------- held-out data
@@ -310,15 +317,25 @@ def test_held_out_flags_without_data_exit_2(tmp_path, capsys, flag, value):
     assert f"`{flag}` applies only with `--data`" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_resumed_run_keeps_printing_json_unless_told_no_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "1", "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 0
+    assert [r["step"] for r in map(json.loads, capsys.readouterr().out.splitlines()) if "loss" in r] == [2]
+    assert main(["train", "--resume", str(out), "--steps", "3", "--no-json"]) == 0
+    assert "loss " in capsys.readouterr().out  # the summary, not JSON
+
+
 def test_configs_saved_before_text_key_became_text_field_still_load():
     assert TrainConfig.from_dict({"text_key": "body"}).text_field == "body"
 
 
-def _small_hf_checkpoint(path, max_positions: int = 64):
+def _small_hf_checkpoint(path, max_positions: int = 64, **rope):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        vocab_size=256, max_position_embeddings=max_positions, tie_word_embeddings=True, **rope,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return transformers
@@ -344,6 +361,36 @@ def test_context_extension_flags_stretch_a_loaded_checkpoint_and_its_export_says
     ids = torch.randint(0, 256, (1, 200))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_scaling_on_a_scaled_checkpoint_replaces_it_from_its_pretrained_length_and_says_so(tmp_path, capsys):
+    """A checkpoint stretched by llama3 x8 from 32 positions to 256, given `--rope-scaling yarn --rope-factor 4`: the
+    run says what it replaces, YaRN counts from the 32 positions the unscaled RoPE was trained at (not the 256 the
+    old scaling reached), and the export keeps the checkpoint's bos/eos ids (a bytes run has no tokenizer to say
+    otherwise); transformers reads the export with the same logits."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32}
+    llama3 |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    transformers = _small_hf_checkpoint(tmp_path / "base", 256, rope_parameters=llama3, bos_token_id=1, eos_token_id=2)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tmp_path / "base"), "--rope-scaling", "yarn", "--rope-factor", "4", *SMALL]
+    capsys.readouterr()
+    assert main([*argv, "--seq-len", "128", "--steps", "1", "--out", str(out), "--json"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "memo train: warning: `--rope-scaling yarn` replaces the RoPE scaling of model 'base', llama3 (factor 8, "
+        "original 32), with yarn (factor 4, original 32)"
+    ]
+    ours = checkpoint.saved_model_config(checkpoint.load_latest(out).state, out).rope_scaling
+    assert (ours.type, ours.factor, ours.original_max_positions) == ("yarn", 4.0, 32)
+    assert main(["export", str(out), "--hf", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    rope = hf.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 32)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (1, 2)
+    from memo import from_hf
+
+    ids = torch.randint(0, 256, (1, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path / "hf")(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import eval as evaluation
 from .config import PRESETS, ModelConfig
 from .cost.calibrate import Shape, calibrate
 from .cost.efficiency import check_calibration_device, efficiency_from_calibration
@@ -29,13 +30,14 @@ from .files import read_json_object, write_text
 from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
-from .train.config import TrainConfig, alpha_value, plan_value, read_config_file
+from .train.config import TrainConfig, alpha_value, named_model_config, plan_value, read_config_file, replaced_rope
 from .train.launch import launch
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
 from .train.signals import Interrupted, StopRequest
 from .units import format_bytes, format_count, parse_length, parse_size
 
+MODEL_HELP = f"a preset ({', '.join(PRESETS)}), a model config file (.yaml/.toml/.json) or a Hugging Face folder"
 PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` traces (a trace takes seconds per million)
 
 
@@ -56,14 +58,15 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     for f in dataclasses.fields(TrainConfig):
         _add_field(p, f)
-    p.add_argument("--json", action="store_true", help="print one JSON line per record instead of a progress bar")
     p.set_defaults(run=_run_train)
 
 
 def _add_field(p, f) -> None:
     """Adds the flag of one TrainConfig field; defaults are suppressed so that only given flags override."""
     flag = "--" + f.name.replace("_", "-")
-    help_text = f"{f.metadata['help']} (default: {f.default})"
+    help_text = f.metadata["help"]
+    if "(default:" not in help_text:  # a help that words its default itself keeps it alone
+        help_text += f" (default: {f.default})"
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
@@ -124,10 +127,13 @@ def _run_train(args) -> int:
         cfg, resume = TrainConfig.from_dict(values, args.config or "flags"), False
     if (cfg.nproc > 1 or cfg.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         return launch(cfg, args.argv)
+    replaced = None if resume else replaced_rope(named_model_config(cfg.model), cfg)
+    if replaced and os.environ.get("RANK", "0") == "0":
+        print(f"memo train: warning: {replaced}", file=sys.stderr)
     trainer = None
     try:
         trainer = Trainer(cfg, resume=resume)
-        code = _train(trainer, args.json)
+        code = _train(trainer)
     except BaseException:
         if trainer is not None:
             trainer.abandon()
@@ -138,9 +144,10 @@ def _run_train(args) -> int:
     return code
 
 
-def _train(trainer: Trainer, as_json: bool) -> int:
-    """Trains; rank 0 prints (the records of every rank are the same)."""
+def _train(trainer: Trainer) -> int:
+    """Trains; rank 0 prints (the records of every rank are the same), as JSON lines with `--json`."""
     cfg, quiet = trainer.cfg, trainer.rank != 0
+    as_json = cfg.json
     if trainer.step >= cfg.steps:  # a finished run resumed again (a requeued job): nothing to do, and no error
         if not quiet:
             done = f"{trainer.run_dir} is already complete at step {trainer.step}"
@@ -321,12 +328,12 @@ def _estimate_parser(sub) -> None:
         "the s x s matrix a causal kernel computes; the full-matrix MFU and HFU (recomputation included) are "
         "shown beside it, each named under the table and in the JSON.",
     )
-    p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
+    p.add_argument("--model", type=PATH, required=True, help=MODEL_HELP)
     p.add_argument(
         "--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence, e.g. 512K or 1M"
     )
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", required=True, help="GPU name: " + ", ".join(GPUS))
+    p.add_argument("--gpu", required=True, help=f"GPU name, any case: {', '.join(GPUS)} (or a usual alias: h100, ...)")
     p.add_argument(
         "--gpu-file", type=PATH, default=None, help="JSON file with more GPU specs (fields as in cost/hardware.py)"
     )
@@ -357,7 +364,7 @@ def _run_estimate(args) -> int:
         calibration = read_json_object(args.calibration)
         check_calibration_device(calibration, spec)
         eff = efficiency_from_calibration(calibration, spec)
-    cfg = ModelConfig.preset(args.model)
+    cfg = named_model_config(args.model)
     systems = args.system or list(SYSTEMS)
     if args.plot and not args.sweep:
         raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
@@ -458,7 +465,7 @@ def _calibrate_parser(sub) -> None:
         "`memo estimate --calibration`.",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
-    p.add_argument("--model", choices=list(PRESETS), default=None, help="model preset whose shapes to time")
+    p.add_argument("--model", type=PATH, default=None, help=f"the model whose shapes to time: {MODEL_HELP}")
     p.add_argument("--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence")
     p.add_argument("--sp", type=int, default=1, help="GPUs per sequence: each times seq/sp tokens of heads/sp heads")
     p.add_argument("--out", type=PATH, default=None, help="write the measurements to this JSON file")
@@ -470,7 +477,7 @@ def _run_calibrate(args) -> int:
     if (args.model is None) != (args.seq is None):
         raise ValueError("give `--model` and `--seq` together (or neither, for a generic shape)")
     device = check_device(args.device)
-    shape = Shape.of(ModelConfig.preset(args.model), args.seq, args.sp) if args.model else None
+    shape = Shape.of(named_model_config(args.model), args.seq, args.sp) if args.model else None
     result = calibrate(device, shape)
     if args.out:
         write_text(args.out, json.dumps(result, indent=2))
@@ -555,7 +562,7 @@ def _plan_parser(sub) -> None:
         "does, each layer's forward and backward (level 1) then the step with layers as blocks (level 2); "
         "compare with PyTorch's caching allocator replaying the same trace.",
     )
-    p.add_argument("--model", required=True, choices=list(PRESETS), help="model preset")
+    p.add_argument("--model", type=PATH, required=True, help=MODEL_HELP)
     p.add_argument(
         "--seq", type=_cli_type(parse_length, "length"), required=True, help="tokens per sequence, e.g. 512K"
     )
@@ -578,7 +585,7 @@ def _run_plan(args) -> int:
     from .plan.bilevel import plan
     from .plan.plot import plot_plan
 
-    cfg = ModelConfig.preset(args.model)
+    cfg = named_model_config(args.model)
     policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
     _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)
     result = plan(cfg, policy, args.seq // args.tp, args.batch, args.time_limit)
@@ -645,25 +652,35 @@ def _eval_parser(sub) -> None:
         type=PATH,
         help="Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)",
     )
+    cpu, cuda = evaluation.DEFAULTS["cpu"], evaluation.DEFAULTS["cuda"]
     p.add_argument(
         "--lengths",
         type=_cli_type(_lengths, "lengths"),
-        default=[1024, 4096, 16384],
-        help="prompt lengths in tokens (default: 1K,4K,16K)",
+        help=f"prompt lengths in tokens (default: {_by_device(cpu.lengths, cuda.lengths, format_count)})",
     )
     p.add_argument(
         "--depths",
         type=_cli_type(_numbers, "depths"),
-        default=[0.0, 0.25, 0.5, 0.75, 1.0],
-        help="needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question (default: 0,0.25,0.5,0.75,1)",
+        help="needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question "
+        f"(default: {_by_device(cpu.depths, cuda.depths, '{:g}'.format)})",
     )
-    p.add_argument("--trials", type=int, default=4, help="prompts per length and depth; 0: no pass key (default: 4)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        help=f"prompts per length and depth; 0: no pass key (default: {_by_device(cpu.trials, cuda.trials)})",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of keys and filler (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: %(default)s)")
     p.add_argument(
         "--ppl-file",
         type=PATH,
         help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)",
+    )
+    p.add_argument(
+        "--max-sequences",
+        type=int,
+        help="score at most this many sequences of --ppl-file, spread evenly over it "
+        f"(default: {_by_device(cpu.max_sequences, cuda.max_sequences)})",
     )
     p.add_argument(
         "--bucket-size",
@@ -675,6 +692,12 @@ def _eval_parser(sub) -> None:
     p.add_argument("--plot", type=PATH, help="write the pass-key heatmap (length x depth) to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=_run_eval)
+
+
+def _by_device(cpu, cuda, show=str) -> str:
+    """Returns a default that depends on the device, as help text: "256,1K on CPU; 1K,4K,16K on CUDA"."""
+    spell = lambda v: ",".join(map(show, v)) if isinstance(v, tuple) else show(v)
+    return f"{spell(cpu)} on CPU; {spell(cuda)} on CUDA"
 
 
 def _lengths(text: str) -> list[int]:
@@ -689,12 +712,15 @@ def _numbers(text: str) -> list[float]:
 
 
 def _run_eval(args) -> int:
+    device = check_device(args.device)
+    _eval_defaults(args, evaluation.defaults(device))
     if args.trials == 0 and not args.ppl_file:
         raise ValueError("nothing to evaluate: `--trials 0` and no `--ppl-file`")
     if args.plot and args.trials == 0:
         raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
-    loaded = load(args.path, check_device(args.device), EVAL_DTYPES[args.dtype], args.tokenizer)
-    report = {"model": loaded.source, "tokenizer": loaded.tokenizer.name, "device": args.device, "dtype": args.dtype}
+    if args.max_sequences < 1:
+        raise ValueError(f"`--max-sequences` must be positive, got {args.max_sequences}")
+    loaded = load(args.path, device, EVAL_DTYPES[args.dtype], args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
     limit = model.config.max_position_embeddings
     if limit and max(args.lengths) > limit:
@@ -705,48 +731,82 @@ def _run_eval(args) -> int:
     if args.trials:  # bad arguments fail at once, before any progress bar or long run
         PasskeyTask(tokenizer).check(model, args.lengths, args.depths, args.trials, args.seed)
     longest = max(args.lengths)
-    vocab_size = model.config.vocab_size
-    data = held_out_sequences(args.ppl_file, loaded.tokenizer_path, longest, vocab_size) if args.ppl_file else None
-    if args.trials:
-        total = len(args.lengths) * len(args.depths) * args.trials
-        with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=args.json) as bar:
-            cells = passkey_accuracy(
-                model, tokenizer, args.lengths, args.depths, args.trials, args.seed, args.batch_size, bar.update
-            )
-        report["passkey"] = [c.as_dict() for c in cells]
-        if args.plot:
-            plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {args.trials} trials per cell")
-            print(f"wrote {args.plot}", file=sys.stderr)
-    if data is not None:
-        with tqdm(total=data.num_sequences, desc="loss", unit="seq", file=sys.stderr, disable=args.json) as bar:
-            buckets = perplexity_by_position(model, data, args.bucket_size, bar.update)
-        report["perplexity"] = {
-            "file": args.ppl_file,
-            "sequences": data.num_sequences,
-            "length": longest,
-            "buckets": [b.as_dict() for b in buckets],
-        }
+    data = None
+    if args.ppl_file:
+        data = held_out_sequences(args.ppl_file, loaded.tokenizer_path, longest, model.config.vocab_size)
+    report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
+    cells = _measure_eval(args, loaded, data, report)
+    if args.plot and cells:
+        plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {args.trials} trials per cell")
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:
         _print_eval(report, args.seed)
+    if report.get("interrupted"):
+        raise KeyboardInterrupt  # `memo eval: interrupted`, exit 130, after what was measured
     return 0
+
+
+def _measure_eval(args, loaded, data, report: dict) -> list:
+    """Scores the pass key and the loss by position into `report`; returns the pass-key cells. On Ctrl-C the
+    report keeps what was finished (whole cells, the sequences scored) and says `interrupted`."""
+    cells = []
+    try:
+        if args.trials:
+            total = len(args.lengths) * len(args.depths) * args.trials
+            with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=args.json) as bar:
+                cells = passkey_accuracy(
+                    loaded.model, loaded.tokenizer, args.lengths, args.depths, args.trials, args.seed,
+                    args.batch_size, bar.update,
+                )  # fmt: skip
+            report["passkey"] = [c.as_dict() for c in cells]
+        if data is not None:
+            picked = evaluation.spread(data.num_sequences, args.max_sequences)
+            report["perplexity"] = {"file": args.ppl_file, "sequences": 0, "of": data.num_sequences}
+            report["perplexity"]["length"] = data.seq_len
+            with tqdm(total=len(picked), desc="loss", unit="seq", file=sys.stderr, disable=args.json) as bar:
+                buckets = perplexity_by_position(loaded.model, data, args.bucket_size, bar.update, picked)
+            report["perplexity"].update(sequences=len(picked), buckets=[b.as_dict() for b in buckets])
+    except evaluation.Interrupted as stop:
+        report["interrupted"] = True
+        if "perplexity" in report:
+            report["perplexity"].update(sequences=stop.done, buckets=[b.as_dict() for b in stop.results])
+        else:
+            cells = stop.results
+            report["passkey"] = [c.as_dict() for c in cells]
+    return cells
+
+
+def _eval_defaults(args, defaults) -> None:
+    """Fills the flags left unset with the device's defaults, once the device is known."""
+    for name in ("lengths", "depths", "trials", "max_sequences"):
+        if getattr(args, name) is None:
+            value = getattr(defaults, name)
+            setattr(args, name, list(value) if isinstance(value, tuple) else value)
 
 
 def _print_eval(report: dict, seed: int) -> None:
     print(f"model {report['model']}  tokenizer {report['tokenizer']}  {report['device']} {report['dtype']}")
-    if "passkey" in report:
+    if report.get("interrupted"):
+        finished = report.get("passkey") or report.get("perplexity", {}).get("sequences")
+        print(f"interrupted: {'the results finished' if finished else 'nothing was finished'} before Ctrl-C")
+    if report.get("passkey"):
         cells = report["passkey"]
         lengths = list(dict.fromkeys(c["length"] for c in cells))
-        accuracy = {(c["length"], c["depth"]): c["accuracy"] for c in cells}
+        accuracy = {(c["length"], c["depth"]): f"{c['accuracy']:.0%}" for c in cells}
         print(f"\npass key accuracy, {cells[0]['trials']} trials per cell (seed {seed})")
         print("| depth | " + " | ".join(format_count(n) for n in lengths) + " |")
         print("|---:" * (len(lengths) + 1) + "|")
         for depth in dict.fromkeys(c["depth"] for c in cells):
-            print(f"| {depth:.2f} | " + " | ".join(f"{accuracy[n, depth]:.0%}" for n in lengths) + " |")
+            print(f"| {depth:.2f} | " + " | ".join(accuracy.get((n, depth), "-") for n in lengths) + " |")
     if "perplexity" in report:
         ppl = report["perplexity"]
-        print(f"\nloss of {ppl['file']} by position, {ppl['sequences']} sequence(s) of {format_count(ppl['length'])}")
+        of = f" of {ppl['of']}" if ppl["sequences"] < ppl["of"] else ""
+        print(
+            f"\nloss of {ppl['file']} by position, {ppl['sequences']}{of} sequence(s) of {format_count(ppl['length'])}"
+            + (" (--max-sequences)" if of and not report.get("interrupted") else "")
+        )
         print("| positions | tokens | loss | perplexity |")
         print("|---|---:|---:|---:|")
         for b in ppl["buckets"]:

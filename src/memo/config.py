@@ -55,7 +55,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape of a decoder-only transformer.
 
-    `gpt`: LayerNorm, GeLU, biases everywhere (the paper's models, memo-method.md §8).
+    `gpt`: LayerNorm, GeLU, biases everywhere (the paper's models, docs/method.md §8).
     `llama`: RMSNorm, SwiGLU, no biases by default, grouped-query attention: the family of Llama 2/3.x,
     Mistral (`sliding_window`), Qwen2/2.5 (`qkv_bias`), Qwen3 (`qk_norm`, explicit `kv_channels`).
     Both use rotary position embeddings: a learned table of 1M positions would cost more than the model.
@@ -177,7 +177,7 @@ def _llama3(name: str, n_layers: int, hidden: int, heads: int, ffn: int, factor:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # memo-method.md §8 (the paper's table)
+    # docs/method.md §8 (the paper's table)
     "gpt-7b": _gpt("gpt-7b", 32, 4096, 32),
     "gpt-13b": _gpt("gpt-13b", 40, 5120, 40),
     "gpt-30b": _gpt("gpt-30b", 48, 7168, 56),

@@ -69,6 +69,38 @@ def _no_progress(n: int) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class Defaults:
+    """What `memo eval` measures unless told: a grid a small model finishes in minutes on the device. Greedy
+    decoding reruns the whole prompt for every answer token (no KV cache), so a CPU gets short prompts and few
+    trials, and only part of a long held-out file."""
+
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    trials: int
+    max_sequences: int
+
+
+DEFAULTS = {
+    "cpu": Defaults((1024, 4096), (0.0, 0.5, 1.0), 2, 16),
+    "cuda": Defaults((1024, 4096, 16384), (0.0, 0.25, 0.5, 0.75, 1.0), 4, 256),
+}
+
+
+def defaults(device: torch.device) -> Defaults:
+    """Returns the defaults for `device`: the GPU's on CUDA, the CPU's on anything else."""
+    return DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during an evaluation, carrying what was finished before it: the whole pass-key cells, or the loss by
+    position over the sequences scored (`done` of them)."""
+
+    def __init__(self, results: list, done: int):
+        super().__init__()
+        self.results, self.done = results, done
+
+
 # ------------------------------------------------------------------------------------------------------- loading
 
 
@@ -269,20 +301,24 @@ def passkey_accuracy(
     progress: Progress = _no_progress,
 ) -> list[PasskeyCell]:
     """Returns the accuracy of every (length, depth) cell over `trials` greedy-decoded prompts, lengths outer;
-    `progress(n)` is called as each batch of n trials is scored."""
+    `progress(n)` is called as each batch of n trials is scored. Ctrl-C raises `Interrupted` with the whole cells
+    scored before it."""
     if batch_size < 1:
         raise ValueError(f"`--batch-size` must be positive, got {batch_size}")
     task = PasskeyTask(tokenizer)
     task.check(model, lengths, depths, trials, seed)
     device = model.head_weight.device
     cells = []
-    for length, depth in itertools.product(lengths, depths):
-        correct = 0
-        for first in range(0, trials, batch_size):
-            prompts = [task.prompt(length, depth, seed, t) for t in range(first, min(first + batch_size, trials))]
-            correct += _score(model, task, prompts, device)
-            progress(len(prompts))
-        cells.append(PasskeyCell(length, depth, trials, correct))
+    try:
+        for length, depth in itertools.product(lengths, depths):
+            correct = 0
+            for first in range(0, trials, batch_size):
+                batch = range(first, min(first + batch_size, trials))
+                correct += _score(model, task, [task.prompt(length, depth, seed, t) for t in batch], device)
+                progress(len(batch))
+            cells.append(PasskeyCell(length, depth, trials, correct))
+    except KeyboardInterrupt:
+        raise Interrupted(cells, len(cells)) from None
     return cells
 
 
@@ -295,16 +331,16 @@ def _score(model: torch.nn.Module, task: PasskeyTask, prompts: list[PasskeyPromp
 
 def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> None:
     """Writes the needle-in-a-haystack heatmap as PNG: context length across, needle depth down, accuracy as
-    colour (with a colour bar), each cell's accuracy written in it."""
+    colour (with a colour bar), each cell's accuracy written in it; cells not given (an interrupted run) blank."""
     plt = pyplot()
     lengths = list(dict.fromkeys(c.length for c in cells))
     depths = list(dict.fromkeys(c.depth for c in cells))
     accuracy = {(c.length, c.depth): c.accuracy for c in cells}
-    grid = np.array([[accuracy[n, d] for n in lengths] for d in depths])
+    grid = np.array([[accuracy.get((n, d), math.nan) for n in lengths] for d in depths])
     fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     for (i, j), value in np.ndenumerate(grid):
-        ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=9)
+        ax.text(j, i, "-" if math.isnan(value) else f"{value:.0%}", ha="center", va="center", fontsize=9)
     ax.set_xticks(range(len(lengths)), [format_count(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     ax.set_xlabel("context length (tokens)")
@@ -373,26 +409,49 @@ def position_losses(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Te
     return losses
 
 
+def spread(total: int, limit: int | None) -> list[int]:
+    """Returns `limit` (positive) indices spread evenly over range(total), or all of them without a limit or below
+    it: a file's documents often come in order (by source, by date), and its first sequences would stand for the
+    whole badly."""
+    if limit is None or limit >= total:
+        return list(range(total))
+    return [i * total // limit for i in range(limit)]
+
+
 def perplexity_by_position(
-    model: torch.nn.Module, data: TokenDataset, bucket_size: int | None = None, progress: Progress = _no_progress
+    model: torch.nn.Module,
+    data: TokenDataset,
+    bucket_size: int | None = None,
+    progress: Progress = _no_progress,
+    sequences: Sequence[int] | None = None,
 ) -> list[BucketLoss]:
-    """Returns the mean loss per position bucket over every sequence of `data`, one sequence at a time. A
+    """Returns the mean loss per position bucket over the `sequences` of `data` (default: all), one at a time. A
     token's position is its index in its sequence (the context it had); as in training, no loss is taken on a
-    document's first token, so none predicts across a boundary."""
+    document's first token, so none predicts across a boundary. Ctrl-C raises `Interrupted` with the buckets of
+    the sequences scored before it."""
     check_length(model, data.seq_len)
     edges = bucket_edges(data.seq_len, bucket_size)
     bucket = torch.bucketize(torch.arange(1, data.seq_len + 1), torch.tensor(edges), right=True) - 1  # (s,)
-    sums = torch.zeros(len(edges) - 1, dtype=torch.float64)
-    counts = torch.zeros(len(edges) - 1, dtype=torch.int64)
     device = model.head_weight.device
-    for i in range(data.num_sequences):
-        ids, labels = data.sequence(i)
-        targets = shift_labels(labels[None])  # (1, s): position t predicts token t + 1
-        losses = position_losses(model, ids[None].to(device), targets.to(device))[0].cpu()
-        valid = targets[0] != IGNORE_INDEX
-        sums.index_add_(0, bucket[valid], losses[valid].double())
-        counts += torch.bincount(bucket[valid], minlength=len(counts))
-        progress(1)
+    scored = []  # (loss sums, token counts) per bucket of each sequence: one append, whole even under Ctrl-C
+    try:
+        for i in range(data.num_sequences) if sequences is None else sequences:
+            ids, labels = data.sequence(i)
+            targets = shift_labels(labels[None])  # (1, s): position t predicts token t + 1
+            losses = position_losses(model, ids[None].to(device), targets.to(device))[0].cpu()
+            valid = targets[0] != IGNORE_INDEX
+            sums = torch.zeros(len(edges) - 1, dtype=torch.float64).index_add_(0, bucket[valid], losses[valid].double())
+            scored.append((sums, torch.bincount(bucket[valid], minlength=len(edges) - 1)))
+            progress(1)
+    except KeyboardInterrupt:
+        raise Interrupted(_buckets(edges, scored), len(scored)) from None
+    return _buckets(edges, scored)
+
+
+def _buckets(edges: list[int], scored: list[tuple[torch.Tensor, torch.Tensor]]) -> list[BucketLoss]:
+    """Returns the mean loss of each bucket over the scored sequences."""
+    sums = sum((s for s, _ in scored), torch.zeros(len(edges) - 1, dtype=torch.float64))
+    counts = sum((n for _, n in scored), torch.zeros(len(edges) - 1, dtype=torch.int64))
     return [
         BucketLoss(lo, hi, int(n), float(s / n) if n else math.nan)
         for lo, hi, s, n in zip(edges, edges[1:], sums.tolist(), counts.tolist())

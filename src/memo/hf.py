@@ -348,6 +348,16 @@ def tokenizer_file(tokenizer: str | os.PathLike) -> Path:
     return path
 
 
+def config_token_ids(model: str | os.PathLike) -> dict[str, int | None]:
+    """Returns the bos/eos/pad ids that a Hugging Face folder's config.json names ({} for anything else: a preset,
+    a config file, a folder that is gone)."""
+    path = Path(model) / CONFIG_NAME
+    if not str(model) or not path.is_file():
+        return {}
+    cfg = read_json_object(path)
+    return {key: cfg.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
 def special_token_ids(tokenizer: str | os.PathLike) -> dict[str, int | None]:
     """Returns {bos,eos,pad}_token_id of a HF tokenizer.json: the tokens its tokenizer_config.json or
     special_tokens_map.json names, else the first of the usual ones it has; None when there is none."""
@@ -465,13 +475,15 @@ def save_hf(
     path: str | os.PathLike,
     seq_len: int | None = None,
     tokenizer: str | os.PathLike | None = None,
+    token_ids: dict[str, int | None] | None = None,
 ) -> Path:
     """Writes `weights` (memo names) as a HF checkpoint folder that `AutoModelForCausalLM.from_pretrained`
     loads with no missing or unexpected keys; returns `path`.
 
     The folder holds config.json (`config_to_hf`), generation_config.json, model.safetensors and, given a
     HF `tokenizer` (tokenizer.json or its folder), its tokenizer.json, tokenizer_config.json and
-    special_tokens_map.json, whose bos/eos/pad ids the configs name. Files are written in a temporary
+    special_tokens_map.json, whose bos/eos/pad ids the configs name; without one, `token_ids` (those of the
+    checkpoint the model came from, `config_token_ids`) are kept. Files are written in a temporary
     folder beside `path` and renamed in, so a crash never leaves a half-written checkpoint: a new `path`
     appears whole, an existing one gets each file replaced whole. Modes are those of any new file (0644 and
     a 0755 folder under the usual umask 022), not safetensors' 0600.
@@ -480,7 +492,7 @@ def save_hf(
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file: a Hugging Face checkpoint is a folder, give a folder path")
     _check_weights(config, weights)
-    token_ids = special_token_ids(tokenizer) if tokenizer is not None else {}
+    token_ids = special_token_ids(tokenizer) if tokenizer is not None else token_ids or {}
     dtype = weights["embed.weight"].dtype
     hf_config = config_to_hf(config, dtype, seq_len, token_ids)
     tokens = ("bos_token_id", "eos_token_id", "pad_token_id")

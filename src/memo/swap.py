@@ -134,6 +134,38 @@ def store_layout(
     )
 
 
+def plan_problem(
+    specs: dict[str, SkeletalSpec],
+    n_layers: int,
+    seconds: dict[str, float],
+    bandwidth: float,
+    host_budget: int,
+    device_budget: int = 0,
+    offload_last: bool = False,
+) -> PlanProblem:
+    """Returns the plan problem (policy.py) of layers of `specs` with one layer's `seconds` (forward, backward,
+    and the forward's qkv, attention, mlp parts) and the host link's `bandwidth`; the host budget less the room
+    each host slot's tensors take to align."""
+    by_role = bytes_by_role(specs)
+    return PlanProblem(
+        n_layers=n_layers,
+        input_bytes=by_role["input"],
+        attention_bytes=by_role["attention"],
+        other_bytes=by_role["other"],
+        local_bytes=sum(sp.nbytes for sp in specs.values() if sp.group != "whole"),
+        keep_bytes=pack_layout(specs)[1],
+        bandwidth=bandwidth,
+        layer_seconds=seconds["forward"],
+        backward_seconds=seconds["backward"],
+        attention_seconds=seconds["attention"],
+        qkv_seconds=seconds["qkv"],
+        mlp_seconds=seconds["mlp"],
+        host_budget=host_budget - n_layers * len(specs) * ALIGN,
+        device_budget=device_budget,
+        offload_last_layers=offload_last,
+    )
+
+
 class HostPool:
     """One host allocation (pinned for CUDA) sized up front with a byte cap, carved into per-layer slots."""
 
@@ -386,28 +418,15 @@ class ActivationStore:
         return modes, alphas
 
     def _plan_problem(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> PlanProblem:
-        specs = self.specs
-        by_role = bytes_by_role(specs)
-        local = sum(sp.nbytes for sp in specs.values() if sp.group != "whole")
-        whole = {n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device) for n, sp in in_group(specs, "whole").items()}
-        seconds = measure_layer_seconds(layer, whole, FreshTiles.of(specs, self._tile, self._heads))
-        host_slots = self.n_layers * len(specs) * ALIGN  # room for slot alignment
-        return PlanProblem(
-            n_layers=self.n_layers,
-            input_bytes=by_role["input"],
-            attention_bytes=by_role["attention"],
-            other_bytes=by_role["other"],
-            local_bytes=local,
-            keep_bytes=pack_layout(specs)[1],
-            bandwidth=measure_copy_bandwidth(whole["x"]),
-            layer_seconds=sum(seconds.values()),
-            backward_seconds=BACKWARD_OVER_FORWARD * sum(seconds.values()),
-            attention_seconds=seconds["attention"],
-            qkv_seconds=seconds["qkv"],
-            mlp_seconds=seconds["mlp"],
-            host_budget=budget - host_slots,
-            device_budget=self.policy.device_budget_bytes or 0,
-            offload_last_layers=self.policy.offload_last_layers,
+        """Returns the plan problem of this rank with the layer's measured seconds and copy bandwidth."""
+        whole = {n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device) for n, sp in in_group(self.specs, "whole").items()}
+        seconds = measure_layer_seconds(layer, whole, FreshTiles.of(self.specs, self._tile, self._heads))
+        forward = sum(seconds.values())
+        seconds.update(forward=forward, backward=BACKWARD_OVER_FORWARD * forward)
+        p = self.policy
+        return plan_problem(
+            self.specs, self.n_layers, seconds, measure_copy_bandwidth(whole["x"]), budget,
+            p.device_budget_bytes or 0, p.offload_last_layers,
         )
 
     # ---- forward ----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Does a model fit at a sequence length on some GPUs, with which layout and α, how fast, at what MFU — for
-MEMO and the systems users would run otherwise, each as it ships, under one model (memo-method.md §3, §7).
+MEMO and the systems users would run otherwise, each as it ships, under one model (docs/method.md §3, §7).
 
 Every system trains one sequence of `seq` tokens per sequence-parallel group of `sp` GPUs, with
 `gpus / sp` such groups in data parallel, and each searches its own layouts (`layouts`), keeping the best
@@ -35,8 +35,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..policy import PlanProblem, offloaded, plan_costs, solve_plan
-from ..swap import ALIGN, pack_layout
+from ..policy import plan_costs, solve_plan
+from ..swap import plan_problem
 from ..units import format_bytes, format_count
 from .efficiency import POINTS, Band, Efficiency, published_band
 from .flops import (
@@ -333,25 +333,9 @@ def _plan(c, seq, tokens, gpu, eff, layout: Layout, host_budget: int, device_bud
 
 def _plan_problem(c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int):
     """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds."""
-    specs = layer_specs(c, tokens)
-    by_role = {role: sum(sp.nbytes for sp in specs.values() if sp.role == role) for role in ("input", "attention")}
     t = _compute_seconds(c, seq, tokens, gpu, eff)
-    return PlanProblem(
-        n_layers=c.n_layers,
-        input_bytes=by_role["input"],
-        attention_bytes=by_role["attention"],
-        other_bytes=sum(sp.nbytes for sp in specs.values() if sp.role == "other"),
-        local_bytes=sum(sp.nbytes for sp in specs.values() if sp.group != "whole"),
-        keep_bytes=pack_layout(specs)[1],
-        bandwidth=_host_bandwidth(gpu, eff),
-        layer_seconds=t["forward"],
-        backward_seconds=2 * t["matmul"] + t["attention_backward"],
-        attention_seconds=t["attention"],
-        qkv_seconds=t["qkv"],
-        mlp_seconds=t["mlp"],
-        host_budget=host_budget - c.n_layers * len(specs) * ALIGN,  # room for each host slot's alignment
-        device_budget=device_budget,
-    )
+    seconds = {**t, "backward": 2 * t["matmul"] + t["attention_backward"]}
+    return plan_problem(layer_specs(c, tokens), c.n_layers, seconds, _host_bandwidth(gpu, eff), host_budget, device_budget)
 
 
 def _traced(c: ModelConfig, tokens: int, layout: Layout, plan) -> Traced:

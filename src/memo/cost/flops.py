@@ -1,4 +1,4 @@
-"""FLOP counts (memo-method.md §7): forward + backward = 3 × forward, recomputation is not model FLOPs (it is
+"""FLOP counts (docs/method.md §7): forward + backward = 3 × forward, recomputation is not model FLOPs (it is
 counted apart, for HFU). Two conventions for attention, each named wherever a utilisation is shown:
 
 - causal (the default, memo's MFU): a causal kernel computes half of the s×s score matrix, so half is counted;

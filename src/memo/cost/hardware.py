@@ -141,9 +141,39 @@ def load_gpus(path: str | Path) -> dict[str, GPUSpec]:
     return gpus
 
 
+# Other spellings of the built-in GPUs, as `_spelling` writes them. Only names of the same chip and memory: an
+# "a100-40gb" or "h100-pcie" is another GPU, and is refused rather than estimated as this one.
+ALIASES = {
+    "A800-80GB": ("a800", "a800-sxm", "a800-sxm4", "a800-sxm4-80gb", "a800-80gb-sxm", "a800-80gb-sxm4"),
+    "A100-80GB": ("a100", "a100-sxm", "a100-sxm4", "a100-sxm4-80gb", "a100-80gb-sxm", "a100-80gb-sxm4"),
+    "H100-SXM": (
+        "h100",
+        "h100-80gb",
+        "h100-sxm5",
+        "h100-sxm-80gb",
+        "h100-sxm5-80gb",
+        "h100-80gb-sxm",
+        "h100-80gb-sxm5",
+    ),
+    "H200": ("h200-sxm", "h200-141gb", "h200-sxm-141gb", "h200-141gb-sxm"),
+}
+
+
+def _spelling(name: str) -> str:
+    """Returns a GPU name as compared: lower case, words joined by hyphens ("H100 SXM5" -> "h100-sxm5")."""
+    return "-".join(name.lower().replace("_", " ").replace("-", " ").split())
+
+
 def gpu(name: str, gpus: dict[str, GPUSpec] | None = None) -> GPUSpec:
-    """Returns the named GPU spec, or a ValueError listing the known names."""
+    """Returns the spec of GPU `name`, in any case or a usual alias (h100, H100-80GB, h100-sxm5, ...), or a
+    ValueError listing the known names."""
     gpus = GPUS if gpus is None else gpus
-    if name not in gpus:
-        raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(gpus)} or add it with --gpu-file")
-    return gpus[name]
+    known = {_spelling(n): n for n in gpus}
+    known |= {a: n for n, aliases in ALIASES.items() if n in gpus for a in aliases if a not in known}
+    found = known.get(_spelling(name))
+    if found is None:
+        raise ValueError(
+            f"unknown GPU {name!r}; choose one of {', '.join(gpus)} (any case; or an alias such as h100, "
+            "a100-80gb, h100-sxm5) or add it with --gpu-file"
+        )
+    return gpus[found]

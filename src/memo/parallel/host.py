@@ -1,4 +1,4 @@
-"""Host memory is shared by every GPU of a node (memo-method.md §3): each local rank offloads into its share."""
+"""Host memory is shared by every GPU of a node (docs/method.md §3): each local rank offloads into its share."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Static memory planning (memo-method.md §5-6): traces, DSA solvers, bi-level plans, arena, allocator simulator."""
+"""Static memory planning (docs/method.md §5-6): traces, DSA solvers, bi-level plans, arena, allocator simulator."""

@@ -1,4 +1,4 @@
-"""The planned allocator at run time (memo-method.md §5): a training step allocates the same tensors in the same
+"""The planned allocator at run time (docs/method.md §5): a training step allocates the same tensors in the same
 order every time, so one step's allocations, recorded at PyTorch's allocator where every one of them is seen
 (kernel scratch included), are planned once as a flat Dynamic Storage Allocation problem and the next steps are
 served from one arena at the solved offsets: no fragmentation, and a footprint at the step's LOAD.
@@ -98,10 +98,16 @@ class PlannedAllocator:
     over when made (before any CUDA allocation) for the rest of the process. `with allocator.step():` marks one
     training step. `plan` is the layout in use (None until two recorded steps agree)."""
 
-    def __init__(self, device: torch.device = torch.device("cpu"), time_limit: float = 5.0, install: bool = True):
+    def __init__(
+        self,
+        device: torch.device = torch.device("cpu"),
+        time_limit: float | None = 5.0,
+        install: bool = True,
+        work_limit: int | None = None,
+    ):
         self.core = "cpu" if device.type == "cpu" else "device"
         self.device = device
-        self.time_limit = time_limit
+        self.time_limit, self.work_limit = time_limit, work_limit  # the plan's DSA budget (`dsa.solve`)
         self.plan: Plan | None = None
         self._ext = extension()
         self._recorded: list[int] | None = None  # the sorted sizes of the last recorded step
@@ -166,7 +172,7 @@ class PlannedAllocator:
         offsets = np.full(len(sizes), -1, dtype=np.int64)
         arena = load = 0
         if len(problem):
-            solution = solve(problem, self.time_limit, use_mip=False)
+            solution = solve(problem, self.time_limit, use_mip=False, work_limit=self.work_limit)
             offsets[inside] = solution.offsets * align
             arena, load = solution.peak * align, max_load(problem) * align
         if not self._ext.set_plan(self.core, sizes.tolist(), offsets.tolist(), int(arena)):

@@ -1,4 +1,4 @@
-"""The planned run-time mode (memo-method.md §5): a layer's transient tensors live in one pre-allocated
+"""The planned run-time mode (docs/method.md §5): a layer's transient tensors live in one pre-allocated
 arena at offsets solved offline, so the allocator never sees them and cannot fragment.
 
 A layer phase (its forward, or its recompute + backward) is first traced on `meta` with the same shapes,

@@ -1,4 +1,4 @@
-"""Static memory plans of one training step (memo-method.md §5), traced on the `meta` device from the real
+"""Static memory plans of one training step (docs/method.md §5), traced on the `meta` device from the real
 model (so a 7B model at 512K tokens plans in seconds without memory): forward, backward and the optimizer
 step, with the scratch CUDA kernels take inside an op (`plan.scratch`).
 
@@ -77,15 +77,23 @@ def level_problems(t: Trace) -> tuple[dict[tuple[str, int], Problem], list[tuple
     return phases, outer, spans
 
 
-def _solve_phases(phases: dict[tuple[str, int], Problem], time_limit: float) -> dict[tuple[str, int], Solution]:
+def _solve_phases(phases: dict[tuple[str, int], Problem], limits: dict) -> dict[tuple[str, int], Solution]:
     """Returns a level-1 solution per layer phase; phases with the same allocation sequence share one."""
     solved, by_shape = {}, {}
     for key, p in phases.items():
         shape = (tuple(p.size), tuple(p.lower - p.lower.min()), tuple(p.upper - p.lower.min()))
         if shape not in by_shape:
-            by_shape[shape] = solve(p, time_limit)
+            by_shape[shape] = solve(p, **limits)
         solved[key] = by_shape[shape]
     return solved
+
+
+def _share(time_limit: float | None, work_limit: int | None, parts: int) -> dict:
+    """Returns one of `parts` equal shares of the limits, as `solve`'s keyword arguments."""
+    return {
+        "time_limit": None if time_limit is None else time_limit / parts,
+        "work_limit": None if work_limit is None else work_limit // parts,
+    }
 
 
 def _lifetimes(t: Trace) -> list[tuple]:
@@ -93,15 +101,25 @@ def _lifetimes(t: Trace) -> list[tuple]:
     return list(zip(p.ids, p.lower.tolist(), p.upper.tolist(), p.size.tolist()))
 
 
-def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, time_limit: float = 20.0) -> Plan:
-    """Returns the flat and the bi-level plan of one training step of `config` at `tokens` tokens per GPU."""
+def plan(
+    config: ModelConfig,
+    policy: ActivationPolicy,
+    tokens: int,
+    batch: int = 1,
+    time_limit: float | None = 20.0,
+    work_limit: int | None = None,
+) -> Plan:
+    """Returns the flat and the bi-level plan of one training step of `config` at `tokens` tokens per GPU.
+
+    The solves share `time_limit` seconds and `work_limit` units of search work (see `dsa.solve`).
+    """
     start = time.perf_counter()
     with meta_kernels("cuda"):  # plan what a GPU step allocates, CUDA attention kernels included
         model, ids = meta_model(config, policy, tokens, batch)
         step = trace_iteration(model, ids, meta_optimizer(model), scratch=True)
     traced = time.perf_counter() - start
     phases, outer, spans = level_problems(step)
-    level1 = _solve_phases(phases, time_limit / 8)
+    level1 = _solve_phases(phases, _share(time_limit, work_limit, 8))
     # a block spans the events strictly after its start mark: the next layer's backward starts on the mark
     # that ends this one's (both hooks fire on the same gradient), so the two must not overlap
     blocks = [
@@ -114,9 +132,9 @@ def plan(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int 
     return Plan(
         fwd,
         bwd,
-        solve(level2, time_limit / 4),
+        solve(level2, **_share(time_limit, work_limit, 4)),
         level2,
-        solve(step.to_problem(), time_limit / 4),
+        solve(step.to_problem(), **_share(time_limit, work_limit, 4)),
         step.peak,
         step.dispatch_peak,
         replay(events),

@@ -1,4 +1,4 @@
-"""A model of PyTorch's CUDA caching allocator, replaying an alloc/free trace (memo-method.md §6).
+"""A model of PyTorch's CUDA caching allocator, replaying an alloc/free trace (docs/method.md §6).
 
 The rules follow `c10/cuda/CUDACachingAllocator.cpp` with default settings:
 - requests are rounded up to 512 B;

@@ -22,7 +22,7 @@ from .problem import Problem, check_placement, max_load, peak
 from .search import HEURISTICS, SearchStats, Techniques, compile_kernel, search
 
 log = logging.getLogger(__name__)
-MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (memo-method.md §5)
+MIP_MAX_BUFFERS = 80  # the big-M MIP stalls beyond ~100 tensors (docs/method.md §5)
 # The search's overlap lists take 16 bytes and its per-node work grows with the overlapping pairs: beyond this
 # many (S_1 has 43M, Y_1 180M) building them alone costs more than the time limit leaves.
 SEARCH_MAX_OVERLAPS = 20_000_000
@@ -60,17 +60,27 @@ class Solution:
         }
 
 
-def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip: bool = True) -> Solution:
+def solve(
+    p: Problem,
+    time_limit: float | None = 10.0,
+    use_search: bool = True,
+    use_mip: bool = True,
+    work_limit: int | None = None,
+) -> Solution:
     """Returns the best placement found for `p` within `time_limit` seconds (never worse than greedy).
 
-    The first call in a process also loads the search kernel from numba's cache (about 1 s; 15 s to compile it
-    the first time), before the clock starts.
+    `work_limit` bounds the exact search's work instead of (or as well as) the clock, so the answer does not depend
+    on the machine's speed; HiGHS has no such counter, so a solve without a clock skips the MIP. The first call in a
+    process also loads the search kernel from numba's cache (about 1 s; 15 s to compile it the first time), before
+    the clock starts.
     """
+    if time_limit is None and work_limit is None:
+        raise ValueError("a DSA solve needs a time limit or a work limit")
     use_search = use_search and _overlapping_pairs(p) <= SEARCH_MAX_OVERLAPS
     if use_search:
         compile_kernel()
     start = time.perf_counter()
-    deadline = start + time_limit
+    budget = Budget(None if time_limit is None else start + time_limit, work_limit)
     load = max_load(p)
     offsets, method = greedy(p)
     best = peak(p, offsets)
@@ -78,9 +88,10 @@ def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip
     lower = load
     unit = math.gcd(*(int(s) for s in p.size)) if len(p) else 1
     if use_search:
-        lower, offsets, best, method = _drive_search(p, lower, offsets, best, method, unit, deadline, steps)
-    if use_mip and best > lower and len(p) <= MIP_MAX_BUFFERS and time.perf_counter() < deadline and _has_highs():
-        found, proven, bound = solve_mip(p, offsets, deadline - time.perf_counter())
+        lower, offsets, best, method = _drive_search(p, lower, offsets, best, method, unit, budget, steps)
+    mip_time = budget.seconds_left()
+    if use_mip and best > lower and len(p) <= MIP_MAX_BUFFERS and mip_time and mip_time > 0 and _has_highs():
+        found, proven, bound = solve_mip(p, offsets, mip_time)
         steps.append(f"mip: peak {peak(p, found)}{' (optimal)' if proven else ''}, bound {bound}")
         lower = max(lower, bound)
         if peak(p, found) < best:
@@ -91,6 +102,29 @@ def solve(p: Problem, time_limit: float = 10.0, use_search: bool = True, use_mip
         offsets, method = greedy(p)
         best, steps = peak(p, offsets), steps + [f"verification failed: {problems[0]}"]
     return Solution(offsets, best, lower, best <= lower, time.perf_counter() - start, method, steps)
+
+
+@dataclass
+class Budget:
+    """What a solve has left: a deadline on the clock and kernel work, each None when not limited."""
+
+    deadline: float | None
+    work: int | None
+
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.perf_counter()
+
+    def spent(self) -> bool:
+        seconds = self.seconds_left()
+        return (seconds is not None and seconds <= 0.05) or (self.work is not None and self.work <= 0)
+
+    def share(self, fraction: float) -> tuple[float | None, int | None]:
+        """Returns (seconds, work) for a step that may take `fraction` of what is left."""
+        seconds = self.seconds_left()
+        return (
+            None if seconds is None else seconds * fraction,
+            None if self.work is None else max(int(self.work * fraction), 1),
+        )
 
 
 @functools.cache
@@ -111,20 +145,22 @@ def _overlapping_pairs(p: Problem) -> int:
     return int(later.clip(0).sum())
 
 
-def _drive_search(p, lower, offsets, best, method, unit, deadline, steps):
+def _drive_search(p, lower, offsets, best, method, unit, budget, steps):
     """Asks the exact search for placements at capacity LOAD (large instances: just below the best peak), then
-    bisects between the highest capacity that failed (proven or out of time) and the best peak found; returns
+    bisects between the highest capacity that failed (proven or out of budget) and the best peak found; returns
     (lower, offsets, peak, method)."""
     lower = -(-lower // unit) * unit
-    failed = lower - unit  # highest capacity known not to yield a placement (in the time it had)
+    failed = lower - unit  # highest capacity known not to yield a placement (within the budget it had)
     large = len(p) > LARGE
     capacity = (best - 1) // unit * unit if large else lower
     techniques = Techniques(unallocated_floor=False) if large else Techniques()
     orders = LARGE_ORDERS if large else HEURISTICS
-    while lower < best and (remaining := deadline - time.perf_counter()) > 0.05:
+    while lower < best and not budget.spent():
         stats = SearchStats()
-        share = remaining / 2 if capacity == lower or capacity >= best - unit else remaining / 3
-        found = search(p, capacity, share, techniques, stats, orders)
+        seconds, work = budget.share(1 / 2 if capacity == lower or capacity >= best - unit else 1 / 3)
+        found = search(p, capacity, seconds, techniques, stats, orders, work)
+        if budget.work is not None:
+            budget.work -= stats.work
         if found is not None and check_placement(p, found):
             log.error("search returned an invalid placement at capacity %d; ignoring it", capacity)
             found = None
@@ -136,7 +172,7 @@ def _drive_search(p, lower, offsets, best, method, unit, deadline, steps):
             if stats.exhausted:
                 lower = capacity + unit
             steps.append(
-                f"search at {capacity}: {'none fits' if stats.exhausted else 'out of time'} ({stats.nodes} nodes)"
+                f"search at {capacity}: {'none fits' if stats.exhausted else 'out of budget'} ({stats.nodes} nodes)"
             )
         capacity = max(lower, (failed + best) // 2 // unit * unit)
         if capacity <= failed or capacity >= best:

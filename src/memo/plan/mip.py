@@ -1,4 +1,4 @@
-"""The paper's DSA mixed-integer program (memo-method.md §5), solved with HiGHS.
+"""The paper's DSA mixed-integer program (docs/method.md §5), solved with HiGHS.
 
     minimise M  s.t.  A_i + S_i <= M;   A_i + S_i <= A_j + z_ij·C;   A_j + S_j <= A_i + (1 − z_ij)·C
                       for every pair (i, j) live at the same time;  A_i >= 0, z_ij ∈ {0, 1},  LOAD <= M <= C
@@ -16,9 +16,10 @@ import numpy as np
 from .problem import Problem, check_placement, max_load, peak
 
 
-def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndarray, bool, int]:
+def solve_mip(p: Problem, start: np.ndarray, time_limit: float | None) -> tuple[np.ndarray, bool, int]:
     """Returns (offsets, proven optimal, proven lower bound) starting from `start`; never worse than `start`.
 
+    `time_limit` None runs to optimality (small instances: the tests' reference, whatever the machine's speed).
     The offsets are checked before they are returned (rounding a near-integral solution could overlap).
     """
     import highspy  # here, not at `import memo`: the planner works without the MIP where highspy is missing
@@ -31,7 +32,8 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float) -> tuple[np.ndar
     pairs = len(a)
     h = highspy.Highs()
     h.silent()
-    h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", 0.0)  # the default 1e-4 would call a peak optimal while units remain
     h.setOptionValue("mip_abs_gap", 0.999)  # peaks are whole units

@@ -10,6 +10,7 @@ from ..figures import pyplot, save
 from .bilevel import Plan
 
 GiB = 2**30
+BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": 9}  # legends off the plots
 
 
 def plot_plan(plan: Plan, path: str | Path, title: str) -> None:
@@ -19,7 +20,7 @@ def plot_plan(plan: Plan, path: str | Path, title: str) -> None:
     from matplotlib.patches import Rectangle
 
     p, offsets = plan.problem, plan.iteration.offsets
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2), layout="constrained")  # makes room for the legends
     blocks = np.array([str(i).startswith(("fwd", "bwd")) for i in p.ids])
     for mask, color, label in ((~blocks, "tab:blue", "tensors"), (blocks, "tab:orange", "layer blocks (level 1)")):
         rects = [
@@ -37,7 +38,7 @@ def plot_plan(plan: Plan, path: str | Path, title: str) -> None:
     left.legend(
         handles=[Rectangle((0, 0), 1, 1, color="tab:blue"), Rectangle((0, 0), 1, 1, color="tab:orange")],
         labels=["tensors", "layer blocks (level 1)"],
-        loc="upper right",
+        **BELOW,
     )
     allocated, reserved = (np.array(x) / GiB for x in zip(*plan.caching.timeline))
     right.plot(reserved, label="caching allocator: reserved")
@@ -46,7 +47,6 @@ def plot_plan(plan: Plan, path: str | Path, title: str) -> None:
     right.set_xlabel("allocation event")
     right.set_ylabel("GiB")
     right.set_title("PyTorch caching allocator (simulated) vs plan")
-    right.legend(loc="lower right")
+    right.legend(**BELOW)
     fig.suptitle(title)
-    fig.tight_layout()
     save(fig, path)

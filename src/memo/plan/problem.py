@@ -28,7 +28,8 @@ class Problem:
     def __post_init__(self) -> None:
         n = len(self.ids)
         for name in ("lower", "upper", "size"):
-            arr = np.asarray(getattr(self, name), dtype=np.int64)
+            # contiguous: the search kernel is compiled for one array layout; another would compile it again
+            arr = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
             if arr.shape != (n,):
                 raise ValueError(f"`{name}` has {arr.shape[0] if arr.ndim else 0} entries for {n} buffers")
             object.__setattr__(self, name, arr)

@@ -1,4 +1,4 @@
-"""Exact DSA search: lowest-offset depth-first placement with load-based pruning (memo-method.md §5).
+"""Exact DSA search: lowest-offset depth-first placement with load-based pruning (docs/method.md §5).
 
 The technique is the one MiniMalloc (Moffitt, ASPLOS 2023) made fast, written here from its description:
 
@@ -39,6 +39,7 @@ HEURISTICS = ("WAT", "TAW", "TWA", "AWT", "WTA", "ATW")  # static orders: W life
 _KEY = {"W": 0, "A": 1, "T": 2}
 FOUND, NOT_FOUND = 1, 0  # kernel results; -1: stopped by the node budget
 ASSUMED_WORK_PER_S = 150_000_000  # kernel loop iterations per second, until a run measures the rate
+UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Techniques:
 @dataclass
 class SearchStats:
     nodes: int = 0  # nodes entered plus placements tried
+    work: int = 0  # the kernel's loop iterations: what `work_limit` counts
     exhausted: bool = False  # the search space was covered: a None result proves that nothing fits
 
 
@@ -115,13 +117,16 @@ def _prepared(p: Problem):
 def search(
     p: Problem,
     capacity: int,
-    time_limit: float,
+    time_limit: float | None,
     techniques: Techniques = Techniques(),
     stats: SearchStats | None = None,
     orders: tuple[str, ...] = HEURISTICS,
+    work_limit: int | None = None,
 ):
-    """Returns offsets with peak <= capacity, or None: proven impossible if `stats.exhausted`, else out of time.
+    """Returns offsets with peak <= capacity, or None: proven impossible if `stats.exhausted`, else out of budget.
 
+    The budget is `time_limit` seconds, `work_limit` units of kernel work (`SearchStats.work`), or both, whichever
+    ends first; None is no limit. A work budget gives the same answer on any machine at any load (tests use it).
     `orders` are the static orders the restarts take turns with (only the first without restarts).
     """
     stats = stats if stats is not None else SearchStats()
@@ -130,7 +135,8 @@ def search(
         stats.exhausted = True
         return np.zeros(0, dtype=np.int64)
     compile_kernel()
-    deadline = time.perf_counter() + time_limit
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    work_left = UNLIMITED if work_limit is None else work_limit
     sec, nb_ptr, nb_idx, sec_ptr, sec_idx, total0, cuts0 = _prepared(p)
     size = p.size
     width = p.upper - p.lower
@@ -142,14 +148,18 @@ def search(
     budget, rate = 2 * n, None
     while True:
         for name in heuristics:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            by_time = UNLIMITED
+            if deadline is not None:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return None
+                # never start a run that cannot end before the deadline (the kernel cannot read the clock, so it
+                # counts work: loop iterations, which track time far better than nodes on large instances)
+                by_time = max(int((rate or ASSUMED_WORK_PER_S) * remaining), 10_000)
+            if work_left <= 0:
                 return None
-            # never start a run that cannot end before the deadline (the kernel cannot read the clock, so it
-            # counts work: loop iterations, which track time far better than nodes on large instances)
-            by_time = max(int((rate or ASSUMED_WORK_PER_S) * remaining), 10_000)
-            limit = budget if techniques.restarts else 1 << 62
-            counters = np.array([0, limit, 0, by_time], dtype=np.int64)
+            limit = budget if techniques.restarts else UNLIMITED
+            counters = np.array([0, limit, 0, min(by_time, work_left)], dtype=np.int64)
             solution = np.full(n, -1, dtype=np.int64)
             started = time.perf_counter()
             result = _run(
@@ -170,6 +180,8 @@ def search(
                 solution,
             )
             stats.nodes += int(counters[0])
+            stats.work += int(counters[2])
+            work_left -= int(counters[2])
             if counters[2] > 100_000:  # short runs measure mostly overhead
                 rate = counters[2] / max(time.perf_counter() - started, 1e-6)
             if result == FOUND:
@@ -178,7 +190,7 @@ def search(
                 stats.exhausted = True
                 return None
             if not techniques.restarts:
-                return None  # the single run used up the time it had
+                return None  # the single run used up its budget
         budget *= 2
 
 
@@ -187,7 +199,7 @@ def compile_kernel() -> None:
     global _compiled
     if not _compiled:
         _compiled = True
-        search(Problem.from_rows([(0, 0, 2, 1), (1, 1, 3, 1)]), 2, 60.0, Techniques(restarts=False))
+        search(Problem.from_rows([(0, 0, 2, 1), (1, 1, 3, 1)]), 2, None, Techniques(restarts=False))
 
 
 _compiled = False

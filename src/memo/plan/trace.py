@@ -2,7 +2,7 @@
 
 `trace(fn)` runs `fn` under a dispatch mode that records an `alloc` event when an op returns a tensor
 with a new storage and a `free` event when the last tensor on that storage is released. On the `meta`
-device this needs no memory at all, so a 7B layer at 1M tokens traces in seconds (memo-method.md §5).
+device this needs no memory at all, so a 7B layer at 1M tokens traces in seconds (docs/method.md §5).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..files import atomic_output, fsync
-from ..hf import save_hf
+from ..hf import config_token_ids, save_hf
 from .config import TrainConfig, model_config
 
 PREFIX = "step-"
@@ -132,6 +132,9 @@ def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, ke
         _write_state(tmp, state, step)
     except OSError as err:
         raise _save_failed(run_dir, final, tmp, err) from None
+    except BaseException:  # a second Ctrl-C stops the save at once: no partial folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(tmp, final)
     _prune(run_dir, keep)
     return final
@@ -184,23 +187,40 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}"  # the same on every rank
     rank0 = dist.get_rank() == 0
-    if rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
-        tmp.mkdir()
-    dist.barrier()
-    for part, tensors in zip(PARTS, (model, optimizer)):
-        writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
-        _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
-    if rank0:  # DCP's save ends once every rank's files are written
-        try:
+    try:
+        if rank0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+            tmp.mkdir()
+        dist.barrier()  # the folder exists before any rank writes into it
+        for part, tensors in zip(PARTS, (model, optimizer)):
+            writer = _dcp().HuggingFaceStorageWriter(str(tmp / part), save_distributed=True)
+            _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
+        if rank0:  # DCP's save ends once every rank's files are written
             _write_state(tmp, state, step)
-        except OSError as err:
-            raise _save_failed(run_dir, final, tmp, err) from None
+    except OSError as err:  # rank 0's own writes (DCP reports a rank's failure as a CheckpointException)
+        raise _save_failed(run_dir, final, tmp, err) from None
+    except BaseException as err:  # a second Ctrl-C mid-save: each rank deletes the folder once its writes stopped
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _interrupted(err):
+            raise KeyboardInterrupt from None
+        raise
+    if rank0:
         _publish(tmp, final)
         _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
     return final
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Returns whether `err` is Ctrl-C, also as DCP reports it: a CheckpointException holding each rank's
+    exception (a second Ctrl-C reaches every rank, mid-write, and must end the run as Ctrl-C, not as a bug)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # loaded with DCP, which raised `err`
+
+    if isinstance(err, KeyboardInterrupt):
+        return True
+    failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+    return any(isinstance(cause, KeyboardInterrupt) for cause, _ in failures)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -342,9 +362,10 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
     masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}
     weights = {name: masters.get(name, t) for name, t in weights.items()}
     config = saved.state.get("config", {})
-    if hf is not None:
+    if hf is not None:  # a run from a Hugging Face folder keeps its token ids unless its tokenizer names others
         model = saved_model_config(saved.state, run_dir)
-        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config))
+        source = config_token_ids(config.get("model", ""))
+        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config), source)
     if out is None:
         out = Path(run_dir) / "export" / "model.safetensors"
         out.parent.mkdir(exist_ok=True)

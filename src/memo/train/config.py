@@ -64,7 +64,10 @@ class TrainConfig:
     rope_scaling: str | None = _f(None, "stretch RoPE for a longer context", choices=ROPE_SCALINGS)
     rope_factor: float | None = _f(None, "--rope-scaling factor: new context length / original (e.g. 4)", kind=float)
     original_max_positions: int | None = _f(
-        None, "length the model was pretrained at, for yarn/llama3 (default: its max_position_embeddings)", kind=int
+        None,
+        "length the model was pretrained at, for yarn/llama3 (default: the original length of the model's own "
+        "yarn/llama3 scaling, which the new one replaces, else its max_position_embeddings)",
+        kind=int,
     )
     # data
     data: str | None = _f(
@@ -111,6 +114,7 @@ class TrainConfig:
     eval_data: str | None = _f(None, "held-out data for --data runs, in any --data format (same tokenizer and field)")
     eval_split: float = _f(0.0, "fraction of --data's documents held out whole for evaluation (seeded); 0: none")
     tensorboard: bool = _f(False, "also write TensorBoard events (needs the `tensorboard` package)")
+    json: bool = _f(False, "print one JSON line per record instead of a progress bar (kept by --resume)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -268,7 +272,7 @@ def extend_context(base: ModelConfig, cfg: TrainConfig) -> ModelConfig:
     if cfg.rope_theta is not None:
         changes["rope_theta"] = cfg.rope_theta
     if cfg.rope_scaling is not None:
-        original = cfg.original_max_positions or base.max_position_embeddings
+        original = cfg.original_max_positions or pretrained_length(base)
         if cfg.rope_scaling in ("yarn", "llama3") and original is None:
             raise ValueError(
                 f"`--rope-scaling {cfg.rope_scaling}` needs `--original-max-positions`: model {base.name!r} does "
@@ -278,6 +282,31 @@ def extend_context(base: ModelConfig, cfg: TrainConfig) -> ModelConfig:
         if cfg.rope_scaling == "dynamic":  # NTK stretches from max_position_embeddings on
             changes["max_position_embeddings"] = original or cfg.seq_len
     return dataclasses.replace(base, **changes) if changes else base
+
+
+def pretrained_length(base: ModelConfig) -> int | None:
+    """Returns the length `base`'s RoPE was pretrained at, before any scaling: the original length its yarn or
+    llama3 scaling names, else its max_position_embeddings. A model has one scaling, and a new one replaces it and
+    stretches the unscaled frequencies again, so its factor counts from that length, not from the extended one."""
+    r = base.rope_scaling
+    return r.original_max_positions if r is not None and r.original_max_positions else base.max_position_embeddings
+
+
+def replaced_rope(base: ModelConfig, cfg: TrainConfig) -> str | None:
+    """Returns a line naming the RoPE scaling of `base` that `--rope-scaling` replaces, and the new one; None when
+    nothing is replaced."""
+    if base.rope_scaling is None or cfg.rope_scaling is None:
+        return None
+    new = extend_context(base, cfg).rope_scaling
+    return (
+        f"`--rope-scaling {cfg.rope_scaling}` replaces the RoPE scaling of model {base.name!r}, "
+        f"{_rope_text(base.rope_scaling)}, with {_rope_text(new)}"
+    )
+
+
+def _rope_text(r: RopeScaling) -> str:
+    original = f", original {r.original_max_positions}" if r.original_max_positions else ""
+    return f"{r.type} (factor {r.factor:g}{original})"
 
 
 def _flag(name: str) -> str:

@@ -57,5 +57,6 @@ def _memory(ax, x, steps) -> None:
     for (label, values), style in zip(present.items(), ("-", "--", "-.", ":", "-")):
         ax.plot(x, [v / scale for v in values], style, lw=1.5, label=label)
     ax.set(xlabel="step", ylabel=unit, title="memory")
+    ax.set_ylim(bottom=0)  # amounts: a zoomed axis would make a flat host pool look like a swing
     if ax.lines:
         ax.legend(fontsize=8)

@@ -1,4 +1,4 @@
-// The planned allocator (memo-method.md §5 at the allocator, where every allocation is seen). One core logs each
+// The planned allocator (docs/method.md §5 at the allocator, where every allocation is seen). One core logs each
 // training step's allocations (size, order, when each is freed) and, once Python has solved the step's Dynamic
 // Storage Allocation problem, serves the k-th request of every later step at base + offset[k] inside one arena
 // (a request may take a same-sized entry a few places ahead: intra-op threads allocate their buffers in either
