@@ -113,7 +113,7 @@ def test_debug_check_catches_a_planned_tensor_kept_past_its_phase():
     specs = layer.skeletal_specs(1, 16, torch.float32, DEVICE)
     t = {n: torch.randn(sp.shape, dtype=sp.dtype, device=DEVICE) for n, sp in specs.items() if sp.group == "whole"}
     with torch.no_grad(), pytest.raises(RuntimeError, match="outlive their phase"):
-        arena.run(layer, leaky, t, FreshTiles.of(specs, 16))
+        arena.run(layer, leaky, t, FreshTiles.of(specs, 16, 4))
 
 
 def test_a_phase_that_strays_from_its_plan_is_stopped():

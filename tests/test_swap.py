@@ -187,10 +187,10 @@ def test_pack_layout_aligns_every_tensor():
 
 
 def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
-    tile = 8192
+    tile = 1 << 16
     with torch.device("meta"):
         model = Transformer(
-            ModelConfig.preset("gpt-7b"), ActivationPolicy("memo", alpha=0.5, host_budget_bytes=1 << 42)
+            ModelConfig.preset("gpt-7b"), ActivationPolicy("memo", alpha=0.5, tile_tokens=tile, host_budget_bytes=1 << 42)
         )
     model.to(torch.bfloat16)
     ids = torch.zeros(1, 1 << 20, dtype=torch.long, device="meta")

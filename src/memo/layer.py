@@ -497,6 +497,7 @@ def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, t
         if start < rows.stop - rows.start:
             layer.fill_norm1(_tail(v, start))
         dx[:, rows].add_(layer.qkv_backward(dq[:, rows], dk[:, rows], dv[:, rows], v, rows, s, grads))
+    del dq, dk, dv, v  # before the gradients are cast: they need not be alive together
     params = dict(layer.named_parameters())
     return dx, {name: g.to(params[name].dtype) for name, g in grads.items()}
 

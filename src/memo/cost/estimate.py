@@ -222,15 +222,34 @@ def estimate(
     run = (c, seq, gpus, gpu, system)
     allocator = "arena" if arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
     fragmentation = allocator if fragmentation else None
-    results = []
-    for lay in candidates:  # a smaller tile is never faster (efficiency.published_band): the largest that fits
-        if any(r.fits and r.layout == str(dataclasses.replace(lay, tile=t)) for r in results for t in MEMO_TILES):
-            continue
-        results.append(_evaluate(*run, lay, eff, point, fragmentation, micro_batch, host_memory))
+    floors = [(_floor_seconds(*run, lay, eff, point, micro_batch), i) for i, lay in enumerate(candidates)]
+    results, best = [], None
+    for floor, i in sorted(floors):  # the fastest first; stop once none left can beat the best that fits
+        if best is not None and floor >= best.step_seconds:
+            break
+        results.append(_evaluate(*run, candidates[i], eff, point, fragmentation, micro_batch, host_memory))
+        if results[-1].fits and (best is None or results[-1].step_seconds < best.step_seconds):
+            best = results[-1]
     fitting = [e for e in results if e.fits]
     if fitting:
         return max(fitting, key=lambda e: e.tokens_per_s)
     return min(results, key=lambda e: (e.device_bytes["total"], e.step_seconds))
+
+
+def _floor_seconds(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, batch) -> float:
+    """Returns a layout's step time with nothing recomputed or copied (what keeping every layer would take): no
+    plan of it is faster, so layouts whose floor is past a fitting one's time need no memory estimate."""
+    tokens = batch * seq // layout.sp
+    eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens), point)
+    seconds = _step_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, None)
+    return sum(seconds.values()) - seconds["recompute"] - seconds["exposed_copy"]
+
+
+def _band(c: ModelConfig, seq: int, gpu: GPUSpec, layout: Layout, batch: int, tokens: int) -> Band:
+    """Returns the published efficiency band at a layout's shape: attention over the whole sequence (Ulysses, tp)
+    or its context-parallel chunk for the GPU's heads, and the token-local matmuls over a tile's rows."""
+    heads = batch * c.n_heads // (layout.tp * layout.ulysses)
+    return published_band(gpu, c, seq // layout.cp, heads, rows=layout.tile or tokens)
 
 
 def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> Estimate:
@@ -245,10 +264,7 @@ def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str,
 def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation, batch, host_memory):
     """Returns the estimate of one layout, `batch` sequences per micro-batch."""
     tokens = batch * seq // layout.sp  # per GPU
-    # attention runs over the whole sequence (Ulysses, tp) or its context-parallel chunk, for the GPU's heads;
-    # the token-local matmuls over a tile's rows
-    heads = batch * c.n_heads // (layout.tp * layout.ulysses)
-    band = band or published_band(gpu, c, seq // layout.cp, heads, rows=layout.tile or tokens)
+    band = band or _band(c, seq, gpu, layout, batch, tokens)
     eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * (host_memory or gpu.host_memory_per_node))

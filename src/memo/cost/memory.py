@@ -21,7 +21,7 @@ from ..model import Transformer
 from ..parallel.ulysses import Ulysses
 from ..plan.caching_sim import replay
 from ..plan.greedy import greedy
-from ..plan.problem import max_load, peak
+from ..plan.problem import Problem, max_load, peak
 from ..plan.trace import SCRATCH, trace_iteration, windows
 from ..policy import ActivationPolicy
 from ..swap import StoreLayout, store_layout
@@ -30,7 +30,7 @@ from ..swap import StoreLayout, store_layout
 BYTES_PER_PARAM = 2 + 4 + 12
 TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
 TRACE_TOKENS = 1 << 18  # longest step traced (a trace's cost grows with the length); past it, extrapolated
-TRACE_TILES = 16  # most tiles a traced step runs
+TRACE_TILES = 16  # tiles of the longest tiled step traced, unless its phases are not linear there yet
 
 
 @dataclass(frozen=True)
@@ -89,18 +89,34 @@ def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_token
     held for recomputation are the store's). The step is traced at two lengths around `tokens` (`_bracket`)
     and each phase's peak (a layer's forward or backward, or the rest: embedding and loss) read on the line
     through its two traced peaks: a phase's tensors are token rows, tiles and the loss chunk are fixed, so each
-    phase's peak is linear in tokens (the step's, their maximum, need not be); a few traces then serve any
-    length (a search over lengths and plans included). `step` may name the `dtype` (bf16) and the `kernels`
-    (cuda) of the step traced."""
+    phase's peak is linear in tokens once the whole-length tensors outweigh a tile's (the step's, their
+    maximum, need not be); past the longest traced length the line is taken where it is so (`_linear_top`).
+    A few traces then serve any length (a search over lengths and plans included). `step` may name the `dtype`
+    (bf16) and the `kernels` (cuda) of the step traced."""
     lo, hi = _bracket(tokens, traced.tile)
+    if tokens > hi:
+        lo, hi = _linear_top(c, traced, loss_chunk_tokens, hi, tuple(sorted(step.items())))
     at_lo, at_hi = (_traced_step(c, n, traced, loss_chunk_tokens, **step).peaks for n in (lo, hi))
     return max(_line(at_lo[k], at_hi[k], lo, hi, tokens) for k in at_hi)
+
+
+@lru_cache(maxsize=64)
+def _linear_top(c: ModelConfig, traced: Traced, loss_chunk_tokens: int, top: int, step: tuple) -> tuple[int, int]:
+    """Returns the two traced lengths (from `top`, doubled at most twice) whose lines extend past them: where
+    every phase's peak grows by the same bytes per token as at half the length (within 1%)."""
+    lo, hi = top // 2, top
+    for _ in range(2):
+        a, b, d = (_traced_step(c, n, traced, loss_chunk_tokens, **dict(step)).peaks for n in (lo // 2, lo, hi))
+        if all(abs((d[k] - b[k]) - 2 * (b[k] - a[k])) <= 0.01 * abs(d[k] - b[k]) + (1 << 20) for k in d):
+            break
+        lo, hi = hi, 2 * hi
+    return lo, hi
 
 
 ALLOCATORS = {  # how a run's device memory is served, and the StepTrace field of what it costs beyond LOAD
     "caching": "fragmentation",  # PyTorch's CUDA caching allocator, default settings
     "expandable": "expandable",  # the same with expandable_segments (what `memo train` turns on)
-    "arena": "arena",  # memo's planned allocator (`memo train --arena`): one arena for the step
+    "arena": None,  # memo's planned allocator (`memo train --arena`): one arena for the step
 }
 
 
@@ -111,7 +127,17 @@ def fragmentation_bytes(
     reserved beyond its allocated peak, the traced step replayed through `plan.caching_sim`; or the planned
     arena's size beyond LOAD, the traced step placed by `plan.greedy` (the planned allocator's first answer;
     its search only improves on it). Read on the line between the two traced lengths as in `transient_peak`."""
+    if allocator == "arena":
+        lo, hi = _bracket(tokens, traced.tile)
+        return _line(*(_arena_overhead(c, n, traced, loss_chunk_tokens) for n in (lo, hi)), lo, hi, tokens)
     return _on_line(c, tokens, traced, loss_chunk_tokens, ALLOCATORS[allocator])
+
+
+@lru_cache(maxsize=64)
+def _arena_overhead(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int) -> int:
+    """Returns how far a greedy placement of the traced step lies above its LOAD."""
+    problem = _traced_step(c, tokens, traced, loss_chunk_tokens).problem
+    return peak(problem, greedy(problem)[0]) - max_load(problem)
 
 
 def traffic_bytes(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> tuple[int, int]:
@@ -164,9 +190,9 @@ class StepTrace:
     peaks: dict  # phase -> its peak bytes beyond the store: ("fwd" | "bwd", layer), and "rest"
     fragmentation: int  # the caching allocator's reserved beyond its peak, default settings
     expandable: int  # the same with expandable segments
-    arena: int  # a greedy placement of the whole step beyond its LOAD
     traffic_layer: int  # memory-bound bytes written per layer
     traffic_outside: int  # and outside the layers
+    problem: Problem  # the step's tensors as a DSA instance (what an arena places)
 
 
 @lru_cache(maxsize=256)
@@ -194,15 +220,13 @@ def _traced_step(
     ]
     spans = windows(step)
     in_layers = sum(sum(written[lo:hi]) for lo, hi in spans.values())
-    problem = step.to_problem()
-    placed = peak(problem, greedy(problem)[0])
     return StepTrace(
         {k: v - held for k, v in _phase_peaks(step, spans).items()},
         cached.peak_reserved - cached.peak_allocated,
         expandable.peak_reserved - expandable.peak_allocated,
-        placed - max_load(problem),
         in_layers // layers,
         sum(written) - in_layers,
+        step.to_problem(),
     )
 
 

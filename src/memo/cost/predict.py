@@ -27,8 +27,9 @@ def predict_run(
     spec: GPUSpec | None = None,
 ) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
-    the step's transient peak traced at the run's dtype, kernels, tiles and modes, their sum, and memo's host
-    pool when the plan and α are known) and, on a known GPU, the step time and MFU with their ranges."""
+    the step's transient peak traced at the run's dtype, kernels, tiles and modes, with the gradients a
+    one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and, on a known
+    GPU, the step time and MFU with their ranges."""
     tokens = micro_batch * seq // sp
     n = c.n_layers
     states = training_lower_bound(c, tokens, policy, dtype, shards=world)["states"]
@@ -37,6 +38,9 @@ def predict_run(
     store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
     traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, tile if tile < tokens else None, sp, kernels)
     transient = transient_peak(c, tokens, traced, loss_chunk_tokens, dtype=dtype, kernels=kernels)
+    if world == 1:  # `memo train` drops the gradients after every update: each step makes them anew
+        grads = c.num_parameters() * torch.empty((), dtype=dtype).element_size()
+        states, transient = states - grads, transient + grads
     predicted = {
         "device_peak_bytes": states + store.device_bytes + transient,
         "model_state_bytes": states,
