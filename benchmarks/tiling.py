@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default="tiny,tiny-gpt", help="model presets (default: %(default)s)")
     p.add_argument("--seqs", default="8192,16384,32768", help="tokens per sequence (default: %(default)s)")
     p.add_argument("--tiles", default="1024,4096", help="tile lengths besides untiled (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run, the first two not counted")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per run, the first two not counted")
     args = p.parse_args(argv)
     print("| model | tokens | tile | device peak measured MiB | predicted MiB | measured / predicted | "
-          "buffers MiB | step s | step / untiled |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "buffers MiB | step s | step / untiled |", flush=True)  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for preset in args.presets.split(","):
         for seq in map(int, args.seqs.split(",")):
             untiled = None

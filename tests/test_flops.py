@@ -77,7 +77,7 @@ def test_recompute_flops_are_exactly_what_the_model_runs_again(preset, policy):
     ids = torch.randint(0, 256, (b, s))
     n = cfg.n_layers
     modes, alphas = policy.layer_modes(n), mode_alphas(policy.layer_modes(n), policy.layer_alphas(n) or [0.0] * n)
-    extra = recompute_flops(cfg, s, modes, alphas, policy.offload_last_layers)
+    extra = recompute_flops(cfg, s, modes, alphas, policy.offload_last_layers, tile=policy.tile_for(s))
     assert _count(Transformer(cfg, policy), ids) == model_flops_per_token(cfg, s, causal=False) * b * s + b * extra
 
 

@@ -339,7 +339,7 @@ CASES = {
     "tiny-gpt-all-offloaded": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 2),
     "tiny-uneven-alpha-all-offloaded": (
         "tiny",
-        ActivationPolicy("memo", alpha=[0.0, 0.55, 1.0, 0.3], offload_last_layers=True),
+        ActivationPolicy("memo", alpha=[0.0, 0.55, 1.0, 0.3], offload_last_layers=True, tile_tokens=12),
         2,
     ),
 }

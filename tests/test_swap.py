@@ -25,22 +25,30 @@ def _bytes(model, batch, seq, rows=None, role=None, group=None):
     )
 
 
-def test_memo_sends_input_attention_and_alpha_rows_and_recomputes_the_rest():
+@pytest.mark.parametrize("tile", [None, 16])
+def test_memo_sends_input_attention_and_alpha_rows_and_recomputes_the_rest(tile):
     batch, seq, alpha = 2, 40, 0.37
-    model = _run(ActivationPolicy("memo", alpha=alpha), batch, seq)
+    model = _run(ActivationPolicy("memo", alpha=alpha, tile_tokens=tile), batch, seq)
     kept = int(alpha * seq)  # 14 of 40 tokens
     whole = _bytes(model, batch, seq, role="input") + _bytes(model, batch, seq, role="attention")
     other = _bytes(model, batch, seq, kept, role="other")  # α rows of q, k, v and the token-local tensors
     local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
-    stats = model.swap_stats()
-    # layers 0, 1 send everything §3 says; layers 2, 3 keep their rounding buffers and send α of their tiles
-    assert stats.bytes_offloaded == 2 * (whole + other) + 2 * local
-    assert stats.bytes_prefetched == stats.bytes_offloaded
     again = _bytes(model, batch, seq, seq - kept, role="other")
     again_local = _bytes(model, batch, seq, seq - kept, group="qkv") + _bytes(model, batch, seq, seq - kept, group="mlp")
-    assert stats.bytes_recomputed == 2 * again + 2 * again_local
-    assert stats.tokens_recomputed == 4 * batch * (seq - kept)
-    assert stats.alphas == [alpha] * 4 and stats.modes == ["memo"] * 4
+    stats = model.swap_stats()
+    # layers 0, 1 send everything §3 says. Layers 2, 3 keep their rounding buffers: untiled, their MLP tensors
+    # are still in their tile slot at their backward (only n1 runs again); tiled, they send α of their tiles
+    if tile is None:
+        assert stats.bytes_offloaded == 2 * (whole + other)
+        assert stats.bytes_recomputed == 2 * again + 2 * _bytes(model, batch, seq, group="qkv")
+        assert stats.alphas == [alpha, alpha, 1.0, 1.0]
+    else:
+        assert stats.bytes_offloaded == 2 * (whole + other) + 2 * local
+        assert stats.bytes_recomputed == 2 * again + 2 * again_local
+        assert stats.alphas == [alpha] * 4
+    assert stats.bytes_prefetched == stats.bytes_offloaded
+    assert stats.tokens_recomputed == 2 * batch * (seq - kept) + 2 * batch * (seq if tile is None else seq - kept)
+    assert stats.modes == ["memo"] * 4
     assert model.store.pool.in_use == 0  # every slot came back
 
 
@@ -53,7 +61,8 @@ def test_checkpointed_layers_send_their_input_alone_and_keep_layers_send_nothing
     kept = seq // 2
     whole = x + _bytes(model, batch, seq, role="attention") + _bytes(model, batch, seq, kept, role="other")
     local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
-    # layer 0 is overwritten by layer 4 (checkpoint), layer 1 by layer 3; 3 and 4 keep their buffers
+    # layer 0 is overwritten by layer 4 (checkpoint), layer 1 by layer 3; 3 and 4 keep their buffers, and
+    # in tiles of 16 rows their token-local tensors do not stay in a tile slot: 3 sends α of them
     sent = [x, whole, 0, local, 0, 0]
     for got, want in zip(layout.host_bytes, sent):  # packed slot by slot, each tensor 512-byte aligned
         assert want <= got < want + 14 * 512 and (got == 0) == (want == 0)
@@ -79,7 +88,10 @@ def test_tiles_shrink_the_rounding_buffers_by_the_token_local_tensors():
     saved = whole.swap_stats().device_skeletal_bytes - tiled.swap_stats().device_skeletal_bytes
     # untiled: one slot of the whole sequence; tiled: two slots of 16 rows
     assert saved == pytest.approx(2 * local * (seq - 2 * tile) / seq, rel=0.02)
-    assert tiled.swap_stats().host_pool_bytes == whole.swap_stats().host_pool_bytes
+    # the last two layers' token-local tensors no longer stay in a whole-sequence slot: they send α of them
+    local_rows = _bytes(whole, batch, seq, seq // 2, group="qkv") + _bytes(whole, batch, seq, seq // 2, group="mlp")
+    grown = tiled.swap_stats().host_pool_bytes - whole.swap_stats().host_pool_bytes
+    assert 0 <= grown - 2 * local_rows < 2 * 14 * 512
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
@@ -139,7 +151,8 @@ def test_solved_plan_spends_a_short_host_budget_on_alpha_or_checkpoints():
     model = _run(ActivationPolicy("memo", host_budget_bytes=at_zero + 8 * 512), batch, seq)
     stats = model.swap_stats()
     assert stats.host_pool_bytes <= at_zero + 8 * 512
-    assert all(a <= 0.05 for a, m in zip(stats.alphas, stats.modes) if m == "memo")
+    # the layers that send (0, 1) get little α; 2 and 3 keep their tensors in their buffers and tile slots
+    assert all(a <= 0.05 for a, m in zip(stats.alphas[:2], stats.modes) if m == "memo")
 
 
 def test_host_that_cannot_hold_attention_outputs_checkpoints_layers_instead_of_refusing():
@@ -217,16 +230,18 @@ def test_store_layout_is_what_the_store_allocates():
     assert store.pool.nbytes == layout.host_total
 
 
-def test_offloaded_last_two_layers_get_their_tiles_back_but_not_their_buffers():
-    """Their rounding buffers still hold the whole-length tensors at their backward: loading them is waste."""
+@pytest.mark.parametrize("tile", [None, 16])
+def test_offloaded_last_two_layers_get_their_tiles_back_but_not_their_buffers(tile):
+    """Their rounding buffers still hold the whole-length tensors at their backward: loading them is waste (and
+    untiled, their tile slots still hold the token-local ones)."""
     batch, seq, alpha = 2, 40, 0.37
-    model = _run(ActivationPolicy("memo", alpha=alpha, offload_last_layers=True), batch, seq)
+    model = _run(ActivationPolicy("memo", alpha=alpha, offload_last_layers=True, tile_tokens=tile), batch, seq)
     kept = int(alpha * seq)
     whole = _bytes(model, batch, seq, role="input") + _bytes(model, batch, seq, role="attention")
     whole += _bytes(model, batch, seq, kept, role="other", group="whole")
     local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
+    last_local = 0 if tile is None else local
     stats = model.swap_stats()
-    assert stats.bytes_offloaded == 4 * (whole + local)
-    assert stats.bytes_prefetched == 2 * whole + 4 * local  # whole-length parts of layers 0 and 1 only
-    assert stats.tokens_recomputed == 4 * batch * (seq - kept)
+    assert stats.bytes_offloaded == 2 * (whole + local) + 2 * (whole + last_local)
+    assert stats.bytes_prefetched == 2 * (whole + local) + 2 * last_local  # whole-length parts of 0 and 1 only
     assert model.store.pool.in_use == 0

@@ -423,8 +423,8 @@ def test_alpha_per_layer_from_the_command_line_and_a_config_file(tmp_path, capsy
     assert main(["train", "--alpha", "0.1,0.5,0.9,0.3", "--strategy", "memo", *SMALL, "--steps", "1",
                  "--out", str(tmp_path / "a"), "--json"]) == 0  # fmt: skip
     assert json.loads((tmp_path / "a" / "config.json").read_text())["alpha"] == [0.1, 0.5, 0.9, 0.3]
-    # every memo layer keeps α of its rows: the last two send only their token-local ones (their buffers survive)
-    assert _records(capsys)[0]["alphas"] == [0.1, 0.5, 0.9, 0.3]
+    # the last two layers' buffers (and, untiled, their tile slots) still hold all their rows at their backward
+    assert _records(capsys)[0]["alphas"] == [0.1, 0.5, 1.0, 1.0]
     assert TrainConfig.from_dict({"alpha": [0.2, 0.4, 0.6, 0.8]}).alpha == (0.2, 0.4, 0.6, 0.8)
     with pytest.raises(SystemExit):  # an argparse usage error, in the user's words
         main(["train", "--alpha", "0.1,x", "--steps", "1"])

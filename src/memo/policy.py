@@ -137,6 +137,13 @@ def mode_alphas(modes: list[str], alphas: list[float]) -> list[float]:
     return [a if m == "memo" else 1.0 if m == "keep" else 0.0 for m, a in zip(modes, alphas)]
 
 
+def slot_survives(modes: list[str], tiled: bool) -> list[bool]:
+    """Returns, per layer, whether its token-local tensors are still in its tile slot at its backward: one tile
+    covers the sequence (nothing reuses the slot within the layer) and no later layer overwrites its buffer."""
+    back = reloaded(modes)
+    return [m in BUFFERED and not back[i] and not tiled for i, m in enumerate(modes)]
+
+
 def split_row(alpha: float, seq_len: int) -> int:
     """Returns how many leading tokens are offloaded for `alpha` (floor: the copy must stay hidden)."""
     return min(seq_len, math.floor(alpha * seq_len + 1e-9))
@@ -168,19 +175,37 @@ class PlanProblem:
     host_budget: int
     device_budget: int = 0
     offload_last_layers: bool = False
+    tiled: bool = True  # more than one tile: no layer's token-local tensors survive in its tile slot
+
+
+def _parts(p: PlanProblem, modes: list[str]) -> list[tuple[float, float, float, float]]:
+    """Returns per layer (host bytes, host bytes per unit of α, seconds recomputed, of which α spares) as §3
+    and its generalisation say for the layer's mode: memo sends the input and attention output when its
+    rounding buffer is overwritten before its backward, and α of the rows of q, k, v then and of its token-local
+    tensors unless they survive in the layer's own tile slot (a single tile, the buffer not overwritten);
+    checkpoint sends the input and runs the layer again; recompute keeps the input and runs it again."""
+    sent, back, survive = offloaded(modes, p.offload_last_layers), reloaded(modes), slot_survives(modes, p.tiled)
+    qkv_rows = p.other_bytes - p.local_bytes
+    parts = []
+    for i, mode in enumerate(modes):
+        local, mlp = (0.0, 0.0) if survive[i] else (p.local_bytes, p.mlp_seconds)
+        qkv = p.qkv_seconds if back[i] else 0.0
+        if mode == "memo":
+            whole = p.input_bytes + p.attention_bytes if sent[i] else 0.0
+            parts.append((whole, (qkv_rows if sent[i] else 0.0) + local, 0.0, mlp + qkv))
+        elif mode == "checkpoint":
+            again = mlp + (p.attention_seconds + qkv if back[i] else 0.0)
+            parts.append((p.input_bytes if sent[i] else 0.0, 0.0, again, 0.0))
+        elif mode == "recompute":
+            parts.append((0.0, 0.0, p.mlp_seconds + p.attention_seconds + p.qkv_seconds, 0.0))
+        else:
+            parts.append((0.0, 0.0, 0.0, 0.0))
+    return parts
 
 
 def host_bytes(p: PlanProblem, modes: list[str], alphas: list[float]) -> float:
     """Returns the host bytes a plan keeps: §3's per-layer offload, by mode."""
-    sent = offloaded(modes, p.offload_last_layers)
-    total = 0.0
-    for i, mode in enumerate(modes):
-        if mode == "memo":
-            total += p.input_bytes + p.attention_bytes + alphas[i] * p.other_bytes if sent[i] else 0.0
-            total += 0.0 if sent[i] else alphas[i] * p.local_bytes
-        elif mode == "checkpoint" and sent[i]:
-            total += p.input_bytes
-    return total
+    return sum(fixed + a * per_alpha for (fixed, per_alpha, _, _), a in zip(_parts(p, modes), alphas))
 
 
 def plan_costs(p: PlanProblem, modes: list[str], alphas: list[float]) -> dict[str, float]:
@@ -189,23 +214,13 @@ def plan_costs(p: PlanProblem, modes: list[str], alphas: list[float]) -> dict[st
     offload that does not hide behind the layer's forward, and of each prefetch behind the backward above).
 
     With FLOPs for the seconds and an infinite bandwidth it counts the recomputed FLOPs (cost/flops.py)."""
-    sent, back = offloaded(modes, p.offload_last_layers), reloaded(modes)
+    back = reloaded(modes)
     recompute = copy = 0.0
-    for i, mode in enumerate(modes):
-        a = alphas[i]
-        if mode == "memo":
-            host = p.input_bytes + p.attention_bytes + a * p.other_bytes if sent[i] else a * p.local_bytes
-            recompute += (1 - a) * (p.mlp_seconds + (p.qkv_seconds if back[i] else 0.0))
-        elif mode == "checkpoint":
-            host = p.input_bytes if sent[i] else 0.0
-            recompute += p.mlp_seconds + (p.attention_seconds + p.qkv_seconds if back[i] else 0.0)
-        elif mode == "recompute":
-            recompute += p.mlp_seconds + p.attention_seconds + p.qkv_seconds
-            continue
-        else:
-            continue
-        copy += max(0.0, host / p.bandwidth - p.layer_seconds)
-        copy += max(0.0, host / p.bandwidth - p.backward_seconds) if back[i] else 0.0
+    for i, ((fixed, per_alpha, again, spared), a) in enumerate(zip(_parts(p, modes), alphas)):
+        recompute += again + (1 - a) * spared
+        host = fixed + a * per_alpha
+        copy += max(0.0, host / p.bandwidth - p.layer_seconds) if host else 0.0
+        copy += max(0.0, host / p.bandwidth - p.backward_seconds) if host and back[i] else 0.0
     return {"recompute": recompute, "exposed_copy": copy}
 
 
@@ -217,25 +232,26 @@ def plan_seconds(p: PlanProblem, modes: list[str], alphas: list[float]) -> float
 def _alphas(p: PlanProblem, modes: list[str]) -> list[float] | None:
     """Returns α per layer: for the memo layers that send their whole-length tensors the largest α whose copy
     hides behind the forward and whose host bytes fit the budget, then with what host is left the same for
-    the memo layers whose buffers survive (a row kept there spares less recomputation per byte: the q, k, v
-    rows stay on the device anyway); None when the plan does not fit even at α = 0."""
+    the other memo layers (a row kept for them spares less recomputation per byte: their q, k, v rows stay on
+    the device anyway); 1 where nothing is left to send; None when the plan does not fit even at α = 0."""
     sent = offloaded(modes, p.offload_last_layers)
+    parts = _parts(p, modes)
     alphas = [0.0] * p.n_layers
     left = p.host_budget - host_bytes(p, modes, alphas)
     if left < 0:
         return None
-    groups = (
-        (True, p.other_bytes, p.bandwidth * p.layer_seconds - p.input_bytes - p.attention_bytes),
-        (False, p.local_bytes, p.bandwidth * p.layer_seconds),
-    )
-    for sends, row_bytes, copy_room in groups:
+    for sends in (True, False):
         layers = [i for i, m in enumerate(modes) if m == "memo" and sent[i] == sends]
-        if not layers:
+        row_bytes = sum(parts[i][1] for i in layers)
+        if not row_bytes:
+            for i in layers:
+                alphas[i] = 1.0
             continue
-        a = max(0.0, min(1.0, copy_room / row_bytes, left / (len(layers) * row_bytes))) if row_bytes else 1.0
+        copy_room = p.bandwidth * p.layer_seconds - (p.input_bytes + p.attention_bytes if sends else 0.0)
+        a = max(0.0, min(1.0, copy_room * len(layers) / row_bytes, left / row_bytes))
         for i in layers:
             alphas[i] = a
-        left -= a * len(layers) * row_bytes
+        left -= a * row_bytes
     return mode_alphas(modes, alphas)
 
 

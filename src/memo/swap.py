@@ -28,7 +28,17 @@ from torch.utils import _pytree as pytree
 from . import device as dev
 from .attention import heads_per_call
 from .layer import DecoderLayer, FreshTiles, Recompute, SkeletalSpec, bytes_by_role, in_group, rows_of, tile_ranges
-from .policy import BUFFERED, ActivationPolicy, PlanProblem, mode_alphas, offloaded, reloaded, solve_plan, split_row
+from .policy import (
+    BUFFERED,
+    ActivationPolicy,
+    PlanProblem,
+    mode_alphas,
+    offloaded,
+    reloaded,
+    slot_survives,
+    solve_plan,
+    split_row,
+)
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -74,12 +84,15 @@ def carve(buffer: torch.Tensor, offsets: dict[str, int], specs: dict[str, Skelet
     }
 
 
-def host_specs(specs: dict[str, SkeletalSpec], mode: str, sent: bool, split: int) -> dict[str, SkeletalSpec]:
+def host_specs(
+    specs: dict[str, SkeletalSpec], mode: str, sent: bool, split: int, survives: bool = False
+) -> dict[str, SkeletalSpec]:
     """Returns what a layer keeps in its host slot: memo sends x, attn, lse and the first `split` rows of the
-    other tensors (only the token-local ones when its buffer survives), checkpoint sends x."""
+    other tensors (of its whole-length ones only when `sent`; of its token-local ones unless they survive in
+    its tile slot), checkpoint sends x."""
     if mode == "memo":
         kept = {n: (sp.rows(split) if sp.role == "other" else sp) for n, sp in specs.items()}
-        return kept if sent else {n: sp for n, sp in kept.items() if sp.group != "whole"}
+        return {n: sp for n, sp in kept.items() if (sent if sp.group == "whole" else not survives)}
     if mode == "checkpoint" and sent:
         return {"x": specs["x"]}
     return {}
@@ -116,11 +129,12 @@ def store_layout(
 ) -> StoreLayout:
     """Returns the device and host bytes of a plan for a layer's `specs` (whole-length) and `tile` rows."""
     seq = specs["x"].shape[1]
-    sent = offloaded(modes, offload_last)
+    sent, survive = offloaded(modes, offload_last), slot_survives(modes, tile < seq)
     slot = max(pack_layout({n: sp.rows(tile) for n, sp in in_group(specs, g).items()})[1] for g in TILE_GROUPS)
     buffers = 2 if any(m in BUFFERED for m in modes) else 1 if "recompute" in modes else 0
     host = tuple(
-        pack_layout(host_specs(specs, m, sent[i], split_row(alphas[i], seq)))[1] for i, m in enumerate(modes)
+        pack_layout(host_specs(specs, m, sent[i], split_row(alphas[i], seq), survive[i]))[1]
+        for i, m in enumerate(modes)
     )
     return StoreLayout(
         whole_bytes=pack_layout(in_group(specs, "whole"))[1],
@@ -142,10 +156,11 @@ def plan_problem(
     host_budget: int,
     device_budget: int = 0,
     offload_last: bool = False,
+    tile: int | None = None,
 ) -> PlanProblem:
     """Returns the plan problem (policy.py) of layers of `specs` with one layer's `seconds` (forward, backward,
     and the forward's qkv, attention, mlp parts) and the host link's `bandwidth`; the host budget less the room
-    each host slot's tensors take to align."""
+    each host slot's tensors take to align; `tile` the tile length (None: one tile covers the sequence)."""
     by_role = bytes_by_role(specs)
     return PlanProblem(
         n_layers=n_layers,
@@ -163,6 +178,7 @@ def plan_problem(
         host_budget=host_budget - n_layers * len(specs) * ALIGN,
         device_budget=device_budget,
         offload_last_layers=offload_last,
+        tiled=tile is not None and tile < specs["x"].shape[1],
     )
 
 
@@ -224,9 +240,12 @@ class SlotTiles:
     and come back one tile ahead (backward), on the tile stream; the other rows are recomputed. Events order
     every slot and its copies."""
 
-    def __init__(self, slots, host: dict[str, torch.Tensor], split: int, seq: int, tile: int, heads: int, stream):
+    def __init__(
+        self, slots, host: dict[str, torch.Tensor], split: int, seq: int, tile: int, heads: int, stream, survives=False
+    ):
         self.slots = slots  # per slot: group -> {name: (b, tile, ...)}; the groups share a slot's bytes
         self.host, self.split, self.seq, self.tile, self.heads, self.stream = host, split, seq, tile, heads, stream
+        self.survives = survives  # the MLP group written last in the forward is still in the slot
         self.device = next(iter(slots[0]["mlp"].values())).device
         self._uses = 0  # slot of the next tile: 0, 1, 0, ...
         self._copied = [None] * len(slots)  # per slot: the tile stream's last copy into or out of it
@@ -256,6 +275,8 @@ class SlotTiles:
             self._copy(self._open, rows, group, n, to_host=True)
 
     def restore(self, t, rows, group):
+        if self.survives and group == "mlp":  # as the forward left it (the qkv group shares its bytes: gone)
+            return self._take(rows, group)[1], rows.stop - rows.start
         if self._loading != (rows.start, group):  # not started one tile ahead
             n = self._kept(rows)
             if n:
@@ -285,18 +306,18 @@ class SlotTiles:
 def _flatten_slot_tiles(t: SlotTiles):
     names = tuple((j, g, n) for j in range(len(t.slots)) for g in TILE_GROUPS for n in t.slots[j][g])
     leaves = [t.slots[j][g][n] for j, g, n in names] + list(t.host.values())
-    return leaves, (names, tuple(t.host), t.split, t.seq, t.tile, t.heads, t.stream)
+    return leaves, (names, tuple(t.host), t.split, t.seq, t.tile, t.heads, t.stream, t.survives)
 
 
 def _unflatten_slot_tiles(leaves, context) -> SlotTiles:
-    names, host_names, split, seq, tile, heads, stream = context
+    names, host_names, split, seq, tile, heads, stream, survives = context
     leaves = list(leaves)
     slots = tuple({g: {} for g in TILE_GROUPS} for _ in range(1 + max(j for j, _, _ in names)))
     for (j, g, n), leaf in zip(names, leaves):
         slots[j][g][n] = leaf
     host = dict(zip(host_names, leaves[len(names) :]))
     meta = leaves and leaves[0].device.type == "meta"  # the arena's meta twin: no streams
-    return SlotTiles(slots, host, split, seq, tile, heads, None if meta else stream)
+    return SlotTiles(slots, host, split, seq, tile, heads, None if meta else stream, survives)
 
 
 # the planned arena traces a phase on `meta` twins of its arguments: SlotTiles twins like any tensor container
@@ -316,6 +337,7 @@ class ActivationStore:
         self.pool: HostPool | None = None
         self._shape: tuple | None = None
         self._alphas: list[float] = []
+        self._survive: list[bool] = []
         self._split: list[int] = []
         self._sent: list[bool] = []
         self._back: list[bool] = []
@@ -360,11 +382,16 @@ class ActivationStore:
         self._tile, self._heads = self.tiling(layers[0], seq, device)
         budget = self.policy.host_budget_bytes or int(0.8 * dev.available_host_bytes())
         self.modes, self._alphas = self._plan(layers[0], batch, seq, budget)
-        self._split = [split_row(a, seq) for a in self._alphas]
         self._sent, self._back = offloaded(self.modes, self.policy.offload_last_layers), reloaded(self.modes)
+        self._survive = slot_survives(self.modes, self._tile < seq)
+        self._alphas = [1.0 if s and not sent else a for a, s, sent in zip(self._alphas, self._survive, self._sent)]
+        self._split = [split_row(a, seq) for a in self._alphas]
         self.layout = store_layout(self.specs, self.modes, self._alphas, self._tile, self.policy.offload_last_layers)
         self._allocate_device(device)
-        host = {i: host_specs(self.specs, m, self._sent[i], self._split[i]) for i, m in enumerate(self.modes)}
+        host = {
+            i: host_specs(self.specs, m, self._sent[i], self._split[i], self._survive[i])
+            for i, m in enumerate(self.modes)
+        }
         self.pool = HostPool(self.layout.host_total, budget, device)
         self._host, base = {}, 0
         for i, specs in host.items():
@@ -426,7 +453,7 @@ class ActivationStore:
         p = self.policy
         return plan_problem(
             self.specs, self.n_layers, seconds, measure_copy_bandwidth(whole["x"]), budget,
-            p.device_budget_bytes or 0, p.offload_last_layers,
+            p.device_budget_bytes or 0, p.offload_last_layers, self._tile,
         )
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -455,8 +482,8 @@ class ActivationStore:
         j = 0 if self.modes[index] == "recompute" else index % 2
         host = {n: h for n, h in self._host.get(index, {}).items() if self.specs[n].group != "whole"}
         split = self._split[index] if self.modes[index] == "memo" else 0
-        seq = self.specs["x"].shape[1]
-        return SlotTiles(self._slots[j], host, split, seq, self._tile, self._heads, self._streams[2])
+        seq, survives = self.specs["x"].shape[1], self._survive[index]
+        return SlotTiles(self._slots[j], host, split, seq, self._tile, self._heads, self._streams[2], survives)
 
     def after_forward(self, index: int, aux: tuple) -> None:
         """Starts the copy of the layer's whole-length host part; notes the tile copies still running."""
@@ -533,7 +560,11 @@ class ActivationStore:
         if back:
             dev.wait_event(self._prefetch_done.pop(index), device=self._device)
         attention = back and mode == "checkpoint"
-        self._count_recompute(b, s - split, attention, qkv=back)
+        if self._survive[index]:  # its MLP tensors are still in the tile slot: only n1 runs again
+            self.stats.bytes_recomputed += sum(sp.nbytes for sp in in_group(self.specs, "qkv").values())
+            self.stats.tokens_recomputed += b * s
+        else:
+            self._count_recompute(b, s - split, attention, qkv=back)
         recompute = Recompute(split, attention) if back and split < s else None
         return self._buffers[j], self._aux.pop(index), self._slot_tiles(index), recompute
 

@@ -286,7 +286,7 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
     sequences = gpus // layout.sp * batch  # per step
     per_flop = sequences / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
     modes, alphas = plan or (_baseline_modes(layout, c.n_layers), [0.0] * c.n_layers)
-    again = recompute_flops(c, seq, modes, alphas, layout.recompute == "offload", causal=True)
+    again = recompute_flops(c, seq, modes, alphas, layout.recompute == "offload", causal=True, tile=layout.tile)
     if layout.recompute == "selective":
         again = c.n_layers * layer_forward_flops(c, seq, causal=True)[1]
     model = model_flops_per_token(c, seq) * seq
@@ -342,16 +342,17 @@ def _plan(c, seq, tokens, gpu, eff, layout: Layout, host_budget: int, device_bud
     if layout.recompute != "memo":
         return None, ""
     try:
-        return solve_plan(_plan_problem(c, seq, tokens, gpu, eff, host_budget, device_budget)), ""
+        return solve_plan(_plan_problem(c, seq, tokens, gpu, eff, host_budget, device_budget, layout.tile)), ""
     except ValueError as err:
         return None, f"host memory: {err}"
 
 
-def _plan_problem(c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int):
+def _plan_problem(c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int, tile=None):
     """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds."""
     t = _compute_seconds(c, seq, tokens, gpu, eff)
     seconds = {**t, "backward": 2 * t["matmul"] + t["attention_backward"]}
-    return plan_problem(layer_specs(c, tokens), c.n_layers, seconds, _host_bandwidth(gpu, eff), host_budget, device_budget)
+    bandwidth = _host_bandwidth(gpu, eff)
+    return plan_problem(layer_specs(c, tokens), c.n_layers, seconds, bandwidth, host_budget, device_budget, tile=tile)
 
 
 def _traced(c: ModelConfig, tokens: int, layout: Layout, plan) -> Traced:
@@ -477,7 +478,7 @@ def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, ef
     elif layout.recompute == "selective":
         costs["recompute"] = n * t["attention"]
     elif layout.recompute in OFFLOADS and plan:
-        problem = _plan_problem(c, seq, tokens, gpu, eff, 0, 0)
+        problem = _plan_problem(c, seq, tokens, gpu, eff, 0, 0, layout.tile)
         costs = plan_costs(dataclasses.replace(problem, offload_last_layers=layout.recompute == "offload"), *plan)
     checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
     plain, rerun = (_layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))

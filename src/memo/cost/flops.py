@@ -53,11 +53,12 @@ def token_local_flops(c: ModelConfig, tokens: int) -> tuple[float, float]:
 
 def recompute_flops(
     c: ModelConfig, seq: int, modes: list[str], alphas: list[float], offload_last_layers: bool = False,
-    tokens: int | None = None, causal: bool = False,
+    tokens: int | None = None, causal: bool = False, tile: int | None = None,
 ) -> float:
     """Returns the forward FLOPs a plan (policy.py's modes and α per layer) spends again before backward, for one
     sequence: the token-local matmuls of the rows a layer does not keep, and a checkpointed or recomputed
-    layer's attention (`policy.plan_costs`, with FLOPs for its seconds)."""
+    layer's attention (`policy.plan_costs`, with FLOPs for its seconds); `tile` the tile length (None: one
+    tile)."""
     tokens = seq if tokens is None else tokens
     qkv, mlp = token_local_flops(c, tokens)
     problem = PlanProblem(
@@ -75,6 +76,7 @@ def recompute_flops(
         mlp_seconds=mlp,
         host_budget=0,
         offload_last_layers=offload_last_layers,
+        tiled=tile is not None and tile < tokens,
     )
     kept = [split_row(a, tokens) / tokens for a in alphas]  # whole token rows, as the store splits them
     return plan_costs(problem, modes, kept)["recompute"]
