@@ -86,8 +86,12 @@ def test_memory_model_matches_a_traced_first_step_on_meta(strategy):
     assert predicted <= first.peak <= predicted + grads
 
 
+# the layout memo's search picks for gpt-7b at 1M on 8 A800 (the search itself: test_longest_sequence_...)
+ULYSSES8 = Layout(ulysses=8, recompute="memo")
+
+
 def test_memo_fits_one_million_tokens_of_gpt7b_on_8_a800_where_full_recompute_does_not():
-    memo_est = estimate(GPT7B, 1 << 20, 8, A800, "memo")
+    memo_est = estimate(GPT7B, 1 << 20, 8, A800, "memo", layout=ULYSSES8)
     assert memo_est.fits and 0 < memo_est.alphas[0] < 1
     for system in ("megatron", "deepspeed"):
         est = estimate(GPT7B, 1 << 20, 8, A800, system)
@@ -97,7 +101,7 @@ def test_memo_fits_one_million_tokens_of_gpt7b_on_8_a800_where_full_recompute_do
 
 
 def test_alpha_meets_the_host_budget_when_it_binds():
-    est = estimate(GPT7B, 1 << 20, 8, A800, "memo")
+    est = estimate(GPT7B, 1 << 20, 8, A800, "memo", layout=ULYSSES8)
     # within the room the solver leaves for each host slot's alignment
     assert est.host_bytes_per_node <= est.host_capacity_per_node
     assert est.host_bytes_per_node == pytest.approx(est.host_capacity_per_node, rel=1e-4)
@@ -105,7 +109,7 @@ def test_alpha_meets_the_host_budget_when_it_binds():
 
 def test_alpha_meets_copy_time_exactly_when_bandwidth_binds():
     slow = dataclasses.replace(A800, host_link_bytes_per_s=8e9)
-    est = estimate(GPT7B, 256 * 1024, 8, slow, "memo", layout=Layout(ulysses=8, recompute="memo"))
+    est = estimate(GPT7B, 256 * 1024, 8, slow, "memo", layout=ULYSSES8)
     assert 0 < est.alphas[0] < 1 and est.seconds["exposed_copy"] == pytest.approx(0, abs=1e-6)
     tokens = est.seq // est.sp
     b = skeletal_bytes(GPT7B, tokens)
@@ -114,10 +118,13 @@ def test_alpha_meets_copy_time_exactly_when_bandwidth_binds():
     assert copy == pytest.approx(_compute_seconds(GPT7B, est.seq, tokens, slow, eff)["forward"], rel=1e-6)
 
 
+# a small GPU and host keep the longest lengths short, so the traces are quick; the search is the same at any size
+SMALL = dataclasses.replace(A800, name="A800-small", hbm_bytes=12 << 30, host_memory_per_node=64 << 30)
+LLAMA1B = ModelConfig.preset("llama3.2-1b")
+
+
 def test_longest_sequence_ranks_memo_above_the_baselines():
-    # a small GPU and host keep the lengths short, so the traces are quick; the search is the same at any size
-    small = dataclasses.replace(A800, name="A800-small", hbm_bytes=12 << 30, host_memory_per_node=64 << 30)
-    model = ModelConfig.preset("llama3.2-1b")
+    small, model = SMALL, LLAMA1B
     found = {s: max_seq(model, 8, small, s, sp=8) for s in ("memo", "megatron", "offload-all")}
     assert found["memo"].tokens > found["megatron"].tokens > found["offload-all"].tokens > 0
     assert estimate(model, found["memo"].tokens, 8, small, "memo", sp=8).fits
@@ -145,7 +152,7 @@ def test_a_layout_one_system_cannot_run_is_reported_not_raised():
     ulysses = estimate(gpt13b, 1 << 20, 16, A800, "memo", sp=16)
     assert not ulysses.fits and "40 attention heads cannot be split over 16 GPUs" in ulysses.why
     assert estimate(gpt13b, 1 << 20, 16, A800, "megatron", sp=16).why != ulysses.why
-    searched = estimate(gpt13b, 1 << 20, 16, A800, "memo")  # without --sp: Ulysses over 8, two sequences at once
+    searched = estimate(gpt13b, 1 << 18, 16, A800, "memo")  # without --sp: Ulysses over 8, two sequences at once
     assert searched.sp == 8 and searched.layout.startswith("ulysses=8")
 
 
@@ -217,7 +224,7 @@ def test_a_calibration_from_another_device_is_refused_naming_both(tmp_path, caps
 
 
 def test_estimate_cli_table_and_json(capsys):
-    assert main(["estimate", "--model", "gpt-7b", "--seq", "512K", "--gpus", "8", "--gpu", "A800-80GB"]) == 0
+    assert main(["estimate", "--model", "llama3.2-1b", "--seq", "256K", "--gpus", "8", "--gpu", "A800-80GB"]) == 0
     out = capsys.readouterr().out
     assert "| memo | yes |" in out and "| megatron |" in out
     assert (
@@ -225,15 +232,17 @@ def test_estimate_cli_table_and_json(capsys):
             [
                 "estimate",
                 "--model",
-                "gpt-7b",
+                "llama3.2-1b",
                 "--seq",
-                "1M",
+                "512K",
                 "--gpus",
                 "8",
                 "--gpu",
                 "A800-80GB",
                 "--system",
                 "memo",
+                "--sp",
+                "8",
                 "--json",
             ]
         )
@@ -244,17 +253,22 @@ def test_estimate_cli_table_and_json(capsys):
 
 
 def test_estimate_cli_sweep_writes_a_plot(tmp_path, capsys):
-    png = tmp_path / "sweep.png"
+    png, gpus = tmp_path / "sweep.png", tmp_path / "gpus.json"
+    fields = ("peak_flops", "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "host_link_shared_by")
+    fields += ("nvlink_bytes_per_s", "network_bytes_per_s", "host_memory_per_node", "gpus_per_node")
+    gpus.write_text(json.dumps({"small": {k: getattr(SMALL, k) for k in fields}}))
     assert (
         main(
             [
                 "estimate",
                 "--model",
-                "gpt-7b",
+                "llama3.2-1b",
                 "--gpus",
                 "8",
+                "--gpu-file",
+                str(gpus),
                 "--gpu",
-                "A800-80GB",
+                "small",
                 "--sweep",
                 "--system",
                 "memo",
@@ -469,14 +483,14 @@ def test_the_estimate_keeps_the_fastest_layout_that_fits():
 
 
 def test_every_prediction_has_a_range_and_names_its_dominant_term():
-    est = estimate(GPT7B, 1 << 20, 8, A800, "memo")
+    est = estimate(GPT7B, 1 << 20, 8, A800, "memo", layout=ULYSSES8)
     for key in ("step_seconds", "tokens_per_s", "mfu"):
         low, high = est.ranges[key]
         assert low < high
     assert est.ranges["mfu"][0] < est.mfu < est.ranges["mfu"][1]
     assert est.dominant.endswith("attention") and int(est.dominant.split("%")[0]) > 90
     assert "FlashAttention-2" in est.efficiency["source"]
-    found = max_seq_range(GPT7B, 8, A800, "memo")
+    found = max_seq_range(LLAMA1B, 8, SMALL, "memo", sp=8)
     assert 0 < found["low"] <= found["mid"] <= found["high"]
 
 

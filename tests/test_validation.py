@@ -132,6 +132,7 @@ def test_estimate_at_absurd_lengths_traces_at_most_the_capped_length(capsys, mon
         return real(c, tokens, *args, **kwargs)
 
     monkeypatch.setattr(memory, "_traced_step", functools.lru_cache(spy))
+    monkeypatch.setattr(memory, "TRACE_TOKENS", 1 << 16)  # a lower cap, as binding as the real one, traces faster
     assert main([*ESTIMATE_7B, "--seq", seq, "--system", "memo", "--system", "megatron"]) == 0
     out = capsys.readouterr().out
     assert "| memo | no |" in out and "bytes" not in out  # the why-not column is in human units

@@ -58,6 +58,7 @@ from .memory import (
     skeletal_bytes,
     store_bytes,
     traffic_bytes,
+    transient_floor,
     transient_peak,
 )
 
@@ -407,7 +408,8 @@ def device_bytes(
     the transient peak and the allocator's overhead (`fragmentation`: an allocator of `memory.ALLOCATORS`, or
     None for none) come from a traced step of the same tiles and modes. When the
     terms known without a trace already exceed `capacity`, the step is not traced: its terms are 0 and the
-    total a lower bound (`"lower_bound": 1`)."""
+    total a lower bound (`"lower_bound": 1`); so too when they and the peak of one shorter traced step
+    (`memory.transient_floor`) exceed it, with that peak as the transient term."""
     tokens = batch * seq // layout.sp
     store = _store(c, tokens, layout, plan)
     static = {
@@ -418,6 +420,10 @@ def device_bytes(
     if capacity is not None and sum(static.values()) > capacity:
         return {**static, "transient_peak": 0, "fragmentation": 0, "total": sum(static.values()), "lower_bound": 1}
     traced = _traced(c, tokens, layout, plan)
+    floor = transient_floor(c, tokens, traced) if capacity is not None else 0
+    if capacity is not None and sum(static.values()) + floor > capacity:
+        least = {**static, "transient_peak": floor, "fragmentation": 0}
+        return {**least, "total": sum(least.values()), "lower_bound": 1}
     transient = transient_peak(c, tokens, traced)
     if system in ("megatron", "deepspeed"):
         transient = max(transient, _loss_peak(c, tokens, system, layout))

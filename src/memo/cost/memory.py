@@ -100,6 +100,14 @@ def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_token
     return max(_line(at_lo[k], at_hi[k], lo, hi, tokens) for k in at_hi)
 
 
+def transient_floor(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, **step) -> int:
+    """Returns a peak that a step of `tokens` tokens cannot stay below: the traced peak at the longest length
+    `transient_peak` traces that is not past `tokens` (every phase's peak grows with the tokens). One trace,
+    which `transient_peak` makes too: a search refuses a length that cannot fit before extrapolating to it."""
+    lo, hi = _bracket(tokens, traced.tile)
+    return max(_traced_step(c, hi if hi <= tokens else lo, traced, loss_chunk_tokens, **step).peaks.values())
+
+
 @lru_cache(maxsize=64)
 def _linear_top(c: ModelConfig, traced: Traced, loss_chunk_tokens: int, top: int, step: tuple) -> tuple[int, int]:
     """Returns the two traced lengths (from `top`, doubled at most twice) whose lines extend past them: where
