@@ -7,7 +7,9 @@ every request at PyTorch's CPU allocator (kernel-internal buffers included; the 
 the buffers, so it is not in the step). Predicted = the store layout the cost model computes for the plan
 (`swap.store_layout`) + the transient peak of the cost model's traced step (`cost.memory.transient_peak`: a
 4-layer step on `meta` with CPU kernels, float32, read on its lines between traced lengths). Each
-configuration runs in a process of its own.
+configuration's memory is measured in a process of its own. Step times are measured in one more process that
+alternates a step of each tile length (same weights, same batch), so that a shared machine's drift in speed,
+which is larger than the differences measured, falls on every configuration alike; each time is the median.
 
     PYTHONPATH=src .venv/bin/python benchmarks/tiling.py                     # tiny, tiny-gpt at 8K-32K
     PYTHONPATH=src .venv/bin/python benchmarks/tiling.py --seqs 8192 --tiles 1024,4096
@@ -29,26 +31,41 @@ MIB = 2**20
 WARMUP = 2  # the first step sizes the store and makes the gradients; the second warms the caches
 
 
-def run(preset: str, seq: int, tile: int | None, steps: int) -> dict:
-    """One configuration in this process: its step time, measured device-side peak and predicted one."""
-    import numpy as np
+def _model(preset: str, seq: int, tile: int | None):
     import torch
 
     from memo import ActivationPolicy, ModelConfig, Transformer
-    from memo.cost.memory import Traced, store_bytes, transient_peak
-    from memo.plan.allocator import PlannedAllocator
-    from memo.plan.problem import Problem, max_load
 
     torch.manual_seed(0)
     config = ModelConfig.preset(preset)
     policy = ActivationPolicy("memo", alpha=0.5, tile_tokens=tile or seq, host_budget_bytes=1 << 40)
-    model = Transformer(config, policy)
-    ids = torch.randint(0, config.vocab_size, (1, seq))
-    times = []
+    return config, Transformer(config, policy), torch.randint(0, config.vocab_size, (1, seq))
+
+
+def step_times(preset: str, seq: int, tiles: list, steps: int) -> list[float]:
+    """Median step seconds of each tile length (None: untiled), their steps alternated in this process."""
+    models = [_model(preset, seq, tile) for tile in tiles]
+    times = [[] for _ in tiles]
     for _ in range(steps):
-        start = time.perf_counter()
+        for (_, model, ids), spent in zip(models, times):
+            start = time.perf_counter()
+            model(ids, labels=ids).backward()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent[WARMUP:]) for spent in times]
+
+
+def run(preset: str, seq: int, tile: int | None) -> dict:
+    """One configuration in this process: its measured device-side peak and the predicted one."""
+    import numpy as np
+    import torch
+
+    from memo.cost.memory import Traced, store_bytes, transient_peak
+    from memo.plan.allocator import PlannedAllocator
+    from memo.plan.problem import Problem, max_load
+
+    config, model, ids = _model(preset, seq, tile)
+    for _ in range(WARMUP):
         model(ids, labels=ids).backward()
-        times.append(time.perf_counter() - start)
     with PlannedAllocator() as arena, arena.step():  # one recorded step: every request, with its lifetime
         model(ids, labels=ids).backward()
     log = np.asarray(arena.recorded(), dtype=np.int64).reshape(-1, 3)
@@ -60,7 +77,6 @@ def run(preset: str, seq: int, tile: int | None, steps: int) -> dict:
     traced = Traced.of(config, seq, "memo", tile=tile if tile and tile < seq else None, kernels="cpu")
     transient = transient_peak(config, seq, traced, model.loss_chunk_tokens, dtype=torch.float32, kernels="cpu")
     return {
-        "step_s": statistics.median(times[WARMUP:]),
         "measured": stats.device_skeletal_bytes + load,
         "predicted": layout.device_bytes + transient,
         "buffers": stats.device_skeletal_bytes,
@@ -68,15 +84,17 @@ def run(preset: str, seq: int, tile: int | None, steps: int) -> dict:
     }
 
 
-def measure(preset: str, seq: int, tile: int | None, steps: int) -> dict:
-    code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import tiling; "
-        f"print(json.dumps(tiling.run({preset!r}, {seq}, {tile}, {steps})))"
-    )
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def measure(call: str):
+    """Returns what `tiling.<call>` returns, run in a fresh process (its memory and allocator its own)."""
+    code = f"import json, sys; sys.path.insert(0, 'benchmarks'); import tiling; print(json.dumps(tiling.{call}))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{preset} {seq} tile={tile} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"tiling.{call} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -85,21 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default="tiny,tiny-gpt", help="model presets (default: %(default)s)")
     p.add_argument("--seqs", default="8192,16384,32768", help="tokens per sequence (default: %(default)s)")
     p.add_argument("--tiles", default="1024,4096", help="tile lengths besides untiled (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=7, help="timed steps per run, the first two not counted")
+    p.add_argument("--steps", type=int, default=7, help="steps of each tile length, the first two not counted")
     args = p.parse_args(argv)
     print("| model | tokens | tile | device peak measured MiB | predicted MiB | measured / predicted | "
           "buffers MiB | step s | step / untiled |", flush=True)  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for preset in args.presets.split(","):
         for seq in map(int, args.seqs.split(",")):
-            untiled = None
-            for tile in [None, *map(int, args.tiles.split(","))]:
-                m = measure(preset, seq, tile, args.steps)
-                untiled = untiled or m
+            tiles = [None, *map(int, args.tiles.split(","))]
+            times = measure(f"step_times({preset!r}, {seq}, {tiles}, {args.steps})")
+            for tile, step in zip(tiles, times):
+                m = measure(f"run({preset!r}, {seq}, {tile})")
                 print(
-                    f"| {preset} | {seq // 1024}K | {f'{tile // 1024}K' if tile else 'untiled'} | "
+                    f"| {preset} | {_tokens(seq)} | {_tokens(tile) if tile else 'untiled'} | "
                     f"{m['measured'] / MIB:.1f} | {m['predicted'] / MIB:.1f} | {m['measured'] / m['predicted']:.3f} | "
-                    f"{m['buffers'] / MIB:.1f} | {m['step_s']:.3f} | {m['step_s'] / untiled['step_s']:.3f} |",
+                    f"{m['buffers'] / MIB:.1f} | {step:.3f} | {step / times[0]:.3f} |",
                     flush=True,
                 )
     return 0

@@ -1,4 +1,4 @@
-"""The benchmark scripts run end to end at toy sizes (their numbers live in the README, not here)."""
+"""The benchmark scripts run end to end at toy sizes (their numbers live in docs/benchmarks.md, not here)."""
 
 import json
 import sys
@@ -139,3 +139,12 @@ def test_backtest_table_at_toy_scale():
     assert "| toy source; a note | tiny-gpt" in text and "megatron: tp=2 cp=2, selective recompute" in text
     assert "median absolute error" in text and "of 2 rows within 5 points" in text
     assert len({run.source for run in backtest.RUNS}) >= 3 and len(backtest.RUNS) >= 8
+
+
+def test_tiling_benchmark_prints_measured_and_predicted_memory_per_tile(capsys):
+    import tiling
+
+    assert tiling.main(["--presets", "tiny", "--seqs", "640", "--tiles", "256", "--steps", "3"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert [row[2] for row in rows] == ["untiled", "256"]
+    assert all(0.9 < float(row[5]) < 1.2 and float(row[7]) > 0 for row in rows)  # measured / predicted, step s
