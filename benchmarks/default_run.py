@@ -1,5 +1,5 @@
-"""Regenerates the README's default-run figures: runs `memo train` exactly as the README's first command does
-(no arguments but `--out`), then prints the summary it printed, the wall time, the machine, and the held-out
+"""Regenerates the default-run figures of the README and docs/training.md: runs `memo train` exactly as the
+README's first command does (no arguments but `--out`), then prints the summary it printed, the wall time, the machine, and the held-out
 accuracy by step from the run's metrics.jsonl, as markdown to paste.
 
     python benchmarks/default_run.py                 # about 5 minutes on the project's 2-core machine

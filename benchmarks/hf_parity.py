@@ -1,5 +1,5 @@
 """Logits and gradients of checkpoints loaded with `memo.from_hf` against transformers' own models, for each
-family and RoPE type, under one memo strategy: the table in the README. Random tiny configs, no downloads.
+family and RoPE type, under one memo strategy: the table in docs/training.md. Random tiny configs, no downloads.
 
     python benchmarks/hf_parity.py                     # strategy memo, alpha 0.5, fp32, 4 layers, 96 tokens
     python benchmarks/hf_parity.py --strategy full

@@ -70,7 +70,8 @@ def _add_field(p, f) -> None:
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
-    kinds = {"alpha": _cli_type(alpha_value, "alpha"), "plan": plan_value, "seq_len": _cli_type(parse_size, "size")}
+    kinds = {"alpha": _cli_type(alpha_value, "alpha"), "plan": plan_value, "seq_len": _cli_type(parse_size, "size"),
+             "tile_tokens": _cli_type(parse_size, "size")}
     kind = kinds.get(f.name)
     kind = kind or f.metadata.get("kind")
     kind = kind or (type(f.default) if f.default is not None else str)

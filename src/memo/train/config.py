@@ -314,7 +314,7 @@ def _flag(name: str) -> str:
 
 
 def _coerce(name: str, value, default, origin: str, kind: type | None = None):
-    """Returns `value` as the type of the field: ints for floats are fine, 'auto' is α=None, `seq_len` takes
+    """Returns `value` as the type of the field: ints for floats are fine, 'auto' is α=None, token counts take
     sizes such as 128K, and a number written as text (YAML reads 3e-4 as text) is read as a number."""
     if name == "alpha" and value in (None, "auto"):
         return None
@@ -327,7 +327,7 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
             raise ValueError(f"{origin}: `{name}` needs a value, got null (leave it out for {default!r})")
         return None
     expected = kind or (type(default) if default is not None else (float if name == "alpha" else str))
-    if name == "seq_len" and isinstance(value, str):
+    if name in ("seq_len", "tile_tokens") and isinstance(value, str):
         return parse_size(value)
     if expected in (int, float) and isinstance(value, str):
         try:
