@@ -150,6 +150,16 @@ def test_transient_peak_extrapolated_in_tokens_equals_the_traced_one(monkeypatch
         assert transient_peak(cfg, tokens, traced) == memory.traced_transient_peak(cfg, tokens, traced)
 
 
+@pytest.mark.parametrize("traced", [Traced("memo"), Traced("memo", checkpoint=True, tile=4096, heads=2)])
+def test_the_floor_a_search_refuses_with_never_exceeds_the_transient_peak(monkeypatch, traced):
+    cfg = ModelConfig.preset("tiny-gpt")
+    monkeypatch.setattr(memory, "TRACE_TOKENS", 32 * 1024)
+    monkeypatch.setattr(memory, "TRACE_TILES", 8)
+    for tokens in (3000, 16 * 1024, 48 * 1024):
+        floor = memory.transient_floor(cfg, tokens, traced)
+        assert 0 < floor <= transient_peak(cfg, tokens, traced)
+
+
 def test_training_lower_bound_counts_states_and_the_stores_buffers():
     cfg = ModelConfig.preset("gpt-7b")
     tokens, n = 1 << 16, cfg.n_layers
