@@ -63,3 +63,14 @@ def test_a_block_runs_as_pasted(index, tmp_path):
 @pytest.mark.parametrize("page, block", DOCS, ids=[page for page, _ in DOCS])
 def test_a_python_example_of_the_docs_runs(page, block, tmp_path):
     _run([sys.executable, "-c", block], tmp_path)
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = [
+        f"{page.name}: {target}"
+        for page in pages
+        for target in re.findall(r"\]\(([^)#\s]+)", page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert not broken
