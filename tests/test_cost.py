@@ -254,9 +254,8 @@ def test_estimate_cli_table_and_json(capsys):
 
 def test_estimate_cli_sweep_writes_a_plot(tmp_path, capsys):
     png, gpus = tmp_path / "sweep.png", tmp_path / "gpus.json"
-    fields = ("peak_flops", "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "host_link_shared_by")
-    fields += ("nvlink_bytes_per_s", "network_bytes_per_s", "host_memory_per_node", "gpus_per_node")
-    gpus.write_text(json.dumps({"small": {k: getattr(SMALL, k) for k in fields}}))
+    fields = {k: v for k, v in dataclasses.asdict(SMALL).items() if k not in ("name", "source")}
+    gpus.write_text(json.dumps({"small": fields}))
     assert (
         main(
             [

@@ -417,13 +417,12 @@ def device_bytes(
         "skeletal_buffers": store.device_bytes,
         "runtime": runtime_bytes(_communicators(layout, gpus)),
     }
-    if capacity is not None and sum(static.values()) > capacity:
-        return {**static, "transient_peak": 0, "fragmentation": 0, "total": sum(static.values()), "lower_bound": 1}
     traced = _traced(c, tokens, layout, plan)
-    floor = transient_floor(c, tokens, traced) if capacity is not None else 0
-    if capacity is not None and sum(static.values()) + floor > capacity:
-        least = {**static, "transient_peak": floor, "fragmentation": 0}
-        return {**least, "total": sum(least.values()), "lower_bound": 1}
+    if capacity is not None:
+        floor = 0 if sum(static.values()) > capacity else transient_floor(c, tokens, traced)
+        if sum(static.values()) + floor > capacity:
+            least = {**static, "transient_peak": floor, "fragmentation": 0}
+            return {**least, "total": sum(least.values()), "lower_bound": 1}
     transient = transient_peak(c, tokens, traced)
     if system in ("megatron", "deepspeed"):
         transient = max(transient, _loss_peak(c, tokens, system, layout))
