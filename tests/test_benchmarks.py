@@ -148,3 +148,21 @@ def test_tiling_benchmark_prints_measured_and_predicted_memory_per_tile(capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
     assert [row[2] for row in rows] == ["untiled", "256"]
     assert all(0.9 < float(row[5]) < 1.2 and float(row[7]) > 0 for row in rows)  # measured / predicted, step s
+
+
+def test_lora_benchmark_prints_full_and_lora_steps_with_fewer_flops_for_lora(capsys):
+    import lora
+
+    assert lora.main(["--seqs", "64", "--hidden", "128", "--layers", "2", "--rank", "4", "--steps", "3"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].split("|")
+    flop_ratio = float(row[-2])
+    assert 0 < flop_ratio < 1  # frozen weights compute no gradient products
+
+
+def test_cpu_adam_benchmark_times_every_implementation(capsys):
+    import cpu_adam
+
+    assert cpu_adam.main(["--params", "1M", "--steps", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["kinds"]) == set(cpu_adam.KINDS)
+    assert all(row["seconds_per_billion"] > 0 for row in result["kinds"].values())

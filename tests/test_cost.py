@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 import yaml
+from torch.utils.flop_counter import FlopCounterMode
 
 from memo import ActivationPolicy, ModelConfig, Transformer, to_hf
 from memo.cli import main
@@ -25,6 +26,7 @@ from memo.cost.estimate import (
     max_seq,
     max_seq_range,
 )
+from memo.cost.flops import model_flops_per_token
 from memo.cost.hardware import GPUS, gpu, load_gpus
 from memo.cost.memory import (
     Traced,
@@ -34,7 +36,11 @@ from memo.cost.memory import (
     traced_transient_peak,
     traffic_bytes,
 )
+from memo.cost.states import CPU_ADAM_SECONDS_PER_PARAM, States, root_parameters, trained
+from memo.cost.states import device_bytes as state_device_bytes
+from memo.cost.states import host_bytes as state_host_bytes
 from memo.device import meta_kernels
+from memo.lora import LoraConfig, apply_lora, module_shapes
 from memo.plan.caching_sim import replay
 from memo.plan.trace import SCRATCH, Tracer, trace, trace_iteration
 
@@ -529,3 +535,134 @@ def test_a_measured_peak_far_from_its_prediction_is_a_warning():
         "measured device peak is 20% above the cost model's prediction",
         "measured step transient is 20% below the cost model's prediction",
     ]
+
+
+# one GPU: LoRA and model states in host memory (memo.cost.states)
+LORA = LoraConfig(8)
+
+
+def _parameters(c: ModelConfig, lora: LoraConfig | None) -> dict[str, int]:
+    """Returns the real model's trained, frozen, root-unit and per-layer parameters (the reference for states)."""
+    with torch.device("meta"):
+        model = Transformer(c)
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - c.n_layers * layer
+    if lora is not None:
+        apply_lora(model, lora)
+    grads = [p.requires_grad for p in model.parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    trained = sum(n for n, g in zip(sizes, grads) if g)
+    return {"trained": trained, "frozen": sum(sizes) - trained, "root": root}
+
+
+@pytest.mark.parametrize("preset", ["llama3.2-1b", "tiny-gpt"])
+@pytest.mark.parametrize("lora", [None, LORA, LoraConfig(4, targets=("q", "v"))], ids=["full", "lora", "lora-qv"])
+def test_offloaded_states_are_the_models_own_parameters_in_host_memory(preset, lora):
+    cfg = ModelConfig.preset(preset)
+    real = _parameters(cfg, lora)
+    offloaded, on_device = States(lora, offload=True), States(lora)
+    assert trained(cfg, offloaded) == (real["trained"], real["frozen"]) and root_parameters(cfg) == real["root"]
+    # fp32 parameter, gradient and two moments per trained weight; a frozen one in bf16
+    assert state_host_bytes(cfg, 4, offloaded) == (real["trained"] * 16 + real["frozen"] * 2) // 4
+    assert state_host_bytes(cfg, 4, on_device) == 0
+    assert state_device_bytes(cfg, 1, on_device) >= real["trained"] * 18 + real["frozen"] * 2
+    assert state_device_bytes(cfg, 1, offloaded) < state_device_bytes(cfg, 1, on_device)
+
+
+def test_offloaded_states_of_an_8b_model_leave_a_few_layers_on_the_device():
+    cfg = ModelConfig.preset("llama3.1-8b")
+    full, offloaded = (state_device_bytes(cfg, 1, States(offload=o)) for o in (False, True))
+    assert full > 130 * 2**30 and offloaded < 10 * 2**30  # the root unit (embedding, head) is most of it
+    assert offloaded > 2 * root_parameters(cfg) * 2  # the root's bf16 weights and gradients, for the whole step
+
+
+def test_the_cpu_optimizer_step_and_the_weights_copies_are_in_the_step_time():
+    cfg, tokens = ModelConfig.preset("llama3.2-1b"), 8192
+    layout = Layout(recompute="memo")
+    on_device = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=1 << 40)
+    offloaded = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=1 << 40, states=States(offload=True))
+    assert on_device.seconds["optimizer"] == 0 and not on_device.fits  # 22 GB of states on a 12 GiB GPU
+    assert offloaded.fits
+    assert offloaded.seconds["optimizer"] == pytest.approx(cfg.num_parameters() * CPU_ADAM_SECONDS_PER_PARAM)
+    # at 8K tokens a layer's compute is shorter than its weights' copies: the copies show
+    assert offloaded.seconds["exposed_copy"] > on_device.seconds["exposed_copy"]
+    assert offloaded.host_state_bytes_per_node == state_host_bytes(cfg, 1, States(offload=True))
+    assert offloaded.host_bytes_per_node >= offloaded.host_state_bytes_per_node
+
+
+def test_states_and_the_activation_pool_share_the_host_and_a_refusal_names_both():
+    cfg, tokens, states = ModelConfig.preset("llama3.2-1b"), 8192, States(offload=True)
+    layout = Layout(recompute="memo")
+    need = state_host_bytes(cfg, 1, states)
+    alone = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=need, states=states)
+    assert not alone.fits and "the model states alone need" in alone.why
+    # room for the states and a little more: the plan's pool gets what they leave
+    tight = estimate(cfg, 64 * 1024, 1, SMALL, "memo", layout=layout, host_memory=int(need / 0.9) + (64 << 20),
+                     states=states)
+    assert not tight.fits and tight.why.startswith("host memory") and "model states take" in tight.why
+
+
+def test_lora_computes_no_weight_gradients_and_trains_few_states():
+    cfg, tokens = ModelConfig.preset("llama3.2-1b"), 16384
+    layout = Layout(recompute="memo")
+    full = estimate(cfg, tokens, 1, A800, "memo", layout=layout)
+    lora = estimate(cfg, tokens, 1, A800, "memo", layout=layout, states=States(LORA))
+    assert lora.device_bytes["model_states"] < full.device_bytes["model_states"] / 5
+    # frozen projections and head: forward and input gradient, 2/3 of full fine-tuning's matmuls; plus the
+    # adapters' memory-bound rank-8 GEMMs
+    assert 2 / 3 < lora.seconds["matmul"] / full.seconds["matmul"] < 0.8
+    assert lora.seconds["attention"] == full.seconds["attention"]
+    assert "LoRA r=8" in lora.states and full.states == "full fine-tuning"
+
+
+def _counted_flops(model, ids) -> int:
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_lora_model_flops_against_the_counted_flops_of_both_runs(preset):
+    cfg, b, s = ModelConfig.preset(preset), 2, 24
+    ids = torch.randint(0, 256, (b, s))
+    full = _counted_flops(Transformer(cfg, ActivationPolicy("none")), ids)
+    lora = _counted_flops(apply_lora(Transformer(cfg, ActivationPolicy("none")), LORA), ids)
+    ins = sum(module_shapes(cfg)[m][0] for m in LORA.modules(cfg))
+    again = cfg.n_layers * 2 * LORA.rank * ins * b * s  # the backward recomputes x·Aᵀ rather than keep it
+    # what both runs count alike (attention, the forward's linears) cancels: the weight gradients LoRA skips and
+    # the adapters it trains remain
+    model = model_flops_per_token(cfg, s, lora=LORA) - model_flops_per_token(cfg, s)
+    assert lora - full == model * b * s + again
+
+
+def test_a_lora_steps_memory_is_traced_from_the_lora_model():
+    cfg, tokens = ModelConfig.preset("tiny", n_layers=6), 4096
+    policy = ActivationPolicy("memo", alpha=0.5, host_budget_bytes=1 << 60)
+    with torch.device("meta"):
+        model = apply_lora(Transformer(cfg, policy).to(torch.bfloat16), LORA)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    with meta_kernels("cuda"):
+        first, _ = trace(lambda: model(ids, labels=ids).backward())  # sizes buffers, host pool (meta), grads
+    grads = sum(p.numel() * 2 for p in model.parameters() if p.requires_grad)  # the adapters' alone
+    n = cfg.n_layers
+    predicted = (
+        store_bytes(cfg, tokens, ["memo"] * n, [0.5] * n, tokens).device_bytes
+        + traced_transient_peak(cfg, tokens, Traced("memo", lora=LORA))
+        + model.swap_stats().host_pool_bytes
+    )
+    assert predicted <= first.peak <= predicted + grads
+
+
+def test_estimate_cli_takes_lora_and_offloaded_states(capsys):
+    argv = ["estimate", "--model", "tiny", "--seq", "4K", "--gpus", "1", "--gpu", "h100"]
+    assert main([*argv, "--lora-rank", "8", "--lora-targets", "q,v", "--offload-states"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA r=8 on q,v, states in host memory" in out and "| memo | yes |" in out
+    assert "| megatron |" not in out and "LoRA: model FLOPs of the work LoRA does" in out
+    for bad, message in [
+        (["--lora-targets", "q,v"], "give `--lora-rank` too"),
+        (["--lora-rank", "8", "--lora-targets", "q,x"], "`--lora-targets` must name distinct projections"),
+        (["--offload-states", "--system", "megatron"], "estimated for memo and offload-all, not for megatron"),
+    ]:
+        assert main([*argv, *bad]) == 2
+        assert message in capsys.readouterr().err

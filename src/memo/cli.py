@@ -20,13 +20,16 @@ from .config import PRESETS, ModelConfig
 from .cost.calibrate import Shape, calibrate
 from .cost.efficiency import check_calibration_device, efficiency_from_calibration
 from .cost.estimate import CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
+from .cost.flops import LORA_FLOPS
 from .cost.hardware import GPUS, gpu, load_gpus
 from .cost.memory import training_lower_bound
+from .cost.states import States
 from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device
 from .eval import DTYPES as EVAL_DTYPES
 from .eval import PasskeyTask, held_out_sequences, load, passkey_accuracy, perplexity_by_position, plot_passkey
 from .files import read_json_object, write_text
+from .lora import ALL_TARGETS, LoraConfig, targets_value
 from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
@@ -71,7 +74,7 @@ def _add_field(p, f) -> None:
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
     kinds = {"alpha": _cli_type(alpha_value, "alpha"), "plan": plan_value, "seq_len": _cli_type(parse_size, "size"),
-             "tile_tokens": _cli_type(parse_size, "size")}
+             "tile_tokens": _cli_type(parse_size, "size"), "lora_targets": targets_value}
     kind = kinds.get(f.name)
     kind = kind or f.metadata.get("kind")
     kind = kind or (type(f.default) if f.default is not None else str)
@@ -294,17 +297,24 @@ def _export_parser(sub) -> None:
         "one model.safetensors of whole tensors (fp32 masters when the run trained in bf16); load it with "
         "Transformer.load_state_dict(safetensors.torch.load_file(PATH)). With --hf DIR, write a folder that "
         "transformers' AutoModelForCausalLM.from_pretrained(DIR) loads: config.json (Llama, Mistral, Qwen2 or "
-        "Qwen3, with the RoPE and length trained at), generation_config.json, weights and the run's tokenizer.",
+        "Qwen3, with the RoPE and length trained at), generation_config.json, weights and the run's tokenizer. A LoRA "
+        "run's adapters are merged into the weights of either; --adapter DIR writes them alone, for PEFT.",
     )
     p.add_argument("run_dir", type=PATH, help="a run directory written by `memo train`")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", type=PATH, help="safetensors path (default: RUN_DIR/export/model.safetensors)")
     where.add_argument("--hf", type=PATH, metavar="DIR", help="write a Hugging Face checkpoint folder to DIR instead")
+    where.add_argument(
+        "--adapter",
+        type=PATH,
+        metavar="DIR",
+        help="a LoRA run: write its adapters alone as a PEFT adapter folder (PeftModel.from_pretrained(base, DIR))",
+    )
     p.set_defaults(run=_run_export)
 
 
 def _run_export(args) -> int:
-    print(checkpoint.export(Path(args.run_dir), args.out, args.hf))
+    print(checkpoint.export(Path(args.run_dir), args.out, args.hf, args.adapter))
     return 0
 
 
@@ -350,6 +360,21 @@ def _estimate_parser(sub) -> None:
     p.add_argument(
         "--arena", action="store_true", help="memo runs with its planned allocator (memo train --arena), not PyTorch's"
     )
+    p.add_argument(
+        "--offload-states",
+        action="store_true",
+        help="memo keeps parameters, gradients and AdamW state in host memory and steps the optimizer on the CPU "
+        "(memo train --offload-states); they share the host memory with the activations' offload",
+    )
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="memo trains LoRA adapters of this rank on a frozen bf16 base (0: none)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        type=targets_value,
+        default=None,
+        help=f"with --lora-rank: projections that get adapters (default: {','.join(ALL_TARGETS)})",
+    )
     p.add_argument("--max-seq", action="store_true", help="search the longest sequence that fits, per system")
     p.add_argument("--sweep", action="store_true", help="MFU against sequence length (32K..4M) for all systems")
     p.add_argument("--plot", type=PATH, default=None, help="with --sweep: write the MFU plot to this PNG")
@@ -366,13 +391,15 @@ def _run_estimate(args) -> int:
         check_calibration_device(calibration, spec)
         eff = efficiency_from_calibration(calibration, spec)
     cfg = named_model_config(args.model)
-    systems = args.system or list(SYSTEMS)
+    states = _estimated_states(args)
+    systems = args.system or (["memo"] if states != States() else list(SYSTEMS))
     if args.plot and not args.sweep:
         raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
     if args.sweep:
-        return _print_sweep(args, cfg, spec, systems, eff)
+        return _print_sweep(args, cfg, spec, systems, eff, states)
     if args.max_seq:
-        found = {s: max_seq_range(cfg, args.gpus, spec, s, args.sp, eff, args.host_memory, args.arena) for s in systems}
+        run = (cfg, args.gpus, spec)
+        found = {s: max_seq_range(*run, s, args.sp, eff, args.host_memory, args.arena, states) for s in systems}
         if args.json:
             print(json.dumps(found))
             return 0
@@ -385,14 +412,12 @@ def _run_estimate(args) -> int:
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
-    results = [
-        estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, host_memory=args.host_memory, arena=args.arena)
-        for s in systems
-    ]
+    every = dict(host_memory=args.host_memory, arena=args.arena, states=states)
+    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, **every) for s in systems]
     if args.json:
         print(json.dumps([e.as_dict() for e in results]))
         return 0
-    print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}")
+    print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}, {states}")
     print(
         "| system | fits | layout | plan (alpha) | device GiB/GPU | host GiB/GPU | tokens/step | step s | tokens/s | MFU | "
         "MFU full s² | HFU | dominant | why not |"
@@ -414,6 +439,8 @@ def _run_estimate(args) -> int:
     print(
         "\n" + "\n".join(f"{name}: {text}" for name, text in zip(("MFU", "MFU full s²", "HFU"), CONVENTIONS.values()))
     )
+    if states.lora:
+        print(f"LoRA: {LORA_FLOPS}")
     print("tokens/step: one optimizer step's tokens on all GPUs (compare tokens/s across rows, not step seconds)")
     for e in results:
         if e.layout:
@@ -422,9 +449,19 @@ def _run_estimate(args) -> int:
     return 0
 
 
-def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff) -> int:
+def _estimated_states(args) -> States:
+    """Returns what `memo estimate` is asked to train and where its states live (`--lora-rank`, `--offload-states`)."""
+    if args.lora_rank < 0:
+        raise ValueError(f"`--lora-rank` must not be negative, got {args.lora_rank}")
+    if args.lora_targets and not args.lora_rank:
+        raise ValueError("`--lora-targets` names the projections of LoRA's adapters: give `--lora-rank` too")
+    lora = LoraConfig(args.lora_rank, targets=args.lora_targets or ALL_TARGETS) if args.lora_rank else None
+    return States(lora, args.offload_states)
+
+
+def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff, states: States) -> int:
     """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M."""
-    results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff, args.host_memory)
+    results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff, args.host_memory, states)
     if args.plot:
         plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .figures import pyplot, save
 from .hf import CONFIG_NAME, from_hf
 from .loss import IGNORE_INDEX, shift_labels
+from .lora import merge_adapters
 from .model import Transformer
 from .train import checkpoint
 from .train.data import TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
@@ -147,8 +148,10 @@ def _load_run(run_dir: Path) -> tuple[Transformer, str | None, str]:
     trained = saved.state["config"]
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(checkpoint.saved_model_config(saved.state, run_dir))
+    lora = checkpoint.saved_lora(saved.state, run_dir)
+    weights = saved.model if lora is None else merge_adapters(saved.model, lora.scaling)  # one matmul a projection
     try:
-        model.load_state_dict(saved.model, assign=True)
+        model.load_state_dict(weights, assign=True)
     except RuntimeError as err:
         raise ValueError(f"checkpoint {saved.path} does not fit model {trained['model']!r}: {err}") from None
     return model, checkpoint.run_tokenizer(trained), f"{run_dir} (step {saved.step})"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -48,6 +50,28 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Yields a new temporary folder beside `path` whose files, when the block ends without error, appear in
+    `path` whole: a new `path` is the renamed folder, an existing one gets each file replaced whole. The folder
+    is removed otherwise. Modes are those of new files (not tempfile's 0700)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file: give a folder path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if not path.exists():
+            tmp.rename(path)
+            return
+        for file in sorted(tmp.iterdir()):  # each file whole; for an instant new files meet old ones
+            os.replace(file, path / file.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fsync(path: str | Path) -> None:

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig, RopeScaling
-from .files import read_json_object
+from .files import atomic_folder, read_json_object
 from .model import Transformer
 from .policy import ActivationPolicy
 
@@ -235,7 +234,7 @@ def hf_family(config: ModelConfig) -> str:
     return "llama"
 
 
-def _check_exportable(config: ModelConfig, family: str) -> None:
+def check_exportable(config: ModelConfig, family: str) -> None:
     """Raises unless transformers' `family` has exactly the layers of `config`."""
     if config.arch != "llama":
         raise ValueError(f"only arch 'llama' converts to Hugging Face, got {config.arch!r} (model {config.name!r})")
@@ -293,7 +292,7 @@ def config_to_hf(
     and the config's, except under dynamic scaling, whose frequencies depend on it: there it stays the config's.
     """
     family = hf_family(config)
-    _check_exportable(config, family)
+    check_exportable(config, family)
     rope, r = _rope_to_hf(config), config.rope_scaling
     if r is not None and r.type == "dynamic":
         max_positions = config.max_position_embeddings
@@ -498,10 +497,7 @@ def save_hf(
     tokens = ("bos_token_id", "eos_token_id", "pad_token_id")
     generation = {"_from_model_config": True, **{k: hf_config[k] for k in tokens}}
     state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in weights.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stay on the renamed checkpoint
-    try:
+    with atomic_folder(path) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
@@ -511,14 +507,7 @@ def save_hf(
             for name in TOKENIZER_NAMES:
                 if (source / name).is_file():
                     shutil.copyfile(source / name, tmp / name)  # contents only: the mode is a new file's
-        if not path.exists():
-            tmp.rename(path)
-            return path
-        for file in sorted(tmp.iterdir()):  # each file whole; for an instant new weights meet the old config
-            os.replace(file, path / file.name)
-        return path
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def to_hf(

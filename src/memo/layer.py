@@ -32,6 +32,10 @@ Every "other" tensor is a token-local function of x and attn, so the same `fill_
 forward, the token-wise recompute (§3) and a tile. With `qk_norm` the backward recomputes q and k before
 their norm from n1 (one token-local matmul), and their per-head statistics with them.
 
+A projection may be a `lora.LoraLinear`: `linear` / `linear_into` add its low-rank update to the rows they
+write, and its backward adds the adapters' gradients. A frozen parameter (requires_grad False) gets no
+gradient: its product is skipped, not computed and dropped.
+
 Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
 shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions.
 Attention alone sees all tokens: for a/sp heads, between the all-to-alls `seq_parallel` provides.
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention_backward, attention_forward, head_chunks, lse_seq_len
+from .lora import low_rank_add, low_rank_backward
 from .config import ModelConfig
 from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
@@ -163,12 +168,18 @@ def _tail(v: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
 
 
 def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """Writes x·Wᵀ + b into `out` (rows of a skeletal tensor, no temporary) and returns it."""
+    """Writes x·Wᵀ + b (+ a LoRA update) into `out` (rows of a skeletal tensor, no temporary) and returns it."""
     if out.is_contiguous():
-        return aten.linear.out(x, lin.weight, lin.bias, out=out)
-    for x_b, out_b in zip(x, out):  # token rows of several sequences: each sequence's rows are contiguous
-        aten.linear.out(x_b, lin.weight, lin.bias, out=out_b)
-    return out
+        aten.linear.out(x, lin.weight, lin.bias, out=out)
+    else:
+        for x_b, out_b in zip(x, out):  # token rows of several sequences: each sequence's rows are contiguous
+            aten.linear.out(x_b, lin.weight, lin.bias, out=out_b)
+    return low_rank_add(out, x, lin)
+
+
+def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """Returns x·Wᵀ + b (+ a LoRA update) in a new tensor."""
+    return low_rank_add(F.linear(x, lin.weight, lin.bias), x, lin)
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -253,8 +264,7 @@ class DecoderLayer(nn.Module):
 
     def _project(self, n1: torch.Tensor, name: str) -> torch.Tensor:
         """Returns the q or k projection of n1 (b, r, h) as heads (b, r, heads, d), before norm and RoPE."""
-        lin = getattr(self, "w" + name)
-        return F.linear(n1, lin.weight, lin.bias).unflatten(-1, (-1, self.config.head_dim))
+        return linear(n1, getattr(self, "w" + name)).unflatten(-1, (-1, self.config.head_dim))
 
     # ---- forward pieces (also the token-wise recompute); `v` holds rows of every tensor, (b, r, ...) ------
     def fill_norm1(self, v: dict) -> None:
@@ -317,7 +327,7 @@ class DecoderLayer(nn.Module):
 
     def fill_mlp(self, v: dict) -> None:
         """Writes x1, n2 (+ statistics), up, (gate,) act of the rows from x and attn."""
-        x1 = torch.add(v["x"], F.linear(v["attn"].flatten(2), self.wo.weight, self.wo.bias), out=v["x1"])  # (b, r, h)
+        x1 = torch.add(v["x"], linear(v["attn"].flatten(2), self.wo), out=v["x1"])  # (b, r, h)
         _norm_into(v, "n2", x1, self.mlp_norm)
         up = linear_into(v["up"], v["n2"], self.w_up)  # (b, r, f)
         if self.gpt:
@@ -328,22 +338,28 @@ class DecoderLayer(nn.Module):
 
     def output(self, v: dict, out: torch.Tensor) -> torch.Tensor:
         """Writes the layer output of the rows, y = x1 + act·W_downᵀ (b, r, h), into `out`."""
-        return torch.add(v["x1"], F.linear(v["act"], self.w_down.weight, self.w_down.bias), out=out)
+        return torch.add(v["x1"], linear(v["act"], self.w_down), out=out)
 
     # ---- backward pieces: each adds its parameter gradients (summed over tiles) to `grads` -----------------
     def _linear_backward(self, dy, x, name: str, grads: dict) -> torch.Tensor:
-        """Returns dx of y = x·Wᵀ + b and adds dW (and db)."""
+        """Returns dx of y = x·Wᵀ + b (+ LoRA) and adds dW and db where they train (a frozen W costs no product)
+        and the adapters' gradients."""
         lin = getattr(self, name)
-        add_mm(grads, name + ".weight", _flat(dy).t(), _flat(x))
-        if lin.bias is not None:
+        if lin.weight.requires_grad:
+            add_mm(grads, name + ".weight", _flat(dy).t(), _flat(x))
+        if lin.bias is not None and lin.bias.requires_grad:
             add_to(grads, name + ".bias", _flat(dy).sum(0))
-        return dy @ lin.weight
+        dx = dy @ lin.weight
+        low_rank = low_rank_backward(_flat(dy), _flat(x), lin, name, grads)
+        return dx if low_rank is None else dx.add_(low_rank.view(dx.shape))
 
     def _norm_backward(self, dy, x, stats, prefix: str, grads: dict) -> torch.Tensor:
         """Returns dx of the norm `prefix` from its kept statistics and adds its parameter grads."""
-        dx, norm_grads = norm_backward(getattr(self, prefix), dy, x, stats)
+        norm = getattr(self, prefix)
+        dx, norm_grads = norm_backward(norm, dy, x, stats)
         for name, g in norm_grads.items():
-            add_to(grads, f"{prefix}.{name}", g)
+            if getattr(norm, name).requires_grad:
+                add_to(grads, f"{prefix}.{name}", g)
         return dx
 
     def mlp_backward(self, dy: torch.Tensor, v: dict, grads: dict, dx1: torch.Tensor) -> None:
@@ -414,7 +430,8 @@ class DecoderLayer(nn.Module):
         proj = self._project(n1, name)
         rstd = rms_norm(proj, weight, self.config.norm_eps)[1]
         grad, dw = rms_norm_backward(grad, proj, rstd, weight)
-        add_to(grads, f"{name}_norm.weight", dw)
+        if weight.requires_grad:
+            add_to(grads, f"{name}_norm.weight", dw)
         return grad
 
     # ---- module entry -----------------------------------------------------------------------------------
@@ -521,4 +538,4 @@ class LayerFunction(torch.autograd.Function):
         t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
         dx, grads = layer.run(backward_phase, dy.contiguous(), t, aux, tiles, recompute)
         store.after_backward(layer.index)
-        return (dx, None, None, *(grads[name] for name, _ in layer.named_parameters()))
+        return (dx, None, None, *(grads.get(name) for name, _ in layer.named_parameters()))  # frozen: None

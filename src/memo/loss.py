@@ -46,7 +46,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         y = targets.reshape(-1)
         grad_x = torch.empty_like(flat)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        train_w = weight.requires_grad  # a frozen head (LoRA) costs no weight-gradient product
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if train_w else None
         grad_norm: dict[str, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for lo in range(0, flat.shape[0], chunk_tokens):
@@ -64,20 +65,22 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             g = grad_logits.to(weight.dtype)
             del logits, grad_logits
             grad_h = g @ weight
-            grad_w += accumulating_mm(g.t(), hc)
+            if train_w:
+                grad_w += accumulating_mm(g.t(), hc)
             if norm is not None:
                 grad_h, grads = norm_backward(norm, grad_h.to(xc.dtype), xc, stats)
                 for name, value in grads.items():
                     add_to(grad_norm, name, value)
             grad_x[lo : lo + chunk_tokens] = grad_h
-        ctx.grads = (grad_x.view_as(x), grad_w.to(weight.dtype), *(grad_norm[n].to(p.dtype) for n, p in _named(norm)))
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        ctx.grads = (grad_x.view_as(x), grad_w, *(grad_norm[n].to(p.dtype) for n, p in _named(norm)))
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_w, *grad_norm = ctx.grads  # made in forward, for one backward: scaled in place
         del ctx.grads
-        scaled = [g.mul_(grad_loss.to(g.dtype)) for g in (grad_x, grad_w, *grad_norm)]
+        scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in (grad_x, grad_w, *grad_norm)]
         return scaled[0], scaled[1], None, None, None, None, *scaled[2:]
 
 

@@ -19,8 +19,13 @@ Time per layer = matmuls and causal attention forward and backward at per-phase 
 the GPU and shape, `efficiency.published_band`, or measured by `memo calibrate`), plus recomputation, plus the
 part of each host copy that does not hide behind the layer's compute, plus communication (all-to-all and
 tensor-parallel collectives on the critical path; parameter gathers and context-parallel rings overlapped
-with compute). Data-parallel gradient reduction and the optimizer step are left out (once per step,
+with compute). Data-parallel gradient reduction and the optimizer step on the GPU are left out (once per step,
 overlapped with backward in all four systems alike). Every time comes as a range from the efficiency band.
+
+memo (and offload-all) also estimate two more ways of training (`states.States`): LoRA (`lora`: a frozen bf16
+base, adapters trained; frozen linears compute no weight gradient) and model states in host memory
+(`offload`: FSDP2's CPU offload; the weights' copies share the host link with the activations' and hide behind
+the layers' compute as FSDP2 prefetches, the CPU optimizer step after the backward hides behind nothing).
 
 Device memory = model states + the activation store's buffers for the plan (`swap.store_layout`, what `memo
 train` allocates) + the traced step's transient peak (kernel scratch in it; the baselines' materialised loss
@@ -35,14 +40,17 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
+from ..lora import LoraConfig
 from ..policy import plan_costs, solve_plan
 from ..swap import plan_problem
 from ..units import format_bytes, format_count
 from .efficiency import POINTS, Band, Efficiency, published_band
 from .flops import (
     HFU,
+    LORA_FLOPS,
     MFU_CAUSAL,
     MFU_FULL,
+    adapter_work,
     layer_forward_flops,
     linear_params_per_layer,
     model_flops_per_token,
@@ -51,7 +59,6 @@ from .flops import (
 )
 from .hardware import GPUSpec, runtime_bytes
 from .memory import (
-    BYTES_PER_PARAM,
     Traced,
     fragmentation_bytes,
     layer_specs,
@@ -61,9 +68,12 @@ from .memory import (
     transient_floor,
     transient_peak,
 )
+from .states import States, layer_traffic, optimizer_seconds, root_traffic
+from .states import device_bytes as state_device_bytes
+from .states import host_bytes as state_host_bytes
 
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
-CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU}
+CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU, "lora": LORA_FLOPS}
 RECOMPUTE = {  # what each system can recompute, as it ships
     "memo": ("memo",),  # a plan of keep / memo / checkpoint layers with α (docs/method.md §3)
     "megatron": ("selective", "full"),  # --recompute-granularity: core attention, or the whole layer
@@ -72,6 +82,7 @@ RECOMPUTE = {  # what each system can recompute, as it ships
 }
 TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
 OFFLOADS = ("memo", "offload")  # the recomputations that keep skeletal tensors in host memory
+STATES = ("memo", "offload-all")  # the systems estimated with LoRA or offloaded model states (`states.States`)
 MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole sequence shard)
 # the caching allocator's mode each system runs: `memo train` turns on expandable segments on CUDA (as
 # torchtitan does); Megatron-LM and DeepSpeed leave PyTorch's default
@@ -142,14 +153,21 @@ class Estimate:
     binds: str = ""  # the budget nearest its limit, e.g. "host memory 1.79 of 1.80 TiB per node"
     allocator: str = ""  # how device memory is served: which caching-allocator mode, or an arena at LOAD
     tokens_per_step: int = 0  # every GPU's tokens of one optimizer step (micro-batch x data-parallel groups)
+    states: str = "full fine-tuning"  # what trains and where its states live (states.States)
+    host_state_bytes_per_node: int = 0  # of host_bytes_per_node: offloaded model states (the rest: activations)
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "conventions": CONVENTIONS}
 
 
-def _check(seq: int, gpus: int, system: str, sp: int | None) -> None:
+def _check(seq: int, gpus: int, system: str, sp: int | None, states: States = States()) -> None:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+    if states != States() and system not in STATES:
+        raise ValueError(
+            f"`--lora-rank` and `--offload-states` are estimated for {' and '.join(STATES)}, not for {system} "
+            "(estimated as it ships)"
+        )
     if gpus <= 0:
         raise ValueError(f"`--gpus` must be positive, got {gpus}")
     if sp is not None and (sp <= 0 or gpus % sp):
@@ -202,6 +220,7 @@ def estimate(
     micro_batch: int = 1,
     host_memory: int | None = None,
     arena: bool = False,
+    states: States = States(),
 ) -> Estimate:
     """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
     of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
@@ -210,17 +229,19 @@ def estimate(
     `eff` is a measured band (`memo calibrate`); by default the published one for this GPU and shape. `point`
     (low, mid, high) picks the band member that decides the plan, α and fit; `fragmentation` False plans memory
     as an arena at LOAD would (no caching-allocator overhead). `host_memory` is each node's (default the GPU
-    spec's), of which `HOST_FRACTION` may hold offloaded tensors. `arena`: memo runs with its planned allocator
-    (`memo train --arena`), not the caching allocator.
+    spec's), of which `HOST_FRACTION` may hold offloaded tensors and model states. `arena`: memo runs with its
+    planned allocator (`memo train --arena`), not the caching allocator. `states`: what trains and where the
+    model states live (memo and offload-all only).
     """
     if micro_batch < 1:
         raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"`--host-memory` must be positive, got {host_memory} bytes")
+    _check(seq, gpus, system, sp, states)
     candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
     if not candidates:
         return _unsupported(c, seq, gpus, gpu, system, sp)
-    run = (c, seq, gpus, gpu, system)
+    run = (c, seq, gpus, gpu, system, states)
     allocator = "arena" if arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
     fragmentation = allocator if fragmentation else None
     floors = [(_floor_seconds(*run, lay, eff, point, micro_batch), i) for i, lay in enumerate(candidates)]
@@ -237,12 +258,12 @@ def estimate(
     return min(results, key=lambda e: (e.device_bytes["total"], e.step_seconds))
 
 
-def _floor_seconds(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, batch) -> float:
+def _floor_seconds(c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, batch) -> float:
     """Returns a layout's step time with nothing recomputed or copied (what keeping every layer would take): no
     plan of it is faster, so layouts whose floor is past a fitting one's time need no memory estimate."""
     tokens = batch * seq // layout.sp
     eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens), point)
-    seconds = _step_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, None)
+    seconds = _step_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, None, states)
     return sum(seconds.values()) - seconds["recompute"] - seconds["exposed_copy"]
 
 
@@ -262,26 +283,39 @@ def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str,
     return Estimate(system, seq, gpus, split, False, why, None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0)
 
 
-def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, fragmentation, batch, host_memory):
+def _evaluate(
+    c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, fragmentation, batch, host_memory
+):
     """Returns the estimate of one layout, `batch` sequences per micro-batch."""
     tokens = batch * seq // layout.sp  # per GPU
     band = band or _band(c, seq, gpu, layout, batch, tokens)
     eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * (host_memory or gpu.host_memory_per_node))
-    plan, why = _plan(c, seq, tokens, gpu, eff, layout, host_capacity // node_gpus)
-    device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, gpu.hbm_bytes)
+    held = state_host_bytes(c, gpus, states)  # per GPU: offloaded model states come first, the pool gets the rest
+    budget = host_capacity // node_gpus - held
+    plan, why = (None, "host memory: no room left for the activations")
+    if budget >= 0:
+        plan, why = _plan(c, seq, tokens, gpus, gpu, eff, layout, budget, states)
+    device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, gpu.hbm_bytes, states)
     room = gpu.hbm_bytes - device["total"]
     if plan and layout.recompute == "memo" and room > 0:  # the layers the device can hold besides: kept
-        plan, _ = _plan(c, seq, tokens, gpu, eff, layout, host_capacity // node_gpus, room)
-        device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan)
-    host = _store(c, tokens, layout, plan).host_total * node_gpus if plan else 0
+        plan, _ = _plan(c, seq, tokens, gpus, gpu, eff, layout, budget, states, room)
+        device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, states=states)
+    host = ((_store(c, tokens, layout, plan).host_total if plan else 0) + held) * node_gpus
+    if why and held:
+        why = _host_refusal(why, held * node_gpus, host_capacity)
     if not why and device["total"] > gpu.hbm_bytes:
         least = "more than " if device.get("lower_bound") else ""
         why = f"device memory: needs {least}{device['total'] / 2**30:.1f} GiB of {gpu.hbm_bytes / 2**30:.0f} GiB"
     if not why and host > host_capacity:
-        why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
-    timed = {p: _step_seconds(c, seq, tokens, system, gpus, layout, gpu, getattr(band, p), plan) for p in POINTS}
+        why = _host_refusal(
+            f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable",
+            held * node_gpus,
+            host_capacity,
+        )
+    run = (c, seq, tokens, system, gpus, layout, gpu)
+    timed = {p: _step_seconds(*run, getattr(band, p), plan, states) for p in POINTS}
     seconds = timed[point]
     step = sum(seconds.values())
     sequences = gpus // layout.sp * batch  # per step
@@ -290,7 +324,7 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
     again = recompute_flops(c, seq, modes, alphas, layout.recompute == "offload", causal=True, tile=layout.tile)
     if layout.recompute == "selective":
         again = c.n_layers * layer_forward_flops(c, seq, causal=True)[1]
-    model = model_flops_per_token(c, seq) * seq
+    model = model_flops_per_token(c, seq, lora=states.lora) * seq
     slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
     use = {"device memory": (device["total"], gpu.hbm_bytes), "host memory": (host, host_capacity)}
     tightest = max(use, key=lambda k: use[k][0] / use[k][1])
@@ -310,7 +344,7 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
         sequences * seq / step,
         model * per_flop / step,
         seconds,
-        model_flops_per_token(c, seq, causal=False) * seq * per_flop / step,
+        model_flops_per_token(c, seq, causal=False, lora=states.lora) * seq * per_flop / step,
         (model + again) * per_flop / step,
         str(layout),
         {
@@ -326,7 +360,17 @@ def _evaluate(c, seq, gpus, gpu: GPUSpec, system, layout: Layout, band, point, f
         + (" per node" if tightest == "host memory" else " per GPU"),
         ALLOCATOR_NAMES[fragmentation] if fragmentation else "an arena at LOAD (no fragmentation)",
         sequences * seq,
+        str(states),
+        held * node_gpus,
     )
+
+
+def _host_refusal(why: str, states: int, capacity: int) -> str:
+    """Returns a host-memory refusal that names the offloaded model states beside the activations' pool."""
+    usable = format_bytes(capacity)
+    if states > capacity:
+        return f"host memory: the model states alone need {format_bytes(states)} per node, {usable} usable"
+    return f"{why} (model states take {format_bytes(states)} of the {usable} usable per node)"
 
 
 def _baseline_modes(layout: Layout, n: int) -> list[str]:
@@ -334,7 +378,7 @@ def _baseline_modes(layout: Layout, n: int) -> list[str]:
     return ["recompute" if layout.recompute == "full" else "keep"] * n
 
 
-def _plan(c, seq, tokens, gpu, eff, layout: Layout, host_budget: int, device_budget: int = 0):
+def _plan(c, seq, tokens, gpus, gpu, eff, layout: Layout, host_budget: int, states: States, device_budget: int = 0):
     """Returns ((modes, α) per layer, "") for a layout that offloads, (None, why) when its host cannot hold even
     the layer inputs, and (None, "") for one that does not offload."""
     n = c.n_layers
@@ -342,25 +386,32 @@ def _plan(c, seq, tokens, gpu, eff, layout: Layout, host_budget: int, device_bud
         return (["memo"] * n, [1.0] * n), ""
     if layout.recompute != "memo":
         return None, ""
+    problem = _plan_problem(c, seq, tokens, gpu, eff, host_budget, device_budget, layout.tile, states, gpus)
     try:
-        return solve_plan(_plan_problem(c, seq, tokens, gpu, eff, host_budget, device_budget, layout.tile)), ""
+        return solve_plan(problem), ""
     except ValueError as err:
         return None, f"host memory: {err}"
 
 
-def _plan_problem(c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int, tile=None):
-    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds."""
-    t = _compute_seconds(c, seq, tokens, gpu, eff)
-    seconds = {**t, "backward": 2 * t["matmul"] + t["attention_backward"]}
+def _plan_problem(
+    c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int, tile=None, states=States(),
+    gpus: int = 1,
+):
+    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds. Offloaded model states
+    share the host link: a layer's activation copies hide behind what is left of its forward and backward once
+    its weights' copies (`states.layer_traffic`) have had the link."""
+    t = _compute_seconds(c, seq, tokens, gpu, eff, states.lora)
     bandwidth = _host_bandwidth(gpu, eff)
+    forward, backward = (b / bandwidth for b in layer_traffic(c, gpus, states))
+    seconds = {**t, "forward": max(0.0, t["forward"] - forward), "backward": max(0.0, t["backward"] - backward)}
     return plan_problem(layer_specs(c, tokens), c.n_layers, seconds, bandwidth, host_budget, device_budget, tile=tile)
 
 
-def _traced(c: ModelConfig, tokens: int, layout: Layout, plan) -> Traced:
+def _traced(c: ModelConfig, tokens: int, layout: Layout, plan, states: States = States()) -> Traced:
     """Returns the step whose trace gives a layout's transient memory: its strategy, a checkpointed layer when
-    the plan has one, its tiles, Ulysses' all-to-all buffers, and its attention calls on a GPU."""
+    the plan has one, its tiles, Ulysses' all-to-all buffers, its attention calls on a GPU, LoRA's adapters."""
     checkpoint = bool(plan) and "checkpoint" in plan[0]
-    return Traced.of(c, tokens, TRACED[layout.recompute], checkpoint, layout.tile, layout.ulysses)
+    return Traced.of(c, tokens, TRACED[layout.recompute], checkpoint, layout.tile, layout.ulysses, lora=states.lora)
 
 
 def _store(c, tokens: int, layout: Layout, plan):
@@ -375,16 +426,33 @@ def dominant(seconds: dict[str, float]) -> str:
     return f"{seconds[name] / sum(seconds.values()):.0%} {name.replace('_', ' ')}"
 
 
-def _compute_seconds(c: ModelConfig, seq: int, tokens: int, gpu: GPUSpec, eff: Efficiency) -> dict[str, float]:
+def _compute_seconds(
+    c: ModelConfig, seq: int, tokens: int, gpu: GPUSpec, eff: Efficiency, lora: LoraConfig | None = None
+) -> dict[str, float]:
     """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention (the half of
     the matrix a causal kernel computes), each phase at its own efficiency, and the token-local matmuls a
-    recompute runs again (`qkv` before attention, `mlp` after it)."""
+    recompute runs again (`qkv` before attention, `mlp` after it). With `lora` the frozen projections' backward
+    computes the input gradient alone (1 × forward, not 2 ×), and the adapters' rank-r GEMMs run at the slower
+    of their FLOPs at GEMM speed and their bytes at HBM speed."""
     matmul, attention = layer_forward_flops(c, seq, tokens, causal=True)
-    mm = matmul / (gpu.peak_flops * eff.matmul)
+    gemm = gpu.peak_flops * eff.matmul
+    mm = matmul / gemm
     attn = attention / (gpu.peak_flops * eff.attention_forward)
     attn_bwd = ATTENTION_BACKWARD * attention / (gpu.peak_flops * eff.attention_backward)
-    qkv, mlp = (f / (gpu.peak_flops * eff.matmul) for f in token_local_flops(c, tokens))
-    return {"matmul": mm, "attention": attn, "attention_backward": attn_bwd, "forward": mm + attn, "qkv": qkv, "mlp": mlp}
+    qkv, mlp = (f / gemm for f in token_local_flops(c, tokens))
+    hbm = gpu.hbm_bytes_per_s * eff.hbm
+    low_fwd, low_bwd = (max(f / gemm, b / hbm) for f, b in adapter_work(c, lora, tokens).values())
+    fwd, bwd = mm + low_fwd, (1 if lora else 2) * mm + low_bwd
+    return {
+        "matmul": fwd,
+        "matmul_backward": bwd,
+        "attention": attn,
+        "attention_backward": attn_bwd,
+        "forward": fwd + attn,
+        "backward": bwd + attn_bwd,
+        "qkv": qkv,
+        "mlp": mlp,
+    }
 
 
 def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
@@ -401,8 +469,10 @@ def device_bytes(
     batch: int = 1,
     plan: tuple[list[str], list[float]] | None = None,
     capacity: int | None = None,
+    states: States = States(),
 ) -> dict[str, int]:
-    """Returns the per-GPU device memory of a system's layout (memo: and its plan), by term, and the total.
+    """Returns the per-GPU device memory of a system's layout (memo: and its plan, and what trains where:
+    `states`), by term, and the total.
 
     The activation store's buffers are what `memo train`'s store allocates for the plan (`swap.store_layout`);
     the transient peak and the allocator's overhead (`fragmentation`: an allocator of `memory.ALLOCATORS`, or
@@ -413,11 +483,11 @@ def device_bytes(
     tokens = batch * seq // layout.sp
     store = _store(c, tokens, layout, plan)
     static = {
-        "model_states": _model_states(c, gpus, system, layout),
+        "model_states": _model_states(c, gpus, system, layout, states),
         "skeletal_buffers": store.device_bytes,
         "runtime": runtime_bytes(_communicators(layout, gpus)),
     }
-    traced = _traced(c, tokens, layout, plan)
+    traced = _traced(c, tokens, layout, plan, states)
     if capacity is not None:
         floor = 0 if sum(static.values()) > capacity else transient_floor(c, tokens, traced)
         if sum(static.values()) + floor > capacity:
@@ -458,8 +528,9 @@ def _loss_peak(c: ModelConfig, tokens: int, system: str, layout: Layout) -> int:
     return 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * per_logit
 
 
-def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int:
-    """Returns bytes of weights, gradients and optimizer states per GPU as each system shards them."""
+def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout, states: States) -> int:
+    """Returns bytes of weights, gradients and optimizer states per GPU as each system shards them (FSDP2's:
+    `states.device_bytes`)."""
     params = c.num_parameters()
     if system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
         return int(params * (2 + 4) / layout.tp + params * 12 / gpus)
@@ -468,36 +539,50 @@ def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout) -> int
         # the current layer gathered plus the prefetch bucket, and the persistent bf16 reduce bucket
         gathered = 2 * (layer + ZERO3_PREFETCH_PARAMETERS) + ZERO3_REDUCE_BUCKET_BYTES
         return int(params * (2 + 2 + 12) / gpus + gathered)
-    return int(params * BYTES_PER_PARAM / gpus + 2 * 2 * layer)  # FSDP2: current and prefetched layer
+    return state_device_bytes(c, gpus, states)  # FSDP2
 
 
-def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan):
-    """Returns the step time split into attention, matmul, memory-bound ops, recompute, exposed copy and
-    communication."""
+def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan, states=States()):
+    """Returns the step time split into attention, matmul, memory-bound ops, recompute, exposed copy (the
+    activations' and offloaded model states' host copies that do not hide), communication and the CPU
+    optimizer step of offloaded states."""
     n = c.n_layers
-    t = _compute_seconds(c, seq, tokens, gpu, eff)
-    fwd, bwd = t["forward"], 2 * t["matmul"] + t["attention_backward"]
+    t = _compute_seconds(c, seq, tokens, gpu, eff, states.lora)
+    fwd, bwd = t["forward"], t["backward"]
     costs = {"recompute": 0.0, "exposed_copy": 0.0}
     if layout.recompute == "full":
         costs["recompute"] = n * fwd
     elif layout.recompute == "selective":
         costs["recompute"] = n * t["attention"]
     elif layout.recompute in OFFLOADS and plan:
-        problem = _plan_problem(c, seq, tokens, gpu, eff, 0, 0, layout.tile)
+        problem = _plan_problem(c, seq, tokens, gpu, eff, 0, 0, layout.tile, states, gpus)
         costs = plan_costs(dataclasses.replace(problem, offload_last_layers=layout.recompute == "offload"), *plan)
     checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
     plain, rerun = (_layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))
-    head = 3 * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
-    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(c, tokens, layout, plan))
+    head = (2 if states.lora else 3) * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
+    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(c, tokens, layout, plan, states))
+    node_gpus = min(gpus, gpu.gpus_per_node)
     return {
         "attention": n * (t["attention"] + t["attention_backward"]),
-        "matmul": n * 3 * t["matmul"] + head,
+        "matmul": n * (t["matmul"] + t["matmul_backward"]) + head,
         # what the trace's memory-bound ops write is read once more: twice those bytes at HBM speed
         "memory_bound": 2 * (n * per_layer_bytes + outside) / (gpu.hbm_bytes_per_s * eff.hbm),
         "recompute": costs["recompute"],
-        "exposed_copy": costs["exposed_copy"],
+        "exposed_copy": costs["exposed_copy"] + _state_copy_seconds(c, gpus, gpu, eff, fwd, bwd, states),
         "communication": (n - checkpointed) * plain + checkpointed * rerun,
+        "optimizer": optimizer_seconds(c, gpus, node_gpus, states),
     }
+
+
+def _state_copy_seconds(c, gpus, gpu: GPUSpec, eff: Efficiency, fwd: float, bwd: float, states: States) -> float:
+    """Returns the seconds of offloaded model states' host copies that do not hide: what a layer's weight copies
+    take of the host link beyond its forward and its backward (FSDP2 prefetches the next layer's during the
+    current one's compute; the activations' copies get what is left, `_plan_problem`), and the root unit's
+    copies before the first layer and after the last."""
+    bandwidth = _host_bandwidth(gpu, eff)
+    forward, backward = (b / bandwidth for b in layer_traffic(c, gpus, states))
+    per_layer = max(0.0, forward - fwd) + max(0.0, backward - bwd)
+    return c.n_layers * per_layer + root_traffic(c, gpus, states) / bandwidth
 
 
 def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
@@ -549,6 +634,7 @@ def max_seq(
     fragmentation: bool = True,
     host_memory: int | None = None,
     arena: bool = False,
+    states: States = States(),
 ) -> Longest:
     """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
     0 if none does, with what stops the next length."""
@@ -558,7 +644,7 @@ def max_seq(
     def fits(seq: int) -> bool:
         e = estimate(
             c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation, host_memory=host_memory,
-            arena=arena,
+            arena=arena, states=states,
         )
         why[seq] = e.why
         return e.fits
@@ -577,16 +663,17 @@ def max_seq(
 
 def max_seq_range(
     c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None, host_memory=None,
-    arena: bool = False,
+    arena: bool = False, states: States = States(),
 ) -> dict:
     """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
     and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
     caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
     "mid"."""
-    mid = max_seq(c, gpus, gpu, system, sp, eff, host_memory=host_memory, arena=arena)
+    every = dict(host_memory=host_memory, states=states)
+    mid = max_seq(c, gpus, gpu, system, sp, eff, arena=arena, **every)
     return {
-        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", host_memory=host_memory, arena=arena).tokens,
+        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", arena=arena, **every).tokens,
         "mid": mid.tokens,
-        "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, host_memory=host_memory).tokens,
+        "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, **every).tokens,
         "why_not": mid.why_not,
     }

@@ -1,5 +1,7 @@
 """FLOP counts (docs/method.md §7): forward + backward = 3 × forward, recomputation is not model FLOPs (it is
-counted apart, for HFU). Two conventions for attention, each named wherever a utilisation is shown:
+counted apart, for HFU). LoRA's model FLOPs are those of the work it needs: a frozen linear (base projections
+and head) computes its input's gradient but no weight gradient, 2 × forward; adapters train, 3 × forward;
+attention is unchanged. Two conventions for attention, each named wherever a utilisation is shown:
 
 - causal (the default, memo's MFU): a causal kernel computes half of the s×s score matrix, so half is counted;
 - full: the whole s×s matrix, as `torch.utils.flop_counter` (and some papers) count it; at long lengths, where
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
+from ..lora import LoraConfig, module_shapes
 from ..policy import PlanProblem, plan_costs, split_row
 
 
@@ -21,6 +24,10 @@ def linear_params_per_layer(c: ModelConfig) -> int:
     return h * q + 2 * h * kv + q * h + mlp
 
 
+LORA_FLOPS = (
+    "model FLOPs of the work LoRA does: frozen linears and head forward + input gradient (2 x forward, no weight "
+    "gradient), adapters 3 x forward, attention as in full fine-tuning"
+)
 MFU_CAUSAL = "model FLOPs, causal attention counted as the half of the s x s matrix the kernel computes"
 MFU_FULL = "model FLOPs, the full s x s attention matrix counted (as torch's FlopCounterMode does)"
 HFU = "hardware FLOPs: model FLOPs (causal) plus the recomputation the strategy runs"
@@ -35,11 +42,34 @@ def layer_forward_flops(
     return 2.0 * linear_params_per_layer(c) * tokens, attention / 2 if causal else attention
 
 
-def model_flops_per_token(c: ModelConfig, seq: int, causal: bool = True) -> float:
+def model_flops_per_token(c: ModelConfig, seq: int, causal: bool = True, lora: LoraConfig | None = None) -> float:
     """Returns training FLOPs per token: for a GPT with FFN 4h, 72·n·h² + 12·n·h·s + 6·V·h with the full matrix
-    (`causal=False`), 72·n·h² + 6·n·h·s + 6·V·h with causal attention."""
+    (`causal=False`), 72·n·h² + 6·n·h·s + 6·V·h with causal attention. With `lora`, the frozen linears and head
+    count 2 × forward (no weight gradient), the adapters 3 × forward."""
     matmul, attention = layer_forward_flops(c, seq, 1, causal)
-    return 3.0 * (c.n_layers * (matmul + attention) + 2.0 * c.vocab_size * c.hidden_size)
+    head = 2.0 * c.vocab_size * c.hidden_size
+    if lora is None:
+        return 3.0 * (c.n_layers * (matmul + attention) + head)
+    adapters = adapter_work(c, lora, 1)["forward"][0]
+    return c.n_layers * (2.0 * matmul + 3.0 * attention + 3.0 * adapters) + 2.0 * head
+
+
+def adapter_work(c: ModelConfig, lora: LoraConfig | None, tokens: int) -> dict[str, tuple[float, float]]:
+    """Returns the (FLOPs, bytes) of one layer's adapters for `tokens` tokens in the forward and in the backward,
+    as `lora.low_rank_add` and `low_rank_backward` run them per target: forward x·Aᵀ then ·Bᵀ added into the
+    output, 2·r·(in + out) FLOPs reading x and reading and writing the output rows; backward dy·B, x·Aᵀ again,
+    the two weight gradients and the input's, 2·r·(3·in + 2·out) FLOPs reading dy and x twice each and writing
+    the input rows (bf16 rows of `in` and `out` features). At rank 16 the bytes, not the FLOPs, set the speed."""
+    if lora is None:
+        return {"forward": (0.0, 0.0), "backward": (0.0, 0.0)}
+    shapes = module_shapes(c)
+    ins = sum(shapes[m][0] for m in lora.modules(c))
+    outs = sum(shapes[m][1] for m in lora.modules(c))
+    flops = 2.0 * lora.rank * tokens
+    return {
+        "forward": (flops * (ins + outs), 2.0 * tokens * (ins + 2 * outs)),
+        "backward": (flops * (3 * ins + 2 * outs), 2.0 * tokens * (3 * ins + 2 * outs)),
+    }
 
 
 def token_local_flops(c: ModelConfig, tokens: int) -> tuple[float, float]:

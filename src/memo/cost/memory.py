@@ -17,6 +17,7 @@ from ..attention import heads_per_call
 from ..config import ModelConfig
 from ..device import meta_kernels
 from ..layer import DecoderLayer, SkeletalSpec, bytes_by_role
+from ..lora import LoraConfig, apply_lora
 from ..model import Transformer
 from ..parallel.ulysses import Ulysses
 from ..plan.caching_sim import replay
@@ -25,9 +26,8 @@ from ..plan.problem import Problem, max_load, peak
 from ..plan.trace import SCRATCH, trace_iteration, windows
 from ..policy import ActivationPolicy
 from ..swap import StoreLayout, store_layout
+from .states import States, trained
 
-# bf16 weights + fp32 gradient + fp32 Adam master weights, m and v (mixed-precision training)
-BYTES_PER_PARAM = 2 + 4 + 12
 TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
 TRACE_TOKENS = 1 << 18  # longest step traced (a trace's cost grows with the length); past it, extrapolated
 TRACE_TILES = 16  # tiles of the longest tiled step traced, unless its phases are not linear there yet
@@ -37,23 +37,25 @@ TRACE_TILES = 16  # tiles of the longest tiled step traced, unless its phases ar
 class Traced:
     """The step a memory term is traced from: a strategy, for `memo` the modes of the traced layers (a
     checkpointed layer first when the plan has one), the tile length (None: the whole sequence, as the
-    baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), and the
-    query heads per attention call (None: the default at each traced length). `of` fixes the heads a run makes
-    at its length, so that the traces around it make the same calls and each phase stays linear in tokens."""
+    baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), the
+    query heads per attention call (None: the default at each traced length), and LoRA's adapters (frozen base
+    weights: no weight gradient computed). `of` fixes the heads a run makes at its length, so that the traces
+    around it make the same calls and each phase stays linear in tokens."""
 
     strategy: str = "memo"
     checkpoint: bool = False
     tile: int | None = None
     sp: int = 1
     heads: int | None = None
+    lora: LoraConfig | None = None
 
     @classmethod
     def of(
-        cls, c: ModelConfig, tokens: int, strategy: str, checkpoint=False, tile=None, sp=1, kernels="cuda"
+        cls, c: ModelConfig, tokens: int, strategy: str, checkpoint=False, tile=None, sp=1, kernels="cuda", lora=None
     ) -> "Traced":
         """Returns the step of a run of `tokens` tokens per GPU: its attention calls as they are at that length."""
         heads = heads_per_call(c.n_heads // sp, tokens * sp, tile or tokens, torch.device(kernels))
-        return cls(strategy, checkpoint, tile, sp, heads)
+        return cls(strategy, checkpoint, tile, sp, heads, lora)
 
     def policy(self, layers: int) -> ActivationPolicy:
         every = dict(tile_tokens=self.tile or 1 << 62, attention_heads=self.heads)
@@ -212,6 +214,8 @@ def _traced_step(
     small = dataclasses.replace(c, n_layers=layers)
     with torch.device("meta"):
         model = Transformer(small, traced.policy(layers), loss_chunk_tokens=loss_chunk_tokens).to(dtype)
+    if traced.lora is not None:
+        apply_lora(model, traced.lora)
     if traced.sp > 1:
         for layer in model.layers:
             layer.seq_parallel = Ulysses.traced(traced.sp, c.n_heads, c.n_kv_heads)
@@ -254,16 +258,23 @@ def _phase_peaks(step, spans: dict) -> dict:
 
 
 def training_lower_bound(
-    c: ModelConfig, tokens: int, policy: ActivationPolicy, dtype: torch.dtype, shards: int = 1
+    c: ModelConfig,
+    tokens: int,
+    policy: ActivationPolicy,
+    dtype: torch.dtype,
+    shards: int = 1,
+    lora: LoraConfig | None = None,
 ) -> dict[str, int]:
     """Returns bytes a training run needs at least, without tracing: model states (weights, gradients, AdamW
     m and v, fp32 masters of 16-bit weights; sharded over `shards` ranks), the store's device buffers for
     `tokens` tokens (all micro-batch rows) and its host pool, for the policy's plan and α (the least a solved
-    plan can take where they are to be solved: `ActivationPolicy.least_host_plan`). Transients and the loss are
-    left out."""
+    plan can take where they are to be solved: `ActivationPolicy.least_host_plan`). With `lora` (a LoraConfig)
+    only the adapters have gradients and AdamW state; the frozen base is its weights alone. Transients and the
+    loss are left out."""
     size = torch.empty((), dtype=dtype).element_size()
     masters = 4 if dtype != torch.float32 else 0
-    states = c.num_parameters() * (2 * size + 8 + masters) // shards
+    train, frozen = trained(c, States(lora))
+    states = (train * (2 * size + 8 + masters) + frozen * size) // shards
     modes, alphas = policy.least_host_plan(c.n_layers)
     layout = store_bytes(c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype)
     return {"states": states, "activations": layout.device_bytes, "host_pool": layout.host_total}

@@ -10,6 +10,7 @@ from ..policy import ActivationPolicy
 from .estimate import Layout, estimate
 from .hardware import GPUSpec
 from .memory import Traced, store_bytes, training_lower_bound, transient_peak
+from .states import States, device_bytes, host_bytes, trained
 
 OFF_BY = 0.15  # a measured peak further than this from its prediction is a warning
 
@@ -25,33 +26,40 @@ def predict_run(
     loss_chunk_tokens: int,
     kernels: str,
     spec: GPUSpec | None = None,
+    states: States = States(),
 ) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
     the step's transient peak traced at the run's dtype, kernels, tiles and modes, with the gradients a
     one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and, on a known
-    GPU, the step time and MFU with their ranges."""
+    GPU, the step time and MFU with their ranges. `states`: what trains (LoRA) and whether the model states
+    live in host memory (`--offload-states`: on the device only what FSDP gathers, `states.device_bytes`)."""
     tokens = micro_batch * seq // sp
     n = c.n_layers
-    states = training_lower_bound(c, tokens, policy, dtype, shards=world)["states"]
+    model_states = training_lower_bound(c, tokens, policy, dtype, shards=world, lora=states.lora)["states"]
     modes, alphas = policy.least_host_plan(n)  # the device buffers are the same for every solved plan
     tile = policy.tile_for(tokens)
     store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
-    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, tile if tile < tokens else None, sp, kernels)
+    cut = tile if tile < tokens else None
+    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, states.lora)
     transient = transient_peak(c, tokens, traced, loss_chunk_tokens, dtype=dtype, kernels=kernels)
-    if world == 1:  # `memo train` drops the gradients after every update: each step makes them anew
-        grads = c.num_parameters() * torch.empty((), dtype=dtype).element_size()
-        states, transient = states - grads, transient + grads
+    if states.offload:
+        model_states = device_bytes(c, world, states)
+    elif world == 1:  # `memo train` drops the gradients after every update: each step makes them anew
+        grads = trained(c, states)[0] * torch.empty((), dtype=dtype).element_size()
+        model_states, transient = model_states - grads, transient + grads
     predicted = {
-        "device_peak_bytes": states + store.device_bytes + transient,
-        "model_state_bytes": states,
+        "device_peak_bytes": model_states + store.device_bytes + transient,
+        "model_state_bytes": model_states,
         "skeletal_buffer_bytes": store.device_bytes,
         "step_transient_bytes": transient,
     }
     if policy.strategy == "memo" and policy.layer_modes(n) and policy.layer_alphas(n):
         predicted["host_pool_bytes"] = store.host_total
+    if states.offload:
+        predicted["host_state_bytes"] = host_bytes(c, world, states)
     if spec is not None:
         layout = Layout(ulysses=sp, recompute=policy.strategy, tile=tile if tile < tokens else None)
-        e = estimate(c, seq, world, spec, "memo", layout=layout, micro_batch=micro_batch)
+        e = estimate(c, seq, world, spec, "memo", layout=layout, micro_batch=micro_batch, states=states)
         predicted.update(
             gpu=spec.name,
             step_seconds=e.step_seconds,

@@ -10,6 +10,7 @@ from ..units import format_count
 from .efficiency import Band
 from .estimate import SYSTEMS, Estimate, estimate
 from .hardware import GPUSpec
+from .states import States
 
 
 def default_lengths(start: int = 32 * 1024, stop: int = 4 << 20) -> list[int]:
@@ -29,9 +30,11 @@ def sweep(
     sp: int | None = None,
     eff: Band | None = None,
     host_memory: int | None = None,
+    states: States = States(),
 ) -> dict[str, list[Estimate]]:
     """Returns each system's estimate at each length."""
-    return {s: [estimate(c, n, gpus, gpu, s, sp, eff, host_memory=host_memory) for n in lengths] for s in systems}
+    every = dict(host_memory=host_memory, states=states)
+    return {s: [estimate(c, n, gpus, gpu, s, sp, eff, **every) for n in lengths] for s in systems}
 
 
 def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str) -> None:

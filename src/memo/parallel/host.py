@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .. import device as dev
+from ..cost.states import HOST_BYTES_PER_PARAM
 from ..swap import store_layout
 from ..units import format_bytes
 
@@ -33,14 +34,43 @@ def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) ->
     return store_layout(specs, modes, alphas, policy.tile_for(seq), policy.offload_last_layers).host_total
 
 
-def check_host_budget(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, budget: int) -> None:
+def state_bytes(model: nn.Module, ranks: int, dtype: torch.dtype) -> int:
+    """Returns the host bytes one rank's shard of the model states takes when FSDP offloads them (`--offload-states`):
+    a trainable parameter's fp32 value, gradient and two AdamW moments, 16 bytes; a frozen one's value alone in
+    the training `dtype` (LoRA's base: no gradient, no moments). Shards are dim-0 slices padded to equal rows,
+    as FSDP allocates them; `model` may be on `meta`."""
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        numel = -(-rows // ranks) * (p.numel() // rows if rows else 0)
+        total += numel * (HOST_BYTES_PER_PARAM if p.requires_grad else dtype.itemsize)
+    return total
+
+
+def check_host_budget(
+    model: nn.Module, batch: int, seq: int, dtype: torch.dtype, budget: int, states: int = 0
+) -> None:
     """Raises ValueError, before any training, when this node's ranks cannot hold their offload in `budget`
-    bytes each (host_budget_per_rank); `batch`, `seq` are one rank's local batch and sequence shard."""
-    need = offload_bytes(model, batch, seq, dtype)
-    if need > budget:
-        ranks = local_ranks()
+    bytes each (host_budget_per_rank); `batch`, `seq` are one rank's local batch and sequence shard, `states`
+    the bytes of its offloaded model states (`state_bytes`; 0 when they stay on the device)."""
+    check_host_fits(states, offload_bytes(model, batch, seq, dtype), budget)
+
+
+def check_host_fits(states: int, pool: int, budget: int) -> None:
+    """Raises ValueError (one line) when one rank's offloaded model states and activation pool do not fit
+    together in its `budget` bytes of the host."""
+    if states + pool <= budget:
+        return
+    ranks = local_ranks()
+    if not states:
         raise ValueError(
-            f"host memory cannot hold the offload: {ranks} local rank(s) x {format_bytes(need)} each, but each "
+            f"host memory cannot hold the offload: {ranks} local rank(s) x {format_bytes(pool)} each, but each "
             f"rank's share of the node budget is {format_bytes(budget)}; lower `--alpha`, raise `--sp`, shorten "
             "the sequence or keep more layers on the device"
         )
+    raise ValueError(
+        f"host memory cannot hold the offloaded model states beside the activation pool: states "
+        f"{format_bytes(states)} + activation pool {format_bytes(pool)} > host budget {format_bytes(budget)} per "
+        f"rank ({ranks} local rank(s)); raise `--host-budget`, train on more nodes, lower `--alpha` or leave "
+        "out `--offload-states`"
+    )

@@ -17,20 +17,41 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..loss import shift_labels
 
 
-def init_mesh(sp: int = 1, timeout: timedelta | None = None) -> DeviceMesh:
+def init_mesh(sp: int = 1, timeout: timedelta | None = None, offload: bool = False) -> DeviceMesh:
     """Returns the ("dp", "sp") mesh of all ranks, dp = world / sp, starting the process group from the
     torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if it is not started: nccl with one
     GPU per local rank (LOCAL_RANK) when CUDA is available, gloo on CPU otherwise; `timeout` bounds every
-    collective (a rank that never arrives)."""
+    collective (a rank that never arrives). `offload` (states in host memory) adds gloo beside nccl."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group(_backend("cuda" if cuda else "cpu", offload), timeout=timeout)
     world = dist.get_world_size()
     if not isinstance(sp, int) or sp < 1 or world % sp:
         raise ValueError(f"`--sp` must be a positive divisor of the world size ({world} ranks), got {sp}")
     return init_device_mesh("cuda" if cuda else "cpu", (world // sp, sp), mesh_dim_names=("dp", "sp"))
+
+
+def init_local_mesh(device: torch.device) -> DeviceMesh:
+    """Returns the ("dp", "sp") mesh of this process alone on `device`, starting a one-rank process group on an
+    in-process store (no port, no file) if none is started: FSDP offloads states only on a mesh, even one with
+    nothing to shard."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"`--offload-states` runs on a CPU or a CUDA device, not {device}")
+    if device.index is not None and device.type == "cuda":  # FSDP gathers onto the current device
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(device.type, offload=True), store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "sp"))
+
+
+def _backend(device_type: str, offload: bool) -> str:
+    """Returns the process group's backend: gloo on CPU, nccl on CUDA, and there with `offload` gloo for host
+    tensors too (the norm of offloaded gradients, CPU DTensors of a CUDA mesh, reduces over it)."""
+    if device_type == "cpu":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload else "nccl"
 
 
 def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -44,7 +44,9 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..files import atomic_output, fsync
+from ..adapter import save_adapter
 from ..hf import config_token_ids, save_hf
+from ..lora import LoraConfig, merge_adapters
 from .config import TrainConfig, model_config
 
 PREFIX = "step-"
@@ -350,11 +352,13 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(f, CHECKSUM).hexdigest()
 
 
-def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Path:
+def export(run_dir: Path, out: Path | None = None, hf: Path | None = None, adapter: Path | None = None) -> Path:
     """Writes the weights of the newest checkpoint of `run_dir` (fp32 masters replace bf16 weights) and returns
     where: as whole tensors with memo's names in one safetensors file (default `RUN_DIR/export/model.safetensors`),
     or, given `hf`, as a Hugging Face checkpoint folder there (`memo.hf.save_hf`) with the run's model config,
-    trained length and tokenizer. Either is written atomically."""
+    trained length and tokenizer; a LoRA run's adapters are merged into its weights for either. Given `adapter`,
+    a LoRA run's adapters alone as a PEFT adapter folder (`memo.adapter.save_adapter`). Each is written
+    atomically."""
     if not list_checkpoints(run_dir):
         raise ValueError(f"run {run_dir} has no checkpoint to export yet (looked in {checkpoint_dir(run_dir)})")
     saved = load_latest(run_dir)
@@ -362,6 +366,13 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
     masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}
     weights = {name: masters.get(name, t) for name, t in weights.items()}
     config = saved.state.get("config", {})
+    lora = saved_lora(saved.state, run_dir)
+    if adapter is not None:
+        if lora is None:
+            raise ValueError(f"run {run_dir} trained every weight (no `--lora-rank`): it has no adapter; use `--hf`")
+        return save_adapter(saved_model_config(saved.state, run_dir), weights, lora, Path(adapter), base_of(config))
+    if lora is not None:
+        weights = merge_adapters(weights, lora.scaling)
     if hf is not None:  # a run from a Hugging Face folder keeps its token ids unless its tokenizer names others
         model = saved_model_config(saved.state, run_dir)
         source = config_token_ids(config.get("model", ""))
@@ -374,6 +385,17 @@ def export(run_dir: Path, out: Path | None = None, hf: Path | None = None) -> Pa
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
         _chmod_as_new(tmp)
     return Path(out)
+
+
+def saved_lora(state: dict, run_dir: Path) -> LoraConfig | None:
+    """Returns the adapters a checkpoint trained (None: every weight trained)."""
+    return TrainConfig.from_dict(state.get("config", {}), origin=f"{run_dir} state.json").lora()
+
+
+def base_of(config: dict) -> str | None:
+    """Returns the checkpoint folder a run started from, as an absolute path (None for a preset or config file)."""
+    model = Path(config.get("model", ""))
+    return str(model.resolve()) if config.get("model") and model.is_dir() else None
 
 
 def saved_model_config(state: dict, run_dir: Path) -> ModelConfig:

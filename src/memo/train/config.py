@@ -17,6 +17,7 @@ import yaml
 
 from ..config import PRESETS, ModelConfig, RopeScaling
 from ..files import read_json_object
+from ..lora import ALL_TARGETS, LoraConfig, targets_value
 from ..policy import STRATEGIES, ActivationPolicy
 from ..units import parse_size
 
@@ -56,6 +57,17 @@ class TrainConfig:
     )
     arena: bool = _f(
         False, "serve each step's allocations from one arena planned from a recorded step (§5; one CPU process)"
+    )
+    offload_states: bool = _f(
+        False,
+        "keep parameters, gradients and AdamW state in pinned host memory and step the optimizer on the CPU "
+        "(FSDP2's CPU offload, one rank or many); the device holds a layer's weights only while it runs",
+    )
+    # LoRA: a frozen base and trainable low-rank adapters (memo.lora)
+    lora_rank: int = _f(0, "LoRA rank r of the adapters (0: full fine-tuning, every parameter trains)")
+    lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha)")
+    lora_targets: tuple[str, ...] = _f(
+        ALL_TARGETS, f"projections that get adapters, some of {','.join(ALL_TARGETS)} (default: all of them)"
     )
     # context extension, applied on top of --model (its own RoPE is kept unless these are given)
     rope_theta: float | None = _f(
@@ -157,11 +169,14 @@ class TrainConfig:
             raise ValueError(f"`--seq-len` {self.seq_len} is not a multiple of `--sp` {self.sp}")
         if self.arena and self.sp > 1:
             raise ValueError("`--arena` does not support sequence parallelism: use `--sp 1` or leave out `--arena`")
+        if self.arena and self.offload_states:
+            raise ValueError("`--arena` plans one process's own allocations, not FSDP's: leave out `--offload-states`")
         if self.host_budget is not None:
             parse_size(self.host_budget)
         self._check_eval_source()
         self._check_rope()
         self.policy()
+        self.lora()
 
     def _check_rope(self) -> None:
         if self.rope_theta is not None and not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
@@ -222,6 +237,12 @@ class TrainConfig:
             plan=plan if memo else None,
             tile_tokens=self.tile_tokens,
         )
+
+    def lora(self) -> LoraConfig | None:
+        """Returns the adapters to train (None: full fine-tuning)."""
+        if self.lora_rank < 0:
+            raise ValueError(f"`--lora-rank` must not be negative, got {self.lora_rank}")
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets) if self.lora_rank else None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -322,6 +343,8 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
         return alpha_value(value) if isinstance(value, str) else _alpha_list(value, origin)
     if name == "plan" and isinstance(value, (list, tuple, str)):  # a list, or "checkpoint,memo,..."
         return plan_value(value) if isinstance(value, str) else tuple(str(v) for v in value)
+    if name == "lora_targets" and isinstance(value, (list, tuple, str)):  # a list, or "q,v"
+        return targets_value(value) if isinstance(value, str) else tuple(str(v) for v in value)
     if value is None:
         if default is not None:  # a null in a config file where the field needs a value
             raise ValueError(f"{origin}: `{name}` needs a value, got null (leave it out for {default!r})")

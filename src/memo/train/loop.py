@@ -35,7 +35,9 @@ from ..cost.flops import model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
 from ..cost.predict import compare, host_pool_bytes, predict_run
+from ..cost.states import States
 from ..files import write_text
+from ..lora import apply_lora
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..parallel import faults
@@ -73,6 +75,9 @@ def build_model(cfg: TrainConfig, policy: ActivationPolicy, device: torch.device
             raise ValueError(str(err)) from None
     else:
         model = Transformer(config, policy)
+    lora = cfg.lora()
+    if lora is not None:
+        apply_lora(model, lora)
     return model.to(device=device, dtype=dtype)
 
 
@@ -83,7 +88,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         world = world_size()
         cfg.check_world(world)
-        self.mesh: DeviceMesh | None = parallel.init_mesh(cfg.sp) if world > 1 else None
+        self.mesh: DeviceMesh | None = _mesh(cfg, world)
         self.watch = faults.FaultWatch(faults.connect() if self.mesh else None).start()  # another rank's failure
         self.rank = dist.get_rank() if self.mesh else 0
         if self.mesh:
@@ -100,8 +105,8 @@ class Trainer:
             self.discard()
             raise
         # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL)
-        self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len)
-        self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, causal=False)
+        self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, lora=cfg.lora())
+        self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, False, cfg.lora())
         self.peak_flops = _peak_flops(self.device)
         self.prediction = self._predict() if self.rank == 0 and self.step < cfg.steps else None  # a run to go
         self.steady: list[dict] = []  # the records of this run's steps after its first (warm-up, sizing)
@@ -141,7 +146,7 @@ class Trainer:
 
     def _device(self) -> torch.device:
         """Returns `--device`, or under torchrun this rank's GPU (cuda:LOCAL_RANK) or the CPU, as the mesh is."""
-        if not self.mesh:
+        if world_size() == 1:  # a one-rank mesh (`--offload-states`) is on `--device` too
             return dev.check_device(self.cfg.device)
         kind = self.mesh.device_type
         if dev.check_device(self.cfg.device).type != kind:
@@ -152,16 +157,22 @@ class Trainer:
         return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device(kind)
 
     def _build_model(self, alphas: list[float] | None, modes: list[str] | None) -> Transformer:
-        """Returns the model; under torchrun sharded over the mesh, float32 with FSDP's bf16 mixed precision
-        (its fp32 parameters are the masters), after checking that the node's host memory holds the offload."""
+        """Returns the model; on a mesh (torchrun, or `--offload-states`) sharded over it, float32 with FSDP's bf16
+        mixed precision (its fp32 parameters are the masters; frozen ones are kept in the training dtype), after
+        checking that the node's host memory holds the offload: the activation pool and any offloaded states."""
         cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
         if not self.mesh:
             return build_model(cfg, cfg.policy(alphas, modes=modes), self.device, dtype)
-        budget = parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
-        model = build_model(cfg, cfg.policy(alphas, budget, modes), self.device, torch.float32)
+        budget = _host_budget(cfg)
+        states = parallel.state_bytes(_shapes(cfg), self.mesh.size(), dtype) if cfg.offload_states else 0
+        # offloaded: built on the host, where FSDP keeps the shards (never the whole fp32 model on the device)
+        where = torch.device("cpu") if cfg.offload_states else self.device
+        model = build_model(cfg, cfg.policy(alphas, budget - states, modes), where, torch.float32)
+        _frozen_in(model, dtype)
         dp = self.mesh["dp"].size()
-        parallel.check_host_budget(model, cfg.batch_size // cfg.grad_accum // dp, cfg.seq_len // cfg.sp, dtype, budget)
-        return parallel.parallelize(model, self.mesh, mixed_precision=cfg.dtype == "bfloat16")
+        local = cfg.batch_size // cfg.grad_accum // dp
+        parallel.check_host_budget(model, local, cfg.seq_len // cfg.sp, dtype, budget, states)
+        return parallel.parallelize(model, self.mesh, cfg.dtype == "bfloat16", cfg.offload_states)
 
     def _planned_allocator(self) -> PlannedAllocator:
         """Returns the planned allocator `--arena` trains with (one process, on the CPU or one GPU)."""
@@ -315,6 +326,7 @@ class Trainer:
             model.loss_chunk_tokens,
             self.device.type,
             spec,
+            States(cfg.lora(), cfg.offload_states),
         )
         self._write({"step": self.step, "predicted": predicted})
         return predicted
@@ -508,11 +520,14 @@ def sequences_per_rank(cfg: TrainConfig, world: int) -> int:
 def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None) -> None:
     """Raises ValueError when the run cannot fit: a lower bound of the memory one rank needs (model states,
     the strategy's skeletal activations, memo's host pool; no tracing) against what `device` has free, and the
-    host pool against the host budget. Seconds at any length, before any folder, model or progress bar."""
-    config = model_config(cfg)
+    host pool (with `--offload-states` beside the states) against the host budget. Seconds at any length,
+    before any folder, model or progress bar."""
+    config, dtype = model_config(cfg), DTYPES[cfg.dtype]
     world = mesh.size() if mesh else 1
     tokens = sequences_per_rank(cfg, world) * (cfg.seq_len // cfg.sp)
-    need = training_lower_bound(config, tokens, cfg.policy(), DTYPES[cfg.dtype], shards=world)
+    need = training_lower_bound(config, tokens, cfg.policy(), dtype, shards=world, lora=cfg.lora())
+    if cfg.offload_states:
+        need["states"] = _offloaded_states(cfg, device, world, need["host_pool"])
     free = dev.free_memory_bytes(device)
     on_device = need["states"] + need["activations"] + (need["host_pool"] if device.type == "cpu" else 0)
     ranks = parallel.local_ranks() if mesh and device.type == "cpu" else 1  # ranks on one host share its memory
@@ -531,6 +546,46 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
                 f"{what}: memo's host pool needs at least {format_bytes(need['host_pool'])}, the host budget is "
                 f"{format_bytes(budget)}; lower `--alpha` or `--seq-len`, or raise `--host-budget`"
             )
+
+
+def _offloaded_states(cfg: TrainConfig, device: torch.device, world: int, host_pool: int) -> int:
+    """Returns the bytes of model states an `--offload-states` rank holds on `device` (the weights FSDP gathers;
+    on a CPU, whose memory is the host's, the offloaded states too), after refusing states that do not fit in
+    its host budget beside the activation pool `host_pool`."""
+    model, dtype = _shapes(cfg), DTYPES[cfg.dtype]
+    host = parallel.state_bytes(model, world, dtype)
+    parallel.check_host_fits(host, host_pool, _host_budget(cfg))
+    return parallel.gathered_bytes(model, dtype) + (host if device.type == "cpu" else 0)
+
+
+def _host_budget(cfg: TrainConfig) -> int:
+    """Returns this rank's share of the node's host budget (`--host-budget`, default 80% of what is available)."""
+    return parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
+
+
+def _shapes(cfg: TrainConfig) -> Transformer:
+    """Returns the run's model on `meta` (nothing allocated, adapters included): the shapes its states take."""
+    with torch.device("meta"):
+        model = Transformer(model_config(cfg))
+    lora = cfg.lora()
+    return apply_lora(model, lora) if lora is not None else model
+
+
+def _frozen_in(model: Transformer, dtype: torch.dtype) -> None:
+    """Stores the frozen parameters (LoRA's base) in the training `dtype`: nothing updates them, so an fp32 copy
+    would only double what FSDP keeps and gathers."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
+
+
+def _mesh(cfg: TrainConfig, world: int) -> DeviceMesh | None:
+    """Returns the mesh of torchrun's ranks, or with `--offload-states` of this process alone (FSDP offloads only
+    on a mesh); None for one process keeping its states on its device."""
+    if world > 1:
+        return parallel.init_mesh(cfg.sp, offload=cfg.offload_states)
+    return parallel.init_local_mesh(dev.check_device(cfg.device)) if cfg.offload_states else None
 
 
 def _record_launch(cfg: TrainConfig) -> TrainConfig:

@@ -1,4 +1,5 @@
-"""AdamW over fp32 master weights, and the learning-rate schedule (linear warm-up, then cosine/linear/constant).
+"""AdamW over fp32 master weights of the trainable parameters (all, or LoRA's adapters), and the learning-rate
+schedule (linear warm-up, then cosine/linear/constant).
 
 The layers run hand-written kernels in their parameters' dtype, so `torch.autocast` cannot lower their
 precision; bf16 training instead keeps bf16 compute weights and an fp32 master copy that AdamW updates.
@@ -37,8 +38,9 @@ class MasterAdamW:
         cfg: TrainConfig,
         clip_grad_norm: Callable[[float], torch.Tensor] | None = None,
     ):
-        self.names = [n for n, _ in model.named_parameters()]
-        self.params = [p for _, p in model.named_parameters()]
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen ones have no state
+        self.names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]
         self.separate = any(p.dtype != torch.float32 for p in self.params)
         self.master = [p.detach().float().clone() if self.separate else p for p in self.params]
         decay = [m for m, p in zip(self.master, self.params) if p.dim() >= 2]
@@ -47,6 +49,7 @@ class MasterAdamW:
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": flat, "weight_decay": 0.0}],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
+            fused=True,  # one kernel over all tensors: on host-resident states ~8x the per-tensor loop (cpu_adam.py)
         )
         self.clip_grad_norm = clip_grad_norm or (lambda max_norm: torch.nn.utils.clip_grad_norm_(self.master, max_norm))
 
@@ -113,4 +116,4 @@ class MasterAdamW:
                 state = dict(by_param.get(name, {}))
                 state.pop("master", None)
                 if state:
-                    self.adamw.state[m] = {k: v.to(m.device) if k != "step" else v for k, v in state.items()}
+                    self.adamw.state[m] = {k: v.to(m.device) for k, v in state.items()}  # fused: step there too
