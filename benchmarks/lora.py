@@ -76,7 +76,7 @@ def measure(config: ModelConfig, seq: int, rank: int, alpha: float, steps: int) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", default="2048,4096", help="tokens per sequence (default: %(default)s)")
-    p.add_argument("--hidden", type=int, default=512, help="model width (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=1024, help="model width (default: %(default)s)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=0.5, help="memo's offloaded fraction (default: %(default)s)")

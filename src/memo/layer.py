@@ -350,8 +350,8 @@ class DecoderLayer(nn.Module):
         if lin.bias is not None and lin.bias.requires_grad:
             add_to(grads, name + ".bias", _flat(dy).sum(0))
         dx = dy @ lin.weight
-        low_rank = low_rank_backward(_flat(dy), _flat(x), lin, name, grads)
-        return dx if low_rank is None else dx.add_(low_rank.view(dx.shape))
+        low_rank_backward(_flat(dy), _flat(x), lin, name, grads, dx.view(-1, dx.shape[-1]))
+        return dx
 
     def _norm_backward(self, dy, x, stats, prefix: str, grads: dict) -> torch.Tensor:
         """Returns dx of the norm `prefix` from its kept statistics and adds its parameter grads."""

@@ -122,17 +122,18 @@ def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Te
     return out
 
 
-def low_rank_backward(dy: torch.Tensor, x: torch.Tensor, lin: nn.Linear, name: str, grads: dict) -> torch.Tensor | None:
+def low_rank_backward(dy: torch.Tensor, x: torch.Tensor, lin: nn.Linear, name: str, grads: dict, dx: torch.Tensor):
     """Adds the adapters' gradients of y += s·(x·Aᵀ)·Bᵀ for flat rows dy (n, out), x (n, in) to `grads`, and
-    returns their part of dx, s·(dy·B)·A (n, in); None without adapters."""
+    their part of the input gradient, s·(dy·B)·A, to the flat rows `dx` (n, in) in place; nothing without
+    adapters."""
     if not isinstance(lin, LoraLinear):
-        return None
+        return
     s = lin.scaling
     dyb = dy @ lin.lora_B  # (n, rank)
     xa = x @ lin.lora_A.t()  # (n, rank): recomputed, as cheap as keeping it
     add_mm(grads, name + ".lora_A", dyb.t() * s, x)  # (rank, in)
     add_mm(grads, name + ".lora_B", dy.t(), xa * s)  # (out, rank)
-    return (dyb * s) @ lin.lora_A
+    torch.addmm(dx, dyb, lin.lora_A, alpha=s, out=dx)
 
 
 def adapter_names(weights: dict[str, torch.Tensor]) -> list[str]:
