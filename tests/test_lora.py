@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memo import ActivationPolicy, from_hf
 from memo.adapter import peft_name
 from memo.cli import main
-from memo.lora import TARGETS, LoraConfig, apply_lora, module_shapes
+from memo.lora import TARGETS, LoraConfig, apply_lora, keep_mask, module_shapes, set_dropout_keys
 from memo.train import checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -163,6 +163,61 @@ def test_frozen_parameters_of_any_kind_get_no_gradient_and_leave_the_others_unch
         assert grad is None or torch.equal(grad, grads[0][name]), name
 
 
+class _MaskedDropout(torch.nn.Module):
+    """PEFT's dropout slot holding memo's mask for one adapter: what memo's dropout must equal."""
+
+    def __init__(self, key: int, p: float):
+        super().__init__()
+        self.key, self.p = key, p
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], dtype=torch.int32)[None]
+        return x * keep_mask(self.key, pos, x.shape[0], x.shape[-1], self.p) / (1 - self.p)
+
+
+def _drop_alike(model, hf, p=0.25, key=7):
+    """Turns on dropout p in memo's adapters and gives PEFT's the same masks; returns `model`."""
+    for layer in model.layers:
+        for name, _ in TARGETS.values():
+            getattr(layer, name).dropout = p
+    model.dropout_key = key
+    set_dropout_keys(model, key)
+    modules = dict(hf.named_modules())
+    for i, layer in enumerate(model.layers):
+        for name, theirs in TARGETS.values():
+            where = "self_attn" if theirs in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            slot = modules[f"base_model.model.model.layers.{i}.{where}.{theirs}"].lora_dropout
+            slot["default"] = _MaskedDropout(getattr(layer, name).dropout_key, p)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["none", "memo-a0.5-tiled", "plan"])
+def test_lora_dropout_matches_peft_given_the_same_mask(tmp_path, policy):
+    hf = _hf_lora(tmp_path, "llama")
+    model = _drop_alike(_memo_lora(tmp_path, hf, POLICIES[policy]), hf)
+    ids, labels = _batch()
+    hf_loss = hf(input_ids=ids, labels=labels).loss
+    hf_loss.backward()
+    loss = model(ids, labels=labels)
+    loss.backward()
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
+    ours = _trained_grads(model)
+    _assert_close(ours, _peft_grads(hf, ours), f"dropout {policy}")
+    with torch.no_grad():  # evaluation drops nothing
+        plain = _memo_lora(tmp_path, hf, POLICIES["none"])
+        torch.testing.assert_close(model(ids), plain(ids))
+
+
+def test_dropout_masks_keep_one_minus_p_and_do_not_depend_on_the_tiles():
+    pos = torch.arange(1000, 1600, dtype=torch.int32)[None]
+    whole = keep_mask(123, pos, 3, 256, 0.1)
+    assert abs(whole.float().mean().item() - 0.9) < 0.005
+    parts = torch.cat([keep_mask(123, pos[:, i : i + 64], 3, 256, 0.1) for i in range(0, 600, 64)], dim=1)
+    assert torch.equal(parts, whole)
+    assert not torch.equal(whole, keep_mask(124, pos, 3, 256, 0.1))  # another step, another mask
+    assert not torch.equal(whole[0], whole[1])  # each sequence its own
+
+
 def test_some_targets_only_and_a_frozen_embedding_match_peft(tmp_path):
     targets = ("q", "v", "down")
     hf = _hf_lora(tmp_path, "llama", targets)
@@ -208,18 +263,20 @@ def _sp_rank(rank: int, port: int, root: str) -> None:
 
     try:
         mesh = init_mesh(2, timeout=timedelta(seconds=60))
-        hf = _peft_model(root)
-        model = parallelize(_memo_lora(root, hf, POLICIES["memo-a0.5-tiled"]), mesh)
-        ids, labels = _batch()
-        hf_loss = hf(input_ids=ids, labels=labels).loss
-        hf_loss.backward()
-        local_ids, targets = shard_batch(ids, labels, mesh)
-        loss = model(local_ids, targets=targets)
-        loss.backward()
-        torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
-        ours = full_gradients(model)
-        assert len(ours) == 1 + 4 * 7 * 2
-        _assert_close(ours, _peft_grads(hf, ours), f"sp=2 rank {rank}")
+        for dropout in (0.0, 0.25):  # the mask of a token a rank holds is keyed by its global position
+            hf = _peft_model(root)
+            model = _memo_lora(root, hf, POLICIES["memo-a0.5-tiled"])
+            model = parallelize(_drop_alike(model, hf, dropout) if dropout else model, mesh)
+            ids, labels = _batch()
+            hf_loss = hf(input_ids=ids, labels=labels).loss
+            hf_loss.backward()
+            local_ids, targets = shard_batch(ids, labels, mesh)
+            loss = model(local_ids, targets=targets)
+            loss.backward()
+            torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
+            ours = full_gradients(model)
+            assert len(ours) == 1 + 4 * 7 * 2
+            _assert_close(ours, _peft_grads(hf, ours), f"sp=2 rank {rank} dropout {dropout}")
     finally:
         dist.destroy_process_group()
 
@@ -247,7 +304,7 @@ def _hf_folder(path):
 
 def test_lora_run_trains_adapters_only_and_resumes_exactly(tmp_path, capsys):
     base = _hf_folder(tmp_path / "base")
-    args = ["train", "--model", base, *TRAIN, "--save-every", "2"]
+    args = ["train", "--model", base, *TRAIN, "--save-every", "2", "--lora-dropout", "0.1"]
     assert main([*args, "--steps", "4", "--out", str(tmp_path / "whole")]) == 0
     whole = _losses(capsys.readouterr().out)
     assert main([*args, "--steps", "2", "--out", str(tmp_path / "cut")]) == 0

@@ -177,3 +177,17 @@ def test_on_a_gpu_states_live_in_pinned_host_memory_and_train_to_the_losses_of_s
     assert sorted(got) == sorted(want) == [-2, 1, 2]
     for step in want:  # the optimizer steps on the CPU instead of the GPU: float32 rounding apart
         torch.testing.assert_close(got[step], want[step], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("lora", [None, LoraConfig(8)], ids=["full", "lora"])
+def test_the_cost_models_host_states_are_the_bytes_fsdp_keeps(lora):
+    """cost.states counts from the config what parallel.state_bytes counts from the model (even shards)."""
+    from memo.cost.states import States, host_bytes
+
+    config = ModelConfig.preset("llama3.2-1b")
+    with torch.device("meta"):
+        model = Transformer(config)
+    if lora is not None:
+        apply_lora(model, lora)
+    for ranks in (1, 2):
+        assert host_bytes(config, ranks, States(lora, True)) == state_bytes(model, ranks, torch.bfloat16)

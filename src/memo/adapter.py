@@ -33,14 +33,14 @@ def peft_name(name: str) -> str:
 
 
 def adapter_config(lora: LoraConfig, base: str | None) -> dict:
-    """Returns the adapter_config.json of a LoRA run: PEFT's LoraConfig fields for plain LoRA, no dropout."""
+    """Returns the adapter_config.json of a LoRA run: PEFT's LoraConfig fields for plain LoRA."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "target_modules": sorted(TARGETS[t][1] for t in lora.targets),
         "bias": "none",
         "fan_in_fan_out": False,

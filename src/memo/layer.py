@@ -159,27 +159,28 @@ def tile_ranges(start: int, stop: int, tile: int) -> list[slice]:
 
 
 def rows_of(t: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    """Returns the token rows of the whole-length tensors in `t` (the LSE is not token-major: left out)."""
-    return {n: t[n][:, rows] for n in ("x", "q", "k", "v", "attn")}
+    """Returns the token rows of the whole-length tensors in `t` (the LSE is not token-major: left out), and of
+    the tokens' global positions (1, s) where LoRA dropout needs them."""
+    return {n: t[n][:, rows] for n in ("x", "q", "k", "v", "attn", "pos") if n in t}
 
 
 def _tail(v: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
     return {n: x[:, start:] for n, x in v.items()}
 
 
-def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None) -> torch.Tensor:
     """Writes x·Wᵀ + b (+ a LoRA update) into `out` (rows of a skeletal tensor, no temporary) and returns it."""
     if out.is_contiguous():
         aten.linear.out(x, lin.weight, lin.bias, out=out)
     else:
         for x_b, out_b in zip(x, out):  # token rows of several sequences: each sequence's rows are contiguous
             aten.linear.out(x_b, lin.weight, lin.bias, out=out_b)
-    return low_rank_add(out, x, lin)
+    return low_rank_add(out, x, lin, pos)
 
 
-def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """Returns x·Wᵀ + b (+ a LoRA update) in a new tensor."""
-    return low_rank_add(F.linear(x, lin.weight, lin.bias), x, lin)
+def linear(x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns x·Wᵀ + b (+ a LoRA update; `pos`, the rows' global positions, keys its dropout) in a new tensor."""
+    return low_rank_add(F.linear(x, lin.weight, lin.bias), x, lin, pos)
 
 
 def heads_major(t: torch.Tensor) -> torch.Tensor:
@@ -262,9 +263,16 @@ class DecoderLayer(nn.Module):
         at, total = (0, s) if sp is None else (sp.token_offset(s), s * sp.size)
         return rope_tables(self.config, at + rows.start, at + rows.stop, total, like.dtype, like.device)
 
-    def _project(self, n1: torch.Tensor, name: str) -> torch.Tensor:
+    def _project(self, n1: torch.Tensor, name: str, pos=None) -> torch.Tensor:
         """Returns the q or k projection of n1 (b, r, h) as heads (b, r, heads, d), before norm and RoPE."""
-        return linear(n1, getattr(self, "w" + name)).unflatten(-1, (-1, self.config.head_dim))
+        return linear(n1, getattr(self, "w" + name), pos).unflatten(-1, (-1, self.config.head_dim))
+
+    def positions(self, s: int, device) -> torch.Tensor | None:
+        """Returns the global positions (1, s) of this rank's tokens when an adapter drops out, else None."""
+        if not any(getattr(m, "dropout", 0) and getattr(m, "dropout_key", None) is not None for m in self.children()):
+            return None
+        at = 0 if self.seq_parallel is None else self.seq_parallel.token_offset(s)
+        return torch.arange(at, at + s, dtype=torch.int32, device=device)[None]
 
     # ---- forward pieces (also the token-wise recompute); `v` holds rows of every tensor, (b, r, ...) ------
     def fill_norm1(self, v: dict) -> None:
@@ -277,11 +285,11 @@ class DecoderLayer(nn.Module):
         n1 = v["n1"]  # (b, r, h)
         cos, sin = self._rope(s, rows, n1)
         for name in ("q", "k"):  # (b, r, heads, d)
-            proj = self._project(n1, name)
+            proj = self._project(n1, name, v.get("pos"))
             if self.config.qk_norm:
                 proj = rms_norm(proj, getattr(self, name + "_norm").weight, self.config.norm_eps)[0]
             rotate(proj, cos, sin, v[name])
-        linear_into(v["v"].flatten(2), n1, self.wv)  # (b, r, g·d)
+        linear_into(v["v"].flatten(2), n1, self.wv, v.get("pos"))  # (b, r, g·d)
 
     def attention_shape(self, s: int) -> tuple[int, int, int]:
         """Returns (query heads, key/value heads, tokens) the attention kernels see on this rank for its `s`."""
@@ -327,21 +335,22 @@ class DecoderLayer(nn.Module):
 
     def fill_mlp(self, v: dict) -> None:
         """Writes x1, n2 (+ statistics), up, (gate,) act of the rows from x and attn."""
-        x1 = torch.add(v["x"], linear(v["attn"].flatten(2), self.wo), out=v["x1"])  # (b, r, h)
+        pos = v.get("pos")
+        x1 = torch.add(v["x"], linear(v["attn"].flatten(2), self.wo, pos), out=v["x1"])  # (b, r, h)
         _norm_into(v, "n2", x1, self.mlp_norm)
-        up = linear_into(v["up"], v["n2"], self.w_up)  # (b, r, f)
+        up = linear_into(v["up"], v["n2"], self.w_up, pos)  # (b, r, f)
         if self.gpt:
             aten.gelu.out(up, out=v["act"])
         else:
-            gate = linear_into(v["gate"], v["n2"], self.w_gate)
+            gate = linear_into(v["gate"], v["n2"], self.w_gate, pos)
             torch.mul(F.silu(gate), up, out=v["act"])
 
     def output(self, v: dict, out: torch.Tensor) -> torch.Tensor:
         """Writes the layer output of the rows, y = x1 + act·W_downᵀ (b, r, h), into `out`."""
-        return torch.add(v["x1"], linear(v["act"], self.w_down), out=out)
+        return torch.add(v["x1"], linear(v["act"], self.w_down, v.get("pos")), out=out)
 
     # ---- backward pieces: each adds its parameter gradients (summed over tiles) to `grads` -----------------
-    def _linear_backward(self, dy, x, name: str, grads: dict) -> torch.Tensor:
+    def _linear_backward(self, dy, x, name: str, grads: dict, pos=None) -> torch.Tensor:
         """Returns dx of y = x·Wᵀ + b (+ LoRA) and adds dW and db where they train (a frozen W costs no product)
         and the adapters' gradients."""
         lin = getattr(self, name)
@@ -350,7 +359,7 @@ class DecoderLayer(nn.Module):
         if lin.bias is not None and lin.bias.requires_grad:
             add_to(grads, name + ".bias", _flat(dy).sum(0))
         dx = dy @ lin.weight
-        low_rank_backward(_flat(dy), _flat(x), lin, name, grads, dx.view(-1, dx.shape[-1]))
+        low_rank_backward(dy, x, lin, name, grads, dx, pos)
         return dx
 
     def _norm_backward(self, dy, x, stats, prefix: str, grads: dict) -> torch.Tensor:
@@ -364,21 +373,22 @@ class DecoderLayer(nn.Module):
 
     def mlp_backward(self, dy: torch.Tensor, v: dict, grads: dict, dx1: torch.Tensor) -> None:
         """Writes dx1 = dy + the MLP's input gradient (b, r, h) for the rows of dy, y = x1 + MLP(norm(x1))."""
-        dact = self._linear_backward(dy, v["act"], "w_down", grads)  # (b, r, f)
+        pos = v.get("pos")
+        dact = self._linear_backward(dy, v["act"], "w_down", grads, pos)  # (b, r, f)
         if self.gpt:
-            dn2 = self._linear_backward(aten.gelu_backward(dact, v["up"]), v["n2"], "w_up", grads)
+            dn2 = self._linear_backward(aten.gelu_backward(dact, v["up"]), v["n2"], "w_up", grads, pos)
         else:
             gate, up = v["gate"], v["up"]
             dup = dact * F.silu(gate)
             dgate = aten.silu_backward(dact * up, gate)
             del dact
-            dn2 = self._linear_backward(dup, v["n2"], "w_up", grads)
-            dn2 += self._linear_backward(dgate, v["n2"], "w_gate", grads)
+            dn2 = self._linear_backward(dup, v["n2"], "w_up", grads, pos)
+            dn2 += self._linear_backward(dgate, v["n2"], "w_gate", grads, pos)
         torch.add(dy, self._norm_backward(dn2, v["x1"], v["n2_stats"], "mlp_norm", grads), out=dx1)
 
     def projection_backward(self, dx1: torch.Tensor, v: dict, grads: dict, dattn: torch.Tensor) -> None:
         """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ for the rows of dx1."""
-        dattn.copy_(self._linear_backward(dx1, v["attn"].flatten(2), "wo", grads).view(dattn.shape))
+        dattn.copy_(self._linear_backward(dx1, v["attn"].flatten(2), "wo", grads, v.get("pos")).view(dattn.shape))
 
     def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple, per_call: int):
         """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d), a few heads per kernel
@@ -414,20 +424,20 @@ class DecoderLayer(nn.Module):
     def qkv_backward(self, dq, dk, dv, v: dict, rows: slice, s: int, grads: dict) -> torch.Tensor:
         """Returns the input gradient (b, r, h) through q, k, v and the attention norm, for token `rows`."""
         cos, sin = self._rope(s, rows, dq)
-        n1 = v["n1"]
-        dq = self._head_norm_backward(unrotate(dq, cos, sin), n1, "q", grads)  # (b, r, a, d)
-        dk = self._head_norm_backward(unrotate(dk, cos, sin), n1, "k", grads)
-        dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads)
-        dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads)
-        dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads)
+        n1, pos = v["n1"], v.get("pos")
+        dq = self._head_norm_backward(unrotate(dq, cos, sin), n1, "q", grads, pos)  # (b, r, a, d)
+        dk = self._head_norm_backward(unrotate(dk, cos, sin), n1, "k", grads, pos)
+        dn1 = self._linear_backward(dq.flatten(2), n1, "wq", grads, pos)
+        dn1 += self._linear_backward(dk.flatten(2), n1, "wk", grads, pos)
+        dn1 += self._linear_backward(dv.flatten(2), n1, "wv", grads, pos)
         return self._norm_backward(dn1, v["x"], v["n1_stats"], "attn_norm", grads)
 
-    def _head_norm_backward(self, grad, n1, name: str, grads: dict) -> torch.Tensor:
+    def _head_norm_backward(self, grad, n1, name: str, grads: dict, pos=None) -> torch.Tensor:
         """Returns the gradient of q's or k's projection through its per-head norm (identity without one)."""
         if not self.config.qk_norm:
             return grad
         weight = getattr(self, name + "_norm").weight
-        proj = self._project(n1, name)
+        proj = self._project(n1, name, pos)
         rstd = rms_norm(proj, weight, self.config.norm_eps)[1]
         grad, dw = rms_norm_backward(grad, proj, rstd, weight)
         if weight.requires_grad:
@@ -452,6 +462,12 @@ class DecoderLayer(nn.Module):
         if store is None:
             raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
         return LayerFunction.apply(x, self, store, *self.parameters())
+
+
+def _with_positions(layer: DecoderLayer, t: dict) -> dict:
+    """Returns `t` with its tokens' global positions when the layer's LoRA dropout needs them."""
+    pos = layer.positions(t["x"].shape[1], t["x"].device)
+    return t if pos is None else {**t, "pos": pos}
 
 
 def _sum_part(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
@@ -525,7 +541,7 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer: DecoderLayer, store, *params):
         t, tiles = store.slots(layer.index, x)
-        y, aux = layer.run(forward_phase, t, tiles)
+        y, aux = layer.run(forward_phase, _with_positions(layer, t), tiles)
         store.after_forward(layer.index, aux)
         ctx.layer, ctx.store, ctx.step = layer, store, store.step
         return y
@@ -536,6 +552,6 @@ class LayerFunction(torch.autograd.Function):
         the loss, which made it): the backward writes dx over it rather than holding both whole."""
         layer, store = ctx.layer, ctx.store
         t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
-        dx, grads = layer.run(backward_phase, dy.contiguous(), t, aux, tiles, recompute)
+        dx, grads = layer.run(backward_phase, dy.contiguous(), _with_positions(layer, t), aux, tiles, recompute)
         store.after_backward(layer.index)
         return (dx, None, None, *(grads.get(name) for name, _ in layer.named_parameters()))  # frozen: None

@@ -7,6 +7,10 @@ that is a `LoraLinear`, tile by tile like the rest: the product never exists at 
 intermediate. A frozen W gets no gradient at all: the backward skips its dW product, it does not compute and
 discard it. `apply_lora` freezes every base parameter (embeddings, norms, head included) and swaps the target
 projections for `LoraLinear`s that share the base weight tensors.
+
+Dropout (PEFT's `lora_dropout`, on the adapter's input) cannot draw from a generator's stream: the token-wise
+recompute rebuilds some rows in other tiles than the forward made them, so the mask is a counter-based hash of
+(step key, layer, projection, sequence, global token position, feature), `keep_mask`.
 """
 
 from __future__ import annotations
@@ -35,13 +39,17 @@ ALL_TARGETS = tuple(TARGETS)
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """Low-rank adapters on the projections `targets` of every layer: rank r and scale alpha / r."""
+    """Low-rank adapters on the projections `targets` of every layer: rank r, scale alpha / r, and the dropout
+    probability of their input."""
 
     rank: int
     alpha: float = 16.0
     targets: tuple[str, ...] = ALL_TARGETS
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"`--lora-dropout` must be in [0, 1), got {self.dropout!r}")
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"`--lora-rank` must be a positive integer, got {self.rank!r}")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
@@ -83,11 +91,12 @@ def adapter_parameters(config: ModelConfig, lora: LoraConfig) -> int:
 class LoraLinear(nn.Linear):
     """An nn.Linear (weight and bias as before, frozen) with adapters `lora_A` (r, in) and `lora_B` (out, r)."""
 
-    def __init__(self, base: nn.Linear, rank: int, scaling: float):
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float = 0.0):
         nn.Module.__init__(self)  # not nn.Linear's: the base's own weight and bias are taken, not made
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        self.scaling = scaling
+        self.scaling, self.dropout = scaling, dropout
+        self.dropout_key: int | None = None  # set for each training forward (`set_dropout_keys`); None: no dropout
         like = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
@@ -104,15 +113,26 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         p.requires_grad_(False)
     for layer in model.layers:
         for name in lora.modules(model.config):
-            setattr(layer, name, LoraLinear(getattr(layer, name), lora.rank, lora.scaling))
+            setattr(layer, name, LoraLinear(getattr(layer, name), lora.rank, lora.scaling, lora.dropout))
     return model
 
 
-def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """Adds s·(x·Aᵀ)·Bᵀ to `out` (rows of x, (b, r, out)) in place when `lin` has adapters; returns `out`."""
+def set_dropout_keys(model: nn.Module, key: int | None) -> None:
+    """Gives every adapter of `model` (a memo.Transformer) its dropout key for the coming forward and backward,
+    derived from `key` (one per step and micro-batch), its layer and its projection; None turns dropout off."""
+    for layer in model.layers:
+        for ordinal, (name, _) in enumerate(TARGETS.values()):
+            lin = getattr(layer, name, None)
+            if isinstance(lin, LoraLinear):
+                lin.dropout_key = None if key is None else (key * 1_000_003 + layer.index) * 16 + ordinal
+
+
+def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Adds s·(dropout(x)·Aᵀ)·Bᵀ to `out` (rows of x, (b, r, out)) in place when `lin` has adapters; returns `out`.
+    `pos` (1, r) are the rows' global token positions, which key the dropout mask."""
     if not isinstance(lin, LoraLinear):
         return out
-    xa = x @ lin.lora_A.t()  # (b, r, rank)
+    xa = dropped(x, lin, pos) @ lin.lora_A.t()  # (b, r, rank)
     if out.is_contiguous():
         flat = out.view(-1, out.shape[-1])
         torch.addmm(flat, xa.reshape(-1, xa.shape[-1]), lin.lora_B.t(), alpha=lin.scaling, out=flat)
@@ -122,18 +142,61 @@ def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> torch.Te
     return out
 
 
-def low_rank_backward(dy: torch.Tensor, x: torch.Tensor, lin: nn.Linear, name: str, grads: dict, dx: torch.Tensor):
-    """Adds the adapters' gradients of y += s·(x·Aᵀ)·Bᵀ for flat rows dy (n, out), x (n, in) to `grads`, and
-    their part of the input gradient, s·(dy·B)·A, to the flat rows `dx` (n, in) in place; nothing without
-    adapters."""
+def low_rank_backward(dy, x, lin: nn.Linear, name: str, grads: dict, dx: torch.Tensor, pos=None) -> None:
+    """Adds the adapters' gradients of y += s·(dropout(x)·Aᵀ)·Bᵀ for rows dy (b, r, out), x (b, r, in) to
+    `grads`, and their part of the input gradient, dropout's backward of s·(dy·B)·A, to `dx` (b, r, in) in
+    place; nothing without adapters."""
     if not isinstance(lin, LoraLinear):
         return
-    s = lin.scaling
-    dyb = dy @ lin.lora_B  # (n, rank)
-    xa = x @ lin.lora_A.t()  # (n, rank): recomputed, as cheap as keeping it
-    add_mm(grads, name + ".lora_A", dyb.t() * s, x)  # (rank, in)
-    add_mm(grads, name + ".lora_B", dy.t(), xa * s)  # (out, rank)
-    torch.addmm(dx, dyb, lin.lora_A, alpha=s, out=dx)
+    s, flat = lin.scaling, lambda t: t.reshape(-1, t.shape[-1])
+    xd = flat(dropped(x, lin, pos))
+    dyb = flat(dy) @ lin.lora_B  # (n, rank)
+    xa = xd @ lin.lora_A.t()  # (n, rank): recomputed, as cheap as keeping it
+    add_mm(grads, name + ".lora_A", dyb.t() * s, xd)  # (rank, in)
+    add_mm(grads, name + ".lora_B", flat(dy).t(), xa * s)  # (out, rank)
+    if _dropout_on(lin, pos):  # the mask and its scale again: dropout's backward
+        dx.add_(dropped((dyb @ lin.lora_A).view(dx.shape), lin, pos), alpha=s)
+    else:
+        torch.addmm(flat(dx), dyb, lin.lora_A, alpha=s, out=flat(dx))
+
+
+def _dropout_on(lin: LoraLinear, pos) -> bool:
+    return lin.dropout > 0 and lin.dropout_key is not None and pos is not None
+
+
+def dropped(x: torch.Tensor, lin: LoraLinear, pos: torch.Tensor | None) -> torch.Tensor:
+    """Returns LoRA dropout of x (b, r, in): x·keep/(1 - p), the mask a pure function of the adapter's key, the
+    sequence, the token's global position and the feature, so that the forward, the token-wise recompute and the
+    backward drop the same entries whatever the tiles; x itself when dropout is off."""
+    if not _dropout_on(lin, pos):
+        return x
+    keep = keep_mask(lin.dropout_key, pos, x.shape[0], x.shape[-1], lin.dropout)
+    return x * keep.to(x.dtype) / (1 - lin.dropout)
+
+
+# murmur3's 32-bit finaliser constants (0x85ebca6b, 0xc2b2ae35) and the golden ratio (0x9e3779b9), as int32
+_MIX1, _MIX2, _GOLDEN = -2048144789, -1028477387, -1640531527
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on int32 (products wrap; right shifts masked to be logical)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _MIX1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _MIX2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def keep_mask(key: int, pos: torch.Tensor, batch: int, features: int, p: float) -> torch.Tensor:
+    """Returns the (batch, r, features) keep mask of tokens at global positions `pos` (1, r): True with
+    probability 1 - p, from a counter-based hash (no generator state, any subset of rows alike)."""
+    key32 = ((key & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+    rows = pos.to(torch.int32) ^ key32  # (1, r)
+    sequences = torch.arange(batch, dtype=torch.int32, device=pos.device)[:, None] * _GOLDEN
+    row = _fmix(_fmix(rows) + sequences)  # (b, r)
+    feature = torch.arange(features, dtype=torch.int32, device=pos.device) * _GOLDEN
+    bits = (_fmix(row[..., None] + feature) >> 8) & 0xFFFFFF  # (b, r, features), 24 uniform bits
+    return bits >= round(p * (1 << 24))
 
 
 def adapter_names(weights: dict[str, torch.Tensor]) -> list[str]:

@@ -10,6 +10,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layer import DecoderLayer
+from .lora import set_dropout_keys
 from .loss import TokenReduction, shift_labels, target_cross_entropy
 from .norms import norm_forward
 from .policy import ActivationPolicy
@@ -36,6 +37,7 @@ class Transformer(nn.Module):
         self.head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
         self.store: ActivationStore = make_store(self.policy, config.n_layers)
         self.token_reduction: TokenReduction | None = None  # memo.parallel: the loss is a mean over all ranks
+        self.dropout_key = 0  # keys LoRA dropout's masks: the trainer sets one per step and micro-batch
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -75,6 +77,7 @@ class Transformer(nn.Module):
         sp = self.layers[0].seq_parallel
         self.config.check_length(s * (1 if sp is None else sp.size))
         x = self.embed(input_ids)  # (b, s, h)
+        set_dropout_keys(self, self.dropout_key if torch.is_grad_enabled() else None)  # LoRA dropout: training only
         if torch.is_grad_enabled():
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)
         for layer in self.layers:

@@ -66,6 +66,10 @@ class TrainConfig:
     # LoRA: a frozen base and trainable low-rank adapters (memo.lora)
     lora_rank: int = _f(0, "LoRA rank r of the adapters (0: full fine-tuning, every parameter trains)")
     lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha)")
+    lora_dropout: float = _f(
+        0.0, "LoRA dropout on the adapters' input; its mask is a function of step, token and feature, so the "
+        "token-wise recompute drops what the forward dropped"
+    )
     lora_targets: tuple[str, ...] = _f(
         ALL_TARGETS, f"projections that get adapters, some of {','.join(ALL_TARGETS)} (default: all of them)"
     )
@@ -242,7 +246,11 @@ class TrainConfig:
         """Returns the adapters to train (None: full fine-tuning)."""
         if self.lora_rank < 0:
             raise ValueError(f"`--lora-rank` must not be negative, got {self.lora_rank}")
-        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets) if self.lora_rank else None
+        if self.lora_dropout and not self.lora_rank:
+            raise ValueError("`--lora-dropout` applies to LoRA's adapters: give `--lora-rank`")
+        if not self.lora_rank:
+            return None
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -437,10 +437,12 @@ class Trainer:
         """Runs forward and backward over the micro-batches and the optimizer step; returns (loss, gradient norm),
         nan for a norm not computed because the loss is not finite (nothing is updated then)."""
         total = torch.zeros((), device=self.device)
-        for (micro_ids, micro_labels), count in zip(micro, counts):
+        for index, ((micro_ids, micro_labels), count) in enumerate(zip(micro, counts)):
             if count == 0:
                 continue
             local_ids, targets = self._local(micro_ids, micro_labels)
+            # LoRA dropout's masks: a function of seed, step and micro-batch, so a resumed run drops the same
+            self.model.dropout_key = (self.cfg.seed * 1_000_003 + self.step) * 1_000_003 + index
             loss = self.model(local_ids, targets=targets) * (count / sum(counts))
             loss.backward()
             total += loss.detach().float()
