@@ -110,18 +110,23 @@ def _peft_grads(hf, names) -> dict:
     return {n: theirs["base_model.model.model.embed_tokens.weight" if n == "embed.weight" else peft_name(n)] for n in names}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lora_gradients_match_peft(tmp_path, family, policy):
-    hf = _hf_lora(tmp_path, family)
-    model = _memo_lora(tmp_path, hf, POLICIES[policy])
+def _same_loss_then_gradients(model, hf) -> dict:
+    """Runs one batch through both, checks the losses agree, and returns memo's gradients by name."""
     ids, labels = _batch()
     hf_loss = hf(input_ids=ids, labels=labels).loss
     hf_loss.backward()
     loss = model(ids, labels=labels)
     loss.backward()
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
-    ours = _trained_grads(model)
+    return _trained_grads(model)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_gradients_match_peft(tmp_path, family, policy):
+    hf = _hf_lora(tmp_path, family)
+    model = _memo_lora(tmp_path, hf, POLICIES[policy])
+    ours = _same_loss_then_gradients(model, hf)
     assert len(ours) == 1 + 4 * 7 * 2  # the embedding and A, B of seven projections in four layers
     _assert_close(ours, _peft_grads(hf, ours), f"{family} {policy}")
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
@@ -195,14 +200,9 @@ def _drop_alike(model, hf, p=0.25, key=7):
 def test_lora_dropout_matches_peft_given_the_same_mask(tmp_path, policy):
     hf = _hf_lora(tmp_path, "llama")
     model = _drop_alike(_memo_lora(tmp_path, hf, POLICIES[policy]), hf)
-    ids, labels = _batch()
-    hf_loss = hf(input_ids=ids, labels=labels).loss
-    hf_loss.backward()
-    loss = model(ids, labels=labels)
-    loss.backward()
-    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
-    ours = _trained_grads(model)
+    ours = _same_loss_then_gradients(model, hf)
     _assert_close(ours, _peft_grads(hf, ours), f"dropout {policy}")
+    ids = _batch()[0]
     with torch.no_grad():  # evaluation drops nothing
         plain = _memo_lora(tmp_path, hf, POLICIES["none"])
         torch.testing.assert_close(model(ids), plain(ids))
