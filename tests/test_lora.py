@@ -107,7 +107,8 @@ def _trained_grads(model) -> dict:
 def _peft_grads(hf, names) -> dict:
     """Returns PEFT's gradients under memo's names (adapters and the embedding)."""
     theirs = {n.replace(".default", ""): p.grad for n, p in hf.named_parameters() if p.requires_grad}
-    return {n: theirs["base_model.model.model.embed_tokens.weight" if n == "embed.weight" else peft_name(n)] for n in names}
+    embed = "base_model.model.model.embed_tokens.weight"
+    return {n: theirs[embed if n == "embed.weight" else peft_name(n)] for n in names}
 
 
 def _same_loss_then_gradients(model, hf) -> dict:
@@ -289,8 +290,8 @@ def test_sequence_parallel_sp2_lora_matches_peft(tmp_path, free_port):
 
 # ---- runs: training, resume, export, eval ---------------------------------------------------------------
 
-TRAIN = ["--seq-len", "64", "--batch-size", "2", "--eval-every", "100", "--lr", "1e-2", "--warmup-steps", "1", "--schedule", "constant",
-         "--lora-rank", "4", "--lora-targets", "q,v,o,down", "--json"]
+TRAIN = ["--seq-len", "64", "--batch-size", "2", "--eval-every", "100", "--lr", "1e-2", "--warmup-steps", "1"]
+TRAIN += ["--schedule", "constant", "--lora-rank", "4", "--lora-targets", "q,v,o,down", "--json"]
 
 
 def _losses(out: str) -> list[float]:
@@ -364,7 +365,8 @@ def test_eval_of_a_lora_run_equals_eval_of_its_merged_export_and_refusals(tmp_pa
     (ours,), (merged,) = (r["perplexity"]["buckets"] for r in reports)
     assert ours["tokens"] == merged["tokens"] > 0 and ours["loss"] == pytest.approx(merged["loss"], rel=1e-5)
     full = tmp_path / "full"
-    assert main(["train", "--model", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--out", str(full)]) == 0
+    tiny = ["--model", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "1"]
+    assert main(["train", *tiny, "--out", str(full)]) == 0
     capsys.readouterr()
     assert main(["export", str(full), "--adapter", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -141,7 +141,8 @@ def test_offloaded_states_leave_on_the_device_only_the_weights_fsdp_gathers(monk
     monkeypatch.setattr(dev, "free_memory_bytes", lambda device: need["activations"] + need["states"] // 2)
     with pytest.raises(ValueError, match="needs at least"):
         check_memory(cfg, torch.device("cuda"), None)  # sharded over one GPU, the states would not fit
-    check_memory(TrainConfig.from_dict({**RUN, "dtype": "bfloat16", "offload_states": True}), torch.device("cuda"), None)
+    offloaded = TrainConfig.from_dict({**RUN, "dtype": "bfloat16", "offload_states": True})
+    check_memory(offloaded, torch.device("cuda"), None)
 
 
 def test_lora_offloads_fp32_adapters_with_their_moments_and_a_frozen_base_in_the_training_dtype(tmp_path):

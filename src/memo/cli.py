@@ -367,7 +367,10 @@ def _estimate_parser(sub) -> None:
         "(memo train --offload-states); they share the host memory with the activations' offload",
     )
     p.add_argument(
-        "--lora-rank", type=int, default=0, help="memo trains LoRA adapters of this rank on a frozen bf16 base (0: none)"
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="memo trains LoRA adapters of this rank on a frozen bf16 base (0: none)",
     )
     p.add_argument(
         "--lora-targets",

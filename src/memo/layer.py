@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention_backward, attention_forward, head_chunks, lse_seq_len
-from .lora import low_rank_add, low_rank_backward
 from .config import ModelConfig
+from .lora import drops_out, low_rank_add, low_rank_backward
 from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
 from .rope import rope_tables, rotate, unrotate
@@ -269,7 +269,7 @@ class DecoderLayer(nn.Module):
 
     def positions(self, s: int, device) -> torch.Tensor | None:
         """Returns the global positions (1, s) of this rank's tokens when an adapter drops out, else None."""
-        if not any(getattr(m, "dropout", 0) and getattr(m, "dropout_key", None) is not None for m in self.children()):
+        if not any(map(drops_out, self.children())):
             return None
         at = 0 if self.seq_parallel is None else self.seq_parallel.token_offset(s)
         return torch.arange(at, at + s, dtype=torch.int32, device=device)[None]

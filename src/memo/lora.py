@@ -57,7 +57,8 @@ class LoraConfig:
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(
-                f"`--lora-targets` must name distinct projections among {','.join(TARGETS)}, got {','.join(self.targets)!r}"
+                f"`--lora-targets` must name distinct projections among {','.join(TARGETS)}, "
+                f"got {','.join(self.targets)!r}"
             )
 
     @property
@@ -65,9 +66,9 @@ class LoraConfig:
         return self.alpha / self.rank
 
     def modules(self, config: ModelConfig) -> list[str]:
-        """Returns the layer modules that get adapters (a GPT layer has no gate)."""
-        names = [TARGETS[t][0] for t in self.targets]
-        return [n for n in names if not (n == "w_gate" and config.arch == "gpt")]
+        """Returns the layer modules that get adapters (those the layer has: a GPT layer has no gate)."""
+        shapes = module_shapes(config)
+        return [TARGETS[t][0] for t in self.targets if TARGETS[t][0] in shapes]
 
 
 def targets_value(text: str) -> tuple[str, ...]:
@@ -76,10 +77,13 @@ def targets_value(text: str) -> tuple[str, ...]:
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Returns (in, out) features of each projection of a decoder layer."""
+    """Returns (in, out) features of each projection a decoder layer has (SwiGLU's gate: Llama only)."""
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     qd, kvd = config.n_heads * d, config.n_kv_heads * d
-    return {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h), "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
+    shapes = {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h), "w_gate": (h, f), "w_up": (h, f)}
+    if config.arch == "gpt":
+        del shapes["w_gate"]
+    return {**shapes, "w_down": (f, h)}
 
 
 def adapter_parameters(config: ModelConfig, lora: LoraConfig) -> int:
@@ -127,9 +131,9 @@ def set_dropout_keys(model: nn.Module, key: int | None) -> None:
                 lin.dropout_key = None if key is None else (key * 1_000_003 + layer.index) * 16 + ordinal
 
 
-def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None) -> torch.Tensor:
-    """Adds s·(dropout(x)·Aᵀ)·Bᵀ to `out` (rows of x, (b, r, out)) in place when `lin` has adapters; returns `out`.
-    `pos` (1, r) are the rows' global token positions, which key the dropout mask."""
+def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None):
+    """Adds s·(dropout(x)·Aᵀ)·Bᵀ to `out` (rows of x, (b, r, out)) in place when `lin` has adapters; returns
+    `out`. `pos` (1, r) are the rows' global token positions, which key the dropout mask."""
     if not isinstance(lin, LoraLinear):
         return out
     xa = dropped(x, lin, pos) @ lin.lora_A.t()  # (b, r, rank)
@@ -160,8 +164,13 @@ def low_rank_backward(dy, x, lin: nn.Linear, name: str, grads: dict, dx: torch.T
         torch.addmm(flat(dx), dyb, lin.lora_A, alpha=s, out=flat(dx))
 
 
+def drops_out(module: nn.Module) -> bool:
+    """Returns whether `module` is an adapter whose dropout is on for the coming forward and backward."""
+    return isinstance(module, LoraLinear) and module.dropout > 0 and module.dropout_key is not None
+
+
 def _dropout_on(lin: LoraLinear, pos) -> bool:
-    return lin.dropout > 0 and lin.dropout_key is not None and pos is not None
+    return drops_out(lin) and pos is not None
 
 
 def dropped(x: torch.Tensor, lin: LoraLinear, pos: torch.Tensor | None) -> torch.Tensor:

@@ -19,9 +19,7 @@ from ..policy import PlanProblem, plan_costs, split_row
 
 def linear_params_per_layer(c: ModelConfig) -> int:
     """Returns the weight count of one layer's matmuls (q, k, v, o, and the MLP)."""
-    h, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    mlp = (2 if c.arch == "gpt" else 3) * h * c.ffn_hidden_size
-    return h * q + 2 * h * kv + q * h + mlp
+    return sum(i * o for i, o in module_shapes(c).values())
 
 
 LORA_FLOPS = (

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ..adapter import save_adapter
 from ..config import ModelConfig
 from ..files import atomic_output, fsync
-from ..adapter import save_adapter
 from ..hf import config_token_ids, save_hf
 from ..lora import LoraConfig, merge_adapters
 from .config import TrainConfig, model_config
