@@ -3,9 +3,11 @@
 Rows: memo.Transformer with strategies none / full / memo (α), memo with the planned arena (§5), memo
 offloading every layer whole (α = 1, last layers too), and the plain-autograd reference model (same weights,
 PyTorch's flash SDPA) under no wrapper, `torch.utils.checkpoint` per layer, and
-`torch.autograd.graph.save_on_cpu`. Ratios are against MEMO's `none`. Each row builds its own model from
-the shared weights and frees it before the next, so one row's memory never counts in another's; a row that
-runs out of device memory reads OOM.
+`torch.autograd.graph.save_on_cpu`. Every row computes its loss with memo's chunked cross-entropy
+(`memo.loss`), so no row holds the (tokens × vocab) logits: at 128K tokens of a 128K vocabulary they alone
+would be ~90 GB, and the reference rows would measure the loss instead of their activations. Ratios are
+against MEMO's `none`. Each row builds its own model from the shared weights and frees it before the next, so
+one row's memory never counts in another's; a row that runs out of device memory reads OOM.
 
 Memory is measured the same way for every row. CUDA: `torch.cuda.max_memory_allocated` over the row's
 steps minus what its freshly built model held before them (weights), plus peak allocated and reserved
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
 from memo.cost.flops import MFU_CAUSAL, MFU_FULL, model_flops_per_token  # noqa: E402
 from memo.cost.hardware import GPUSpec, gpu_of  # noqa: E402
+from memo.loss import shift_labels, target_cross_entropy  # noqa: E402
 from memo.reference import ReferenceTransformer  # noqa: E402
 from memo.swap import make_store  # noqa: E402
 from memo.units import parse_size  # noqa: E402
@@ -67,7 +70,8 @@ def shared_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return {name: t.to("cpu", dtype) for name, t in model.state_dict().items()}
 
 
-def _built(make, setup: Setup):
+def built(make, setup: Setup):
+    """Returns `make()` built on the setup's device in its dtype, holding the shared weights."""
     with setup.device:
         model = make()
     model.to(dtype=setup.dtype)
@@ -135,14 +139,14 @@ def _checkpointed(layer, x):
 
 
 def _memo_row(policy: ActivationPolicy, setup: Setup, arena: bool = False):
-    model = _built(lambda: Transformer(setup.cfg, policy), setup)
+    model = built(lambda: Transformer(setup.cfg, policy), setup)
     if arena:
         model.plan_memory()
     return model, functools.partial(_memo_step, model)
 
 
 def _ref_row(setup: Setup, block=None, save_on_cpu: bool = False):
-    ref = _built(lambda: ReferenceTransformer(setup.cfg, attention="sdpa"), setup)
+    ref = built(lambda: ReferenceTransformer(setup.cfg, attention="sdpa"), setup)
     saver = HostBytes(setup.device) if save_on_cpu else None
     return ref, functools.partial(_ref_step, ref, block=block, saver=saver)
 
@@ -168,12 +172,22 @@ def _memo_step(model, ids) -> int:
     return model.swap_stats().host_pool_bytes
 
 
+def reference_loss(ref: ReferenceTransformer, ids: torch.Tensor, block=None) -> torch.Tensor:
+    """Returns the reference model's mean next-token loss through memo's chunked cross-entropy (the final
+    norm and the logits chunk by chunk, as memo.Transformer computes it), each layer wrapped by `block`."""
+    x = ref.embed(ids)
+    for layer in ref.layers:
+        x = layer(x) if block is None else block(layer, x)
+    weight = ref.embed.weight if ref.head is None else ref.head.weight
+    return target_cross_entropy(x, weight, shift_labels(ids), norm=ref.norm)
+
+
 def _ref_step(ref, ids, block=None, saver=None) -> int:
     if saver is None:
-        ref(ids, labels=ids, block=block).backward()
+        reference_loss(ref, ids, block).backward()
         return 0
     with saver:
-        loss = ref(ids, labels=ids, block=block)
+        loss = reference_loss(ref, ids, block)
     loss.backward()
     return saver.nbytes
 
@@ -232,8 +246,10 @@ def guarded(fn, device: torch.device) -> dict:
         free_device_memory(device)
 
 
-def measure_row(name: str, build, ids: torch.Tensor, repeats: int) -> dict:
-    """Returns one row: step seconds, host bytes, α per layer (memo rows) and, on CUDA, memory peaks."""
+def measure_row(name: str, build, ids: torch.Tensor, repeats: int, extra=None) -> dict:
+    """Returns one row: step seconds, host bytes, α per layer (memo rows) and, on CUDA, memory peaks;
+    `extra(model, step, row)`, when given (`step()` runs one more step), adds what else the caller measures of the
+    same model after that."""
     device = ids.device
 
     def run() -> dict:
@@ -243,6 +259,8 @@ def measure_row(name: str, build, ids: torch.Tensor, repeats: int) -> dict:
         row = {"step_s": seconds, "host_bytes": host, **_cuda_peaks(device, base)}
         if isinstance(model, Transformer):
             row["alphas"] = model.swap_stats().alphas
+        if extra is not None:
+            row.update(extra(model, functools.partial(step, ids), row))
         return row
 
     return {"name": name, **guarded(run, device)}
@@ -275,13 +293,19 @@ def add_ratios(rows: list[dict]) -> None:
             row[ratio] = row[key] / base[key] if both else None
 
 
-def measure(setup: Setup, ids: torch.Tensor, alpha: str, repeats: int, on_row=None) -> list[dict]:
-    """Returns one dict per row (see row_builders); calls `on_row(rows so far)` after each row."""
+def measure(
+    setup: Setup, ids: torch.Tensor, alpha: str, repeats: int, on_row=None, names=None, extras=None
+) -> list[dict]:
+    """Returns one dict per row (see row_builders; only those in `names` when given); calls `on_row(rows so
+    far)` after each row; `extras` maps a row's name to its `measure_row` extra."""
     spec = gpu_spec(setup.device)
     rows = []
     for name, build in row_builders(alpha):
+        if names is not None and name not in names:
+            continue
         print(f"  measuring {name} at {ids.shape[1]} tokens", file=sys.stderr, flush=True)
-        rows.append(measure_row(name, functools.partial(build, setup), ids, repeats))
+        extra = (extras or {}).get(name)
+        rows.append(measure_row(name, functools.partial(build, setup), ids, repeats, extra))
         _throughput(rows[-1], setup.cfg, ids, spec[1].peak_flops if spec else None)
         add_ratios(rows)
         if on_row is not None:

@@ -55,6 +55,21 @@ def test_a_row_that_runs_out_of_device_memory_is_recorded_not_raised(capsys):
     assert "| memo none | OOM |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
+def test_reference_rows_take_memos_chunked_loss_with_the_gradients_of_full_logits(preset):
+    cfg = strategies.ModelConfig.preset(preset)
+    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    losses, grads = [], []
+    for loss_of in (strategies.reference_loss, lambda ref, ids: ref(ids, labels=ids)):
+        torch.manual_seed(0)
+        ref = strategies.ReferenceTransformer(cfg)
+        losses.append(loss_of(ref, ids))
+        losses[-1].backward()
+        grads.append({name: p.grad for name, p in ref.named_parameters()})
+    torch.testing.assert_close(losses[0], losses[1])
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_mfu_counts_causal_attention_as_half_the_matrix_and_the_full_variant_all_of_it():
     cfg = strategies.ModelConfig.preset("tiny-gpt")
     full, causal = (strategies.model_flops_per_token(cfg, 1024, causal=c) for c in (False, True))

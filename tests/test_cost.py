@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from memo.cli import main
 from memo.cost.efficiency import (
     SPEEDS,
     Efficiency,
+    attention_kernel,
     check_calibration_device,
     efficiency_from_calibration,
     published_band,
@@ -20,6 +22,7 @@ from memo.cost.estimate import (
     Layout,
     _compute_seconds,
     _loss_peak,
+    _step_seconds,
     device_bytes,
     estimate,
     layouts,
@@ -511,6 +514,76 @@ def test_published_efficiencies_follow_the_shape():
     small = ModelConfig.preset("llama3.2-1b")
     assert published_band(h100, small, 16384, 32).mid.matmul < published_band(h100, GPT7B, 16384, 32).mid.matmul
     assert "no published speeds" in published_band(dataclasses.replace(a100, name="MI300X"), GPT7B, 1024, 8).source
+
+
+# H100 SXM5, TFLOP/s at 512 and 16K tokens, head dim 128, as printed in the FlashAttention-3 paper (arXiv 2407.08608):
+# Fig. 5 (d) forward with causal mask, Fig. 6 (b) backward without it; FlashAttention-2's causal forward + backward
+# from its release's H100 figure (163 and 328)
+FA3_FORWARD = {"flash": (191, 335), "cudnn": (315, 539), "fa4": (292, 616)}
+FA3_BACKWARD_UNMASKED = {"flash": (214, 322), "cudnn": (305, 516), "fa4": (316, 561)}
+FA2_CAUSAL_COMBINED = (163, 328)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "fa4"])
+def test_each_attention_kernel_runs_at_its_published_h100_speed(kernel):
+    h100 = GPUS["H100-SXM"]
+    peak = h100.peak_flops / 1e12
+    # the causal backward: 3.5 units of FlashAttention-2's work take 1 / forward + 2.5 / backward
+    fa2 = [2.5 / (3.5 / c - 1 / f) for c, f in zip(FA2_CAUSAL_COMBINED, FA3_FORWARD["flash"])]
+    for i, tokens in enumerate((512, 16384)):
+        band = published_band(h100, GPT7B, tokens, 512, kernel).mid  # head dim 128, every SM busy
+        assert band.attention_forward * peak == pytest.approx(FA3_FORWARD[kernel][i])
+        # the unmasked backward, slowed as the mask slows FlashAttention-2's (not at 16K: 325 there, 322 unmasked)
+        slowdown = min(1.0, fa2[i] / FA3_BACKWARD_UNMASKED["flash"][i])
+        expected = fa2[i] if kernel == "flash" else FA3_BACKWARD_UNMASKED[kernel][i] * slowdown
+        assert band.attention_backward * peak == pytest.approx(expected)
+
+
+def test_auto_times_the_kernel_memo_runs_there_without_optional_packages():
+    assert [attention_kernel(GPUS[g]) for g in ("H100-SXM", "H200", "A100-80GB", "A800-80GB")] == [
+        "cudnn", "cudnn", "flash", "flash"
+    ]
+    assert attention_kernel(GPUS["H100-SXM"], "fa4") == "fa4"
+    assert attention_kernel(dataclasses.replace(A800, name="MI300X")) == "auto"  # generic efficiencies for all
+
+
+@pytest.mark.parametrize(
+    ("gpu_name", "kernel", "published"),
+    [("A100-80GB", "fa4", "flash"), ("A800-80GB", "cudnn", "flash"), ("H100-SXM", "efficient", "flash, cudnn, fa4")],
+)
+def test_a_kernel_without_published_speeds_on_a_gpu_is_refused(gpu_name, kernel, published):
+    spec = GPUS[gpu_name]
+    message = f"no published speeds of the '{kernel}' attention kernel on {spec.name} (published: {published})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        published_band(spec, GPT7B, 16384, 32, kernel)
+    with pytest.raises(ValueError, match="`--attention` must be one of auto, flash, cudnn, fa4, efficient"):
+        estimate(GPT7B, 1 << 20, 8, spec, "memo", attention="flash3")
+
+
+def test_hopper_kernels_shorten_the_step_at_1m_tokens():
+    h100, llama = GPUS["H100-SXM"], ModelConfig.preset("llama3.1-8b")
+    seq, layout = 1 << 20, Layout(ulysses=8, recompute="memo", tile=16384)
+    steps = {}
+    for kernel in ("flash", "cudnn", "fa4"):
+        eff = published_band(h100, llama, seq, llama.n_heads // 8, kernel, rows=16384).mid
+        steps[kernel] = sum(_step_seconds(llama, seq, seq // 8, "memo", 8, layout, h100, eff, None).values())
+    assert steps["fa4"] < steps["cudnn"] < steps["flash"]
+
+
+def test_estimate_names_its_attention_kernel_in_the_table_and_the_json(tmp_path, capsys):
+    argv = ["estimate", "--model", "tiny", "--seq", "4K", "--gpus", "1", "--gpu", "h100", "--system", "memo"]
+    for extra, kernel in [([], "cudnn"), (["--attention", "fa4"], "fa4"), (["--attention", "flash"], "flash")]:
+        assert main([*argv, *extra, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["attention_kernel"] == kernel
+    assert main([*argv, "--gpu", "a100"]) == 0
+    assert "attention kernel: flash;" in capsys.readouterr().out
+    assert main([*argv, "--gpu", "a100", "--attention", "fa4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no published speeds of the 'fa4' attention kernel on A100-80GB" in err and len(err.splitlines()) == 1
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3"}))
+    assert main([*argv, "--calibration", str(calibration), "--attention", "cudnn"]) == 2
+    assert "`--attention` picks published kernel speeds" in capsys.readouterr().err
 
 
 def test_device_terms_of_each_system():

@@ -1,9 +1,11 @@
 """Pinned host memory stays registered while any copy can touch it, checked with a fake `cudart` on CPU.
 
 The fake stands in for CUDA's host registration: it logs register / unregister / device synchronisation, and
-a dispatch mode logs every copy that touches host memory, so a test sees the order CUDA would see.
+a dispatch mode logs every copy that touches host memory, so a test sees the order CUDA would see. The bytes
+are faulted in before they are registered (mincore(2) says whether they were) and registered in capped chunks.
 """
 
+import ctypes
 import gc
 
 import pytest
@@ -118,3 +120,71 @@ def test_swap_engine_unpins_an_old_pool_only_after_the_device_is_synchronised(fa
     gc.collect()
     assert fake_cuda.pinned == {}  # the last pool is released with its engine
     _check_order(fake_cuda.log)
+
+
+def test_host_buffer_is_registered_page_aligned_in_chunks_within_the_cap_and_released_once(fake_cuda, monkeypatch):
+    monkeypatch.setattr(dev, "REGISTER_CHUNK", 3 * dev.PAGE)
+    nbytes = 10 * dev.PAGE + 5
+    host = dev.HostBuffer(nbytes, torch.device("cpu"))
+    assert host.data.numel() == nbytes and host.data.data_ptr() % dev.PAGE == 0
+    ends = [ptr + size for ptr, size in host.chunks]
+    assert [ptr for ptr, _ in host.chunks] == [host.data.data_ptr(), *ends[:-1]]  # consecutive, from the start
+    assert ends[-1] == host.data.data_ptr() + nbytes and max(size for _, size in host.chunks) == 3 * dev.PAGE
+    assert fake_cuda.pinned == dict(host.chunks) and host.pin_seconds >= 0 and host.fault_seconds >= 0
+    host.release()
+    host.release()
+    assert fake_cuda.pinned == {} and [e[0] for e in fake_cuda.log] == ["register"] * 4 + ["sync"] + ["unregister"] * 4
+
+
+def test_host_buffer_off_cuda_is_pageable_and_releases_idempotently():
+    host = dev.HostBuffer(dev.PAGE + 1, torch.device("cpu"))
+    assert not host.pinned and host.pin_seconds < 1 and [size for _, size in host.chunks] == [dev.PAGE + 1]
+    host.release()
+    host.release()
+    host.data.fill_(7)  # still usable
+
+
+class FailingCudart(FakeCudart):
+    """Refuses the registration of one chunk, as a driver out of lockable memory does."""
+
+    def __init__(self, log: list, fail_at: int):
+        super().__init__(log)
+        self.calls, self.fail_at = 0, fail_at
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.calls += 1
+        return 2 if self.calls == self.fail_at else super().cudaHostRegister(ptr, nbytes, flags)  # out of memory
+
+
+def test_a_failed_registration_unpins_what_it_pinned_clears_the_cuda_error_and_names_the_budget_flag(monkeypatch):
+    log = []
+    fake = FailingCudart(log, fail_at=3)
+    monkeypatch.setattr(dev, "pins", lambda device: True)
+    monkeypatch.setattr(dev, "_cudart", lambda: fake)
+    monkeypatch.setattr(dev, "_clear_cuda_error", lambda: log.append(("clear",)))
+    monkeypatch.setattr(dev, "REGISTER_CHUNK", 2 * dev.PAGE)
+    with pytest.raises(RuntimeError, match=r"could not pin 40\.00KiB .*`--host-budget`") as error:
+        dev.HostBuffer(10 * dev.PAGE, torch.device("cpu"))
+    assert "\n" not in str(error.value)
+    assert fake.pinned == {} and [e[0] for e in log] == ["register"] * 2 + ["unregister"] * 2 + ["clear"]
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """Returns how many pages of `t` (page-aligned host bytes) are backed by memory, as mincore(2) reports."""
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    pages = (ctypes.c_ubyte * (-(-t.numel() // dev.PAGE)))()
+    assert libc.mincore(t.data_ptr(), t.numel(), pages) == 0
+    return sum(p & 1 for p in pages)
+
+
+@pytest.mark.parametrize("kernel_populates", [True, False], ids=["madvise", "write-a-byte-per-page"])
+def test_prefault_backs_every_page_with_memory(monkeypatch, kernel_populates):
+    if not kernel_populates:
+        monkeypatch.setattr(dev, "_populate", lambda piece: False)  # a kernel older than 5.14
+    monkeypatch.setattr(dev, "PREFAULT_PIECE", 1 << 20)  # several threads
+    data = dev._page_aligned((64 << 20) + 5, torch.device("cpu"))  # above malloc's mmap threshold: fresh pages
+    pages = -(-data.numel() // dev.PAGE)
+    assert _resident_pages(data) < pages
+    dev.prefault(data)
+    assert _resident_pages(data) == pages

@@ -1,17 +1,22 @@
 """The planned allocator (memo.plan.allocator) against PyTorch's own CPU allocator on the same steps: losses and
 every gradient bit-identical, every planned allocation served once the plan settles, the arena within 1% of the
 recorded LOAD; a step of another shape re-plans, a tensor freed later than recorded is a counted pass-through
-(its memory never handed out twice), tensors that outlive a step (optimizer state) stay out of the arena."""
+(its memory never handed out twice), tensors that outlive a step (optimizer state) stay out of the arena. The CUDA
+path runs over host stand-ins for the CUDA runtime: the same service with and without memory pools, the pool told to
+keep what is freed and its high-water marks read and reset, a device out of memory raised as torch.OutOfMemoryError
+with the runtime's error cleared; the runtime's library is found among the mapped files by its name."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections import Counter
 
 import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
+from memo import device as dev
 from memo.cli import main
 from memo.plan import allocator
 from memo.plan.allocator import PlannedAllocator
@@ -159,22 +164,121 @@ def test_without_a_compiler_arena_is_one_line_and_the_rest_works(monkeypatch, tm
         allocator.extension.cache_clear()
 
 
-# ---- the CUDA path, run on the CPU: the device core over host stand-ins for cudaMallocAsync / cudaFreeAsync,
-# called through the C functions CUDAPluggableAllocator loads ------------------------------------------------
+# ---- the CUDA path, run on the CPU: the device core over host stand-ins for the CUDA runtime, called through the
+# C function CUDAPluggableAllocator loads ------------------------------------------------------------------------
 
 STREAM, SIDE = 0x1000, 0x2000  # two stream handles: the step's, and a side stream's
+POOL = 0x9000  # the stand-in device's default memory pool
+OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
+LIBC = ctypes.CDLL(None)
+LIBC.malloc.restype, LIBC.malloc.argtypes, LIBC.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+_INT, _PTR, _OUT = ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+SIGNATURES = {  # the CUDA runtime's (cudaError_t and its enums are ints): result type first
+    "cudaMallocAsync": (_INT, _OUT, ctypes.c_size_t, _PTR),
+    "cudaFreeAsync": (_INT, _PTR, _PTR),
+    "cudaMalloc": (_INT, _OUT, ctypes.c_size_t),
+    "cudaFree": (_INT, _PTR),
+    "cudaGetLastError": (_INT,),
+    "cudaGetErrorString": (_PTR, _INT),  # a const char* the stand-in keeps alive
+    "cudaDeviceGetAttribute": (_INT, ctypes.POINTER(_INT), _INT, _INT),
+    "cudaDeviceGetDefaultMemPool": (_INT, _OUT, _INT),
+    "cudaMemPoolSetAttribute": (_INT, _PTR, _INT, _PTR),
+    "cudaMemPoolGetAttribute": (_INT, _PTR, _INT, _PTR),
+}
+RELEASE_THRESHOLD, RESERVED, RESERVED_HIGH, USED, USED_HIGH = 4, 5, 6, 7, 8  # cudaMemPoolAttr values
+
+
+class HostCuda:
+    """Host stand-ins for the CUDA runtime functions the device core calls, behaving as the runtime documents them:
+    memory from malloc, at most `capacity` bytes at once (past it a request fails with cudaErrorMemoryAllocation,
+    which stays the runtime's last error until cudaGetLastError reads it), `error` the code every allocation fails
+    with if set, and where the device has memory `pools` one default pool that keeps what it reserved, with its
+    release threshold as set and its reserved and used bytes and their high-water marks (setting a mark to 0 resets
+    it to the current value)."""
+
+    def __init__(self, pools: bool = True, capacity: int = 1 << 30, error: int = 0):
+        self.pools, self.capacity, self.error = pools, capacity, error
+        self.calls: Counter = Counter()
+        self.sizes: dict[int, int] = {}  # live allocation -> bytes
+        self.last_error = 0
+        self.threshold = None
+        self.reserved = self.reserved_high = self.used_high = 0
+        self._message = ctypes.create_string_buffer(b"a stand-in CUDA error")
+        self.functions = {name: ctypes.CFUNCTYPE(*sig)(self._counted(name)) for name, sig in SIGNATURES.items()}
+        allocator.make_device_core({name: ctypes.cast(f, ctypes.c_void_p).value for name, f in self.functions.items()})
+
+    def _counted(self, name):
+        def call(*args):
+            self.calls[name] += 1
+            return getattr(self, name)(*args)
+
+        return call
+
+    def cudaMallocAsync(self, data, n, stream):
+        failed = self.error or (OUT_OF_MEMORY if sum(self.sizes.values()) + n > self.capacity else 0)
+        if failed:
+            self.last_error = failed
+            return failed
+        data[0] = LIBC.malloc(n)
+        self.sizes[data[0]] = n
+        used = sum(self.sizes.values())
+        self.reserved, self.used_high = max(self.reserved, used), max(self.used_high, used)
+        self.reserved_high = max(self.reserved_high, self.reserved)
+        return 0
+
+    def cudaMalloc(self, data, n):
+        return self.cudaMallocAsync(data, n, None)
+
+    def cudaFreeAsync(self, data, stream):
+        del self.sizes[data]
+        LIBC.free(data)
+        return 0
+
+    def cudaFree(self, data):
+        return self.cudaFreeAsync(data, None)
+
+    def cudaGetLastError(self):
+        error, self.last_error = self.last_error, 0
+        return error
+
+    def cudaGetErrorString(self, error):
+        return ctypes.addressof(self._message)
+
+    def cudaDeviceGetAttribute(self, value, attribute, device):
+        value[0] = int(self.pools and attribute == 115)  # cudaDevAttrMemoryPoolsSupported
+        return 0
+
+    def cudaDeviceGetDefaultMemPool(self, pool, device):
+        pool[0] = POOL
+        return 0
+
+    def cudaMemPoolSetAttribute(self, pool, attribute, value):
+        value = ctypes.cast(value, ctypes.POINTER(ctypes.c_uint64))[0]
+        if attribute == RELEASE_THRESHOLD:
+            self.threshold = value
+        elif attribute == RESERVED_HIGH and value == 0:
+            self.reserved_high = self.reserved
+        elif attribute == USED_HIGH and value == 0:
+            self.used_high = sum(self.sizes.values())
+        return 0 if pool == POOL else 1  # cudaErrorInvalidValue
+
+    def cudaMemPoolGetAttribute(self, pool, attribute, value):
+        now = {RESERVED: self.reserved, RESERVED_HIGH: self.reserved_high, USED: sum(self.sizes.values())}
+        ctypes.cast(value, ctypes.POINTER(ctypes.c_uint64))[0] = {**now, USED_HIGH: self.used_high}[attribute]
+        return 0 if pool == POOL else 1
 
 
 @pytest.fixture(scope="module")
 def device_lib():
+    """The extension's C functions, as CUDAPluggableAllocator loads them (device_malloc: memo_device_malloc, whose
+    C++ exceptions reach Python as they reach PyTorch's bindings)."""
     lib = ctypes.CDLL(allocator.extension().__file__)
-    allocator.make_device_core(
-        *(ctypes.cast(f, ctypes.c_void_p).value for f in (lib.memo_host_alloc, lib.memo_host_free))
-    )
-    lib.memo_device_malloc.restype = ctypes.c_void_p
-    lib.memo_device_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     lib.memo_device_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     return lib
+
+
+def _malloc(n: int, stream: int = STREAM) -> int:
+    return allocator.extension().device_malloc(n, 0, stream)
 
 
 def _device_step(lib, arena, first: int = 4096, side: bool = False) -> dict[str, int]:
@@ -182,7 +286,7 @@ def _device_step(lib, arena, first: int = 4096, side: bool = False) -> dict[str,
     returns `kept` (it outlives the step). Every buffer is written, as kernels would."""
 
     def malloc(n, stream=STREAM):
-        ptr = lib.memo_device_malloc(n, 0, stream)
+        ptr = _malloc(n, stream)
         ctypes.memset(ptr, 7, n)
         return ptr
 
@@ -198,7 +302,9 @@ def _device_step(lib, arena, first: int = 4096, side: bool = False) -> dict[str,
     return {"a": a, "b": b, "c": c, "kept": kept}
 
 
-def test_the_device_path_plans_the_steps_stream_and_serves_it_from_one_arena(device_lib):
+@pytest.mark.parametrize("pools", [True, False], ids=["memory-pools", "no-memory-pools"])
+def test_the_device_path_plans_the_steps_stream_and_serves_it_from_one_arena(device_lib, pools):
+    cuda = HostCuda(pools=pools)
     arena = PlannedAllocator(torch.device("cuda"), install=False)
     arena._stream = lambda: STREAM
     kept = []
@@ -221,7 +327,89 @@ def test_the_device_path_plans_the_steps_stream_and_serves_it_from_one_arena(dev
         assert arena.counters()["misses"] == before["misses"] + 1 and arena.plan is None
     for ptr in kept:
         device_lib.memo_device_free(ptr, 512, 0, STREAM)
-    assert arena.counters()["live_in_arena"] == 0
+    assert arena.counters()["live_in_arena"] == 0 and not cuda.sizes
+    async_calls = cuda.calls["cudaMallocAsync"] + cuda.calls["cudaFreeAsync"]
+    plain_calls = cuda.calls["cudaMalloc"] + cuda.calls["cudaFree"]
+    assert (async_calls > 0, plain_calls > 0) == (pools, not pools)  # without pools: cudaMalloc and cudaFree
+
+
+def test_the_device_pool_keeps_what_is_freed_and_reports_its_high_water_marks(device_lib):
+    cuda = HostCuda()
+    assert allocator.pool_high_water() is None  # no request yet: the core has not met its device's pool
+    a, b = _malloc(4096), _malloc(8192)
+    assert cuda.threshold == 2**64 - 1  # keep everything, as PyTorch's cudaMallocAsync backend sets it
+    for ptr, n in ((a, 4096), (b, 8192)):
+        device_lib.memo_device_free(ptr, n, 0, STREAM)
+    assert allocator.pool_high_water() == {"reserved": 12288, "reserved_peak": 12288, "used": 0, "used_peak": 12288}
+    allocator.reset_pool_high_water()
+    assert allocator.pool_high_water() == {"reserved": 12288, "reserved_peak": 12288, "used": 0, "used_peak": 0}
+    with pytest.raises(RuntimeError, match="one GPU per process: cuda:0, not cuda:1"):
+        allocator.extension().device_malloc(512, 1, STREAM)
+
+
+def test_without_memory_pools_there_are_no_pool_figures(device_lib):
+    cuda = HostCuda(pools=False)
+    device_lib.memo_device_free(_malloc(4096), 4096, 0, STREAM)
+    assert allocator.pool_high_water() is None and cuda.threshold is None and cuda.calls["cudaMalloc"] == 1
+
+
+def test_device_out_of_memory_raises_torch_out_of_memory_and_clears_the_runtimes_error(device_lib):
+    cuda = HostCuda(capacity=10_000)
+    held = _malloc(8192)
+    with pytest.raises(torch.OutOfMemoryError, match="could not get 4096 bytes for a request"):
+        _malloc(4096)
+    assert cuda.last_error == 0  # read and cleared: the next kernel launch check does not report it
+    with pytest.raises(torch.OutOfMemoryError, match="could not get 16384 bytes for the planned arena"):
+        allocator.extension().set_plan("device", [16384], [0], 16384)
+    device_lib.memo_device_free(held, 8192, 0, STREAM)
+    device_lib.memo_device_free(_malloc(4096), 4096, 0, STREAM)  # the freed memory serves the next request
+    assert cuda.last_error == 0 and not cuda.sizes
+
+
+def test_a_cuda_error_other_than_out_of_memory_is_raised_with_the_runtimes_message_and_cleared(device_lib):
+    cuda = HostCuda(error=1)  # cudaErrorInvalidValue
+    with pytest.raises(RuntimeError, match="cudaMallocAsync failed: a stand-in CUDA error") as err:
+        _malloc(4096)
+    assert not isinstance(err.value, torch.OutOfMemoryError) and cuda.last_error == 0
+
+
+# ---- finding the CUDA runtime torch loaded ------------------------------------------------------------------
+
+
+def test_the_cuda_runtime_is_found_among_the_mapped_files_by_its_file_name():
+    maps = "\n".join(
+        [
+            "7f0000000000-7f0000001000 r-xp 00000000 08:01 11  /usr/lib/x86_64-linux-gnu/libc.so.6",
+            "7f0000001000-7f0000002000 r--p 00000000 08:01 22  /venv/nvidia/cu13/lib/libcudart.so.13",
+            "7f0000002000-7f0000003000 r-xp 00001000 08:01 22  /venv/nvidia/cu13/lib/libcudart.so.13",
+            "7f0000003000-7f0000004000 r-xp 00000000 08:01 33  /opt/my libs/libcudart-9335f6a2.so.12.1.105",
+            "7f0000004000-7f0000005000 r-xp 00000000 08:01 44  /tmp/libcudart.so.12 (deleted)",
+            "7f0000005000-7f0000006000 r-xp 00000000 08:01 55  /usr/lib/libcudart.so.12.txt",
+            "7f0000006000-7f0000007000 rw-p 00000000 00:00 0 ",
+            "7f0000007000-7f0000008000 rw-p 00000000 00:00 0   [heap]",
+        ]
+    )
+    assert dev.cudart_paths(maps) == [
+        "/venv/nvidia/cu13/lib/libcudart.so.13",  # once, though mapped twice
+        "/opt/my libs/libcudart-9335f6a2.so.12.1.105",  # as a wheel that bundles it names it
+    ]
+
+
+def test_the_runtimes_functions_are_taken_by_name_from_the_library():
+    lib = ctypes.CDLL(allocator.extension().__file__)
+    found = allocator._addresses(lib, ("memo_device_malloc", "memo_device_free"))
+    assert all(found.values())
+    assert found == {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in found}
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch loads a CUDA runtime")
+def test_without_a_cuda_runtime_the_device_core_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="needs the CUDA runtime") as err:
+        allocator._cuda_runtime()
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="needs cudaMallocAsync") as err:  # a runtime older than CUDA 11.2
+        allocator._addresses(ctypes.CDLL(None), allocator.CUDA_FUNCTIONS)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("strategy", ["memo", "none"])

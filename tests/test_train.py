@@ -173,12 +173,46 @@ def test_bf16_training_keeps_fp32_master_weights_that_the_model_copies():
     opt = MasterAdamW(model, cfg)
     ids = torch.randint(0, 256, (1, 16))
     model(ids, labels=ids).backward()
-    opt.step(1e-2, 1.0)
+    opt.step(1e-2, 1.0, torch.tensor(1.0))
     assert all(m.dtype == torch.float32 for m in opt.master)
     for m, p in zip(opt.master, model.parameters()):
         assert torch.equal(p, m.to(torch.bfloat16)) and p.grad is None
     state = opt.state_tensors()
     assert any(k.endswith(".master") for k in state) and any(k.endswith(".exp_avg") for k in state)
+
+
+def test_bf16_micro_batches_accumulate_their_gradients_in_fp32():
+    model = Transformer(ModelConfig.preset("tiny")).to(torch.bfloat16)
+    opt = MasterAdamW(model, TrainConfig(dtype="bfloat16"))
+    parts = []
+    for seed in (1, 2, 3):  # three micro-batches' bf16 gradients, summed exactly in fp32
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 256, (1, 16))
+        model(ids, labels=ids).backward()
+        parts.append({n: p.grad.float() for n, p in model.named_parameters()})
+        opt.accumulate()
+        assert all(p.grad is None for p in model.parameters())
+    rounded = 0
+    for name, m in zip(opt.names, opt.master):
+        exact = sum(part[name] for part in parts)
+        assert torch.equal(m.grad, exact), name
+        rounded += not torch.equal(exact.to(torch.bfloat16).float(), exact)  # what a bf16 sum would have lost
+    assert rounded > 0
+
+
+def test_a_run_reports_its_attention_kernel_and_may_keep_no_final_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "2", "--out", str(out), "--no-save-final", "--json"]) == 0
+    steps = [r for r in _records(capsys) if "loss" in r]
+    assert [r["attention"] for r in steps] == ["flash", "flash"]  # the CPU's flash kernel
+    assert checkpoint.list_checkpoints(out) == [] and (out / "config.json").exists()
+
+
+def test_an_attention_kernel_this_machine_lacks_is_refused_before_any_work(tmp_path, capsys):
+    assert main(["train", *SMALL, "--attention", "cudnn", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "`--attention cudnn` cannot run on cpu float32 here" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_hugging_face_folder_is_a_model(tmp_path, capsys):

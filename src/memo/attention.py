@@ -1,8 +1,27 @@
-"""Causal attention through PyTorch's fused flash kernels, keeping output and log-sum-exp for the backward.
+"""Causal attention through fused kernels (PyTorch's flash, cuDNN, FlashAttention-4, memory-efficient), keeping
+output and log-sum-exp for memo's explicit backward; one API whatever kernel runs.
 
 q, k, v are (batch, heads, seq, head_dim) views; k and v may have fewer heads (grouped-query attention).
-`aux` carries what a kernel's backward needs besides (q, k, v, out, lse); it is small and stays on device
-(without dropout it is the same for every call over the same lengths).
+`attention_forward` returns (out, lse, aux): lse is float32 (b, heads, s') and `aux` starts with the name of the
+kernel that ran, then what that kernel's backward needs besides (q, k, v, out, lse); it is small and stays on
+device (without dropout it is the same for every call over the same lengths). `attention_backward` runs the
+backward of the kernel `aux` names, so a forward that fell back is always paired with its own backward.
+
+Kernels (`--attention`, default "auto"):
+- "flash": PyTorch's flash kernel, FlashAttention-2 on CUDA (16-bit), `_scaled_dot_product_flash_attention_for_cpu`
+  on a CPU; grouped-query k, v as they are.
+- "cudnn": cuDNN's fused attention (`aten._scaled_dot_product_cudnn_attention`, in every CUDA build of torch);
+  grouped-query heads natively (pytorch#150337); its LSE is (b, h, s, 1).
+- "fa4": FlashAttention-4 (`flash-attn-4`, an optional extra) on sm90 / sm100, called as PyTorch's own FA4
+  backend calls it (torch/nn/attention/_fa4.py: `_flash_attn_fwd` / `_flash_attn_bwd` on (b, s, h, d) views,
+  which memo's token-major buffers already are), wrapped as the custom op `memo::fa4_attention` so a meta trace
+  and the run-time arena see one op.
+- "efficient": the memory-efficient kernel, the one that takes fp32 on CUDA; k, v repeated to the query heads;
+  its LSE is padded to a multiple of 32 tokens.
+
+"auto" takes the first that can run of fa4, cudnn, flash on Hopper and Blackwell (the FA3 paper measures cuDNN
+ahead of FlashAttention-2 there, arXiv 2407.08608 Fig. 5-6), flash before cudnn elsewhere, and efficient for
+fp32. A kernel that refuses a shape at run time falls back to the next one, and says so once per shape.
 
 Heads are independent, so a layer may call the kernels on a few heads at a time (`head_chunks`): each call's
 outputs and scratch (the backward's fp32 dq accumulator, its expanded dk and dv under grouped-query attention)
@@ -11,25 +30,97 @@ then take about as much memory as one tile of the token-local work, not all head
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
+
 import torch
 
 from .device import kernel_device_type
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
+KERNELS = ("flash", "cudnn", "fa4", "efficient")  # what `--attention` names (besides "auto")
+CHOICES = ("auto", *KERNELS)
+HALF = (torch.float16, torch.bfloat16)
+FA4_MODULE = "flash_attn.cute.interface"  # where flash-attn-4 keeps its kernels' entry points
+_refused: dict[tuple, str] = {}  # (kernel, shape key) -> why it refused: tried once per process
 
 
-def _kernel(q: torch.Tensor) -> str:
-    if kernel_device_type(q.device) != "cuda":
-        return "cpu_flash"
-    return "cuda_flash" if q.dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
+def check_choice(name: str) -> str:
+    """Returns `name` if it names a kernel choice; ValueError naming `--attention` if not."""
+    if name not in CHOICES:
+        raise ValueError(f"`--attention` must be one of {', '.join(CHOICES)}, got {name!r}")
+    return name
 
 
-def lse_seq_len(seq_len: int, device: torch.device, dtype: torch.dtype) -> int:
-    """Returns the length of the LSE's token dimension for the kernel that runs on `device` (on meta: the
-    one `device.meta_kernels` names); the CUDA efficient kernel pads it to a multiple of 32."""
-    if kernel_device_type(device) == "cuda" and dtype not in (torch.float16, torch.bfloat16):
-        return -(-seq_len // 32) * 32
-    return seq_len
+# ---- availability and choice -------------------------------------------------------------------------------
+def _has_kernel(op: str, device_type: str) -> bool:
+    """Returns whether aten/memo `op` has a kernel for `device_type`; CUDA builds have every fused attention
+    kernel (assumed on meta, so a CPU-only build traces a GPU step); elsewhere the dispatcher is asked, so a test
+    can register CPU kernels that mimic CUDA's."""
+    return device_type == "cuda" or torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
+
+
+def _fa4_installed() -> bool:
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """Returns the compute capability of a real CUDA device, None elsewhere (meta, CPU)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def available(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """Returns the kernels that can run causal attention on `dtype` tensors on `device` (on meta: for the kernels
+    `device.meta_kernels` names)."""
+    kind = kernel_device_type(device)
+    half = dtype in HALF or kind != "cuda"  # the 16-bit-only rule is CUDA's kernels'; a registered one decides
+    found = []
+    if kind == "cpu" or (half and _has_kernel("aten::_scaled_dot_product_flash_attention", kind)):
+        found.append("flash")
+    if half and _has_kernel("aten::_scaled_dot_product_cudnn_attention", kind) and _cudnn_built(device):
+        found.append("cudnn")
+    capability = _capability(device)
+    fa4_arch = capability is None or capability[0] in (9, 10)
+    if half and fa4_arch and _has_kernel("memo::fa4_attention", kind) and (kind != "cuda" or _fa4_installed()):
+        found.append("fa4")
+    if _has_kernel("aten::_scaled_dot_product_efficient_attention", kind):
+        found.append("efficient")
+    return tuple(found)
+
+
+def _cudnn_built(device: torch.device) -> bool:
+    """Returns False on a real CUDA device whose torch lacks cuDNN (a meta trace assumes the usual build)."""
+    return device.type != "cuda" or torch.backends.cudnn.is_available()
+
+
+def _preference(device: torch.device) -> tuple[str, ...]:
+    """Returns the kernels "auto" tries in order on `device`: the Hopper-class ones first on sm90 and later."""
+    capability = _capability(device)
+    if capability is not None and capability >= (9, 0):
+        return ("fa4", "cudnn", "flash", "efficient")
+    return ("flash", "cudnn", "fa4", "efficient")
+
+
+def choose(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Returns the kernel that runs for `requested` ("auto" or a kernel) on `device` and `dtype`; a ValueError
+    naming `--attention` when the requested kernel cannot run there at all."""
+    here = available(device, dtype)
+    if requested == "auto":
+        return next(k for k in _preference(device) if k in here)
+    if requested not in here:
+        where = f"{kernel_device_type(device)} {str(dtype).removeprefix('torch.')}"
+        raise ValueError(f"`--attention {requested}` cannot run on {where} here; kernels that can: {', '.join(here)}")
+    return requested
+
+
+def lse_seq_len(seq_len: int, kernel: str) -> int:
+    """Returns the length of the LSE's token dimension `kernel` writes: the efficient kernel pads it to 32."""
+    return -(-seq_len // 32) * 32 if kernel == "efficient" else seq_len
 
 
 MIN_CALL_ROWS = 1 << 16  # query rows x heads per call that keep a GPU's SMs busy (512 blocks of 128 rows)
@@ -63,7 +154,7 @@ def _divisor_at_most(n: int, most: int) -> int:
 
 
 def _repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Returns k or v with heads repeated to `n_heads` (the CUDA efficient kernel wants equal head counts)."""
+    """Returns k or v with heads repeated to `n_heads` (the efficient kernel wants equal head counts)."""
     rep = n_heads // t.shape[1]
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
@@ -74,34 +165,49 @@ def _sum_kv(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
     return grad if heads == n_kv else grad.view(b, n_kv, heads // n_kv, s, d).sum(2)
 
 
-def attention_forward(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """Returns (out, lse, aux) of causal attention; out is (b, heads, s, d), lse is float32 (b, heads, s')."""
-    kind = _kernel(q)
-    if kind == "cpu_flash":
+# ---- the kernels: forward (q, k, v, scale) -> (out, lse, aux); backward -> (dq, dk, dv) on k's heads ------------
+def _flash_forward(q, k, v, scale):
+    if not _has_kernel("aten::_scaled_dot_product_flash_attention", kernel_device_type(q.device)):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
-    if kind == "cuda_flash":  # takes grouped-query k, v as they are (FlashAttention-2's num_heads_k)
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False, scale=scale
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(dout, q, k, v, out, lse, aux, scale):
+    if not aux:  # the CPU kernel
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale
         )
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    )[:3]
+
+
+def _cudnn_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale
+    )
+    return out, lse.squeeze(-1), (cum_q, cum_k, max_q, max_k, seed, offset)  # lse (b, h, s, 1) -> (b, h, s)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    stats = lse.contiguous().unsqueeze(-1)  # back to the kernel's (b, h, s, 1)
+    saved = (out, stats, seed, offset, None, cum_q, cum_k, max_q, max_k)
+    return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, *saved, 0.0, True, scale=scale)
+
+
+def _efficient_forward(q, k, v, scale):
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
     return out, lse, (seed, offset)
 
 
-def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float):
-    """Returns (dq, dk, dv) for `attention_forward`, with dk, dv on k's and v's own head count."""
-    kind = _kernel(q)
-    if kind == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, True, scale=scale
-        )
-    if kind == "cuda_flash":
-        cum_q, cum_k, max_q, max_k, seed, offset = aux
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
-        )[:3]
+def _efficient_backward(dout, q, k, v, out, lse, aux, scale):
     n_kv = k.shape[1]
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     seed, offset = aux
@@ -109,3 +215,111 @@ def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float):
         dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
     )
     return dq, _sum_kv(dk, n_kv), _sum_kv(dv, n_kv)
+
+
+def _fa4_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out (b, h, s, d), lse (b, h, s) fp32) of causal FlashAttention-4 on (b, h, s, d) views."""
+    fa4 = importlib.import_module(FA4_MODULE)
+    out = torch.empty_like(q)  # the query's layout, written through a (b, s, h, d) view as FA4 wants
+    bshd = (t.transpose(1, 2) for t in (q, k, v))
+    found = fa4._flash_attn_fwd(*bshd, softmax_scale=scale, causal=True, return_lse=True, out=out.transpose(1, 2))
+    return out, found[1].contiguous()  # (out, lse, ...): flash-attn-4 4.0.0b36 returns three more, older ones none
+
+
+def _fa4_run_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv), (b, heads, s, d) each on its own head count, of `_fa4_run`."""
+    fa4 = importlib.import_module(FA4_MODULE)
+    q_, k_, v_, out_, dout_ = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+    dq, dk, dv = fa4._flash_attn_bwd(q_, k_, v_, out_, dout_, lse.contiguous(), softmax_scale=scale, causal=True)[:3]
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# one op each on every device (a test registers `_fa4_run` for the CPU with a stand-in module), with a fake
+# kernel so a meta trace and the arena's replay see FA4 as one op
+fa4_attention = torch.library.custom_op("memo::fa4_attention", _fa4_run, mutates_args=(), device_types="cuda")
+fa4_attention_backward = torch.library.custom_op(
+    "memo::fa4_attention_backward", _fa4_run_backward, mutates_args=(), device_types="cuda"
+)
+
+
+@fa4_attention.register_fake
+def _fa4_attention_fake(q, k, v, scale):
+    b, h, s, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@fa4_attention_backward.register_fake
+def _fa4_attention_backward_fake(dout, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_forward(q, k, v, scale):
+    out, lse = fa4_attention(q, k, v, scale)
+    return out, lse, ()
+
+
+def _fa4_backward(dout, q, k, v, out, lse, aux, scale):
+    return fa4_attention_backward(dout, q, k, v, out, lse, scale)
+
+
+_FORWARD = {"flash": _flash_forward, "cudnn": _cudnn_forward, "fa4": _fa4_forward, "efficient": _efficient_forward}
+_BACKWARD = {"flash": _flash_backward, "cudnn": _cudnn_backward, "fa4": _fa4_backward, "efficient": _efficient_backward}
+
+
+# ---- the API -----------------------------------------------------------------------------------------------
+def _shape_key(kernel: str, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return kernel, q.device.type, q.dtype, q.shape[1], k.shape[1], q.shape[-1], q.shape[-2]
+
+
+def _fallbacks(kernel: str, q: torch.Tensor) -> list[str]:
+    """Returns `kernel` and then the kernels to try when it refuses a shape, in "auto"'s order: those whose LSE has
+    the same length, which the layer sized for the first."""
+    here, s = available(q.device, q.dtype), q.shape[-2]
+    same = [k for k in _preference(q.device) if k in here and lse_seq_len(s, k) == lse_seq_len(s, kernel)]
+    return [kernel] + [k for k in same if k != kernel]
+
+
+def attention_forward(q, k, v, scale: float, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Returns (out, lse, aux) of causal attention: out (b, heads, s, d), lse float32 (b, heads, s'), aux
+    (the kernel that ran, *what its backward needs). `kernel` ("auto" or a name) is tried first; one that
+    refuses the shape hands over to the next and is not tried at that shape again."""
+    first = choose(kernel, q.device, q.dtype)
+    for name in _fallbacks(first, q):
+        key = _shape_key(name, q, k)
+        if key in _refused:
+            continue
+        try:
+            out, lse, aux = _FORWARD[name](q, k, v, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError, ImportError) as err:
+            _refused[key] = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.warning("attention: %s refused %s; trying the next kernel", name, _describe(key, _refused[key]))
+            continue
+        return out, lse, (name, *aux)
+    raise RuntimeError(f"no attention kernel could run {tuple(q.shape)} {q.dtype}: {refusals()}")
+
+
+def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float):
+    """Returns (dq, dk, dv) for `attention_forward`, by the backward of the kernel that ran it (aux[0]), with
+    dk, dv on k's and v's own head count."""
+    return _BACKWARD[aux[0]](dout, q, k, v, out, lse, aux[1:], scale)
+
+
+def _describe(key: tuple, why: str) -> str:
+    _, device, dtype, heads, kv_heads, d, s = key
+    return f"{heads}/{kv_heads} heads of dim {d} x {s} tokens, {str(dtype).removeprefix('torch.')} on {device} ({why})"
+
+
+def refusals() -> list[str]:
+    """Returns each kernel that refused a shape in this process, with the shape and why (a run reports them
+    beside the kernel it used)."""
+    return [f"{key[0]}: {_describe(key, why)}" for key, why in _refused.items()]

@@ -19,7 +19,7 @@ from . import eval as evaluation
 from .config import PRESETS, ModelConfig
 from .cost.calibrate import Shape, calibrate
 from .cost.efficiency import check_calibration_device, efficiency_from_calibration
-from .cost.estimate import CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
+from .cost.estimate import ATTENTION_CHOICES, CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
 from .cost.flops import LORA_FLOPS
 from .cost.hardware import GPUS, gpu, load_gpus
 from .cost.memory import training_lower_bound
@@ -358,6 +358,15 @@ def _estimate_parser(sub) -> None:
     )
     p.add_argument("--calibration", type=PATH, default=None, help="JSON written by `memo calibrate` on this GPU type")
     p.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="attention kernel whose published speeds time attention: flash (PyTorch's, FlashAttention-2), cudnn "
+        "(cuDNN's fused attention), fa4 (flash-attn-4; on Hopper timed at FlashAttention-3's published speeds); "
+        "auto (default): what memo's run-time choice takes on that GPU without optional packages, cudnn on Hopper "
+        "(H100, H200) and flash elsewhere",
+    )
+    p.add_argument(
         "--arena", action="store_true", help="memo runs with its planned allocator (memo train --arena), not PyTorch's"
     )
     p.add_argument(
@@ -388,7 +397,9 @@ def _estimate_parser(sub) -> None:
 def _run_estimate(args) -> int:
     gpus = load_gpus(args.gpu_file) if args.gpu_file else GPUS
     spec = gpu(args.gpu, gpus)
-    eff = None  # the published band for the GPU and each layout's shape
+    eff = None  # the published band for the GPU, each layout's shape and the attention kernel
+    if args.calibration and args.attention != "auto":
+        raise ValueError("`--attention` picks published kernel speeds; `--calibration` has measured its own: give one")
     if args.calibration:
         calibration = read_json_object(args.calibration)
         check_calibration_device(calibration, spec)
@@ -402,7 +413,8 @@ def _run_estimate(args) -> int:
         return _print_sweep(args, cfg, spec, systems, eff, states)
     if args.max_seq:
         run = (cfg, args.gpus, spec)
-        found = {s: max_seq_range(*run, s, args.sp, eff, args.host_memory, args.arena, states) for s in systems}
+        every = dict(arena=args.arena, states=states, attention=args.attention)
+        found = {s: max_seq_range(*run, s, args.sp, eff, args.host_memory, **every) for s in systems}
         if args.json:
             print(json.dumps(found))
             return 0
@@ -411,11 +423,11 @@ def _run_estimate(args) -> int:
                 f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])}); "
                 f"{'longer' if n['mid'] else 'shortest tried'}: {n['why_not']}"
             )
-        print(f"\nrange: {MAX_SEQ_RANGE}")
+        print(f"\nrange: {MAX_SEQ_RANGE}; attention kernel: {next(iter(found.values()))['attention_kernel']}")
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
-    every = dict(host_memory=args.host_memory, arena=args.arena, states=states)
+    every = dict(host_memory=args.host_memory, arena=args.arena, states=states, attention=args.attention)
     results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, **every) for s in systems]
     if args.json:
         print(json.dumps([e.as_dict() for e in results]))
@@ -448,7 +460,9 @@ def _run_estimate(args) -> int:
     for e in results:
         if e.layout:
             print(f"{e.system}: nearest its limit: {e.binds}; memory served by {e.allocator}")
-    print(f"ranges: the efficiency band; efficiencies: {results[0].efficiency.get('source', '-')}")
+    timed = next((e.attention_kernel for e in results if e.attention_kernel), "-")
+    source = results[0].efficiency.get("source", "-")
+    print(f"ranges: the efficiency band; attention kernel: {timed}; efficiencies: {source}")
     return 0
 
 
@@ -464,7 +478,8 @@ def _estimated_states(args) -> States:
 
 def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff, states: States) -> int:
     """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M."""
-    results = sweep(cfg, default_lengths(), args.gpus, spec, systems, args.sp, eff, args.host_memory, states)
+    run = (args.gpus, spec, systems, args.sp, eff, args.host_memory, states, args.attention)
+    results = sweep(cfg, default_lengths(), *run)
     if args.plot:
         plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -477,7 +492,8 @@ def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff, states: 
     for i, n in enumerate(lengths):
         cells = [f"{100 * results[s][i].mfu:.1f}%" if results[s][i].fits else "OOM" for s in systems]
         print(f"| {format_count(n)} | " + " | ".join(cells) + " |")
-    print(f"\nMFU: {CONVENTIONS['mfu']}")
+    timed = next((e.attention_kernel for es in results.values() for e in es if e.attention_kernel), "-")
+    print(f"\nMFU: {CONVENTIONS['mfu']}; attention kernel: {timed}")
     return 0
 
 
@@ -533,6 +549,7 @@ def _run_calibrate(args) -> int:
         print(f"matmul              {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
         print(f"attention forward   {result['attention_forward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
         print(f"attention backward  {result['attention_backward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)")
+        print(f"attention kernel    {result['attention_kernel']}")
         print(f"memory              {result['hbm_bytes_per_s'] / 1e9:.2f} GB/s (device copy, read + write)")
         print(f"host copy           {result['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
     return 0

@@ -6,14 +6,32 @@ Every other module calls these, so the swap engine runs the same code on CPU, CU
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import logging
+import mmap
 import os
+import re
+import sys
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
+from pathlib import Path, PurePosixPath
 
 import torch
 
+from .units import format_bytes
+
+log = logging.getLogger(__name__)
+
 _META_KERNELS: ContextVar[str] = ContextVar("memo_meta_kernels", default="cpu")
+
+PAGE = mmap.PAGESIZE
+REGISTER_CHUNK = 64 << 30  # bytes per cudaHostRegister call (a multiple of PAGE): calls of >= 512 GiB fail
+PREFAULT_PIECE = 64 << 20  # the fewest bytes worth a thread of their own when faulting pages in
+MADV_POPULATE_WRITE = 23  # madvise: fault a range in for writing (Linux >= 5.14)
+CUDA_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
 
 
 def is_cuda(device: torch.device) -> bool:
@@ -46,9 +64,38 @@ def has_fused_kernel(op: str, device_type: str) -> bool:
     return device_type == "cuda" or torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
 
 
+_SPARE_STREAMS: dict[int, list[int]] = {}  # device index -> handles of memo's streams whose wrappers died
+
+
 def new_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """Returns a side stream on CUDA; None elsewhere (copies then run in program order)."""
-    return torch.cuda.Stream(device=device) if is_cuda(device) else None
+    """Returns a side stream of memo's own on CUDA; None elsewhere (copies then run in program order).
+
+    Not `torch.cuda.Stream()`: it hands out 32 pooled streams per priority in turn (getStreamFromPool in
+    c10/cuda/CUDAStream.cpp), the pool ProcessGroupNCCL takes its stream from, so a copy could queue behind a
+    collective. A handle whose wrapper dies is kept for the next call, never destroyed: the caching allocator
+    remembers each block's stream and synchronises it when it unmaps an expandable segment.
+    """
+    if not is_cuda(device):
+        return None
+    runtime = cuda_runtime()
+    if runtime is None:  # a torch that links the runtime statically: the pool is all there is
+        return torch.cuda.Stream(device=device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    spare = _SPARE_STREAMS.setdefault(index, [])
+    handle = spare.pop() if spare else _create_stream(runtime, index)
+    stream = torch.cuda.ExternalStream(handle, device=index)
+    weakref.finalize(stream, spare.append, handle)
+    return stream
+
+
+def _create_stream(runtime: ctypes.CDLL, index: int) -> int:
+    """Returns a new non-blocking cudaStream_t on device `index` (non-blocking like torch's pooled streams)."""
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        error = runtime.cudaStreamCreateWithFlags(ctypes.byref(handle), CUDA_STREAM_NON_BLOCKING)
+    if error:
+        raise RuntimeError(f"could not create a CUDA stream on cuda:{index} (cudaStreamCreateWithFlags error {error})")
+    return handle.value
 
 
 def on_stream(stream: torch.cuda.Stream | None):
@@ -86,6 +133,48 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+CUDART = re.compile(r"libcudart(-[0-9a-f]+)?\.so(\.\d+)*")  # a CUDA runtime's file name
+
+
+@functools.cache
+def cuda_runtime() -> ctypes.CDLL | None:
+    """Returns the CUDA runtime torch calls, for what torch.cuda.cudart() lacks: the process's global namespace
+    where it defines cudaMallocAsync (torch opens libtorch_global_deps, which depends on libcudart, with
+    RTLD_GLOBAL: torch/__init__.py `_load_global_deps`; the dynamic linker binds torch's own calls to that
+    definition), else the first libcudart this process mapped; None without one."""
+    process = ctypes.CDLL(None)
+    if hasattr(process, "cudaMallocAsync"):
+        return process
+    loaded = cudart_paths("\n".join(_lines(Path("/proc/self/maps"))))
+    return ctypes.CDLL(loaded[0]) if loaded else None
+
+
+def cudart_paths(maps: str) -> list[str]:
+    """Returns the CUDA runtime libraries among the files a /proc/<pid>/maps text lists, in its order, once each:
+    libcudart.so[.N...], or libcudart-<hash>.so[.N...] as wheels that bundle it rename it."""
+    paths = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (which may hold spaces)
+        path = fields[5] if len(fields) == 6 else ""
+        if CUDART.fullmatch(Path(path).name) and not path.endswith(" (deleted)") and path not in paths:
+            paths.append(path)
+    return paths
+
+
+def _clear_cuda_error() -> None:
+    """Resets this thread's last CUDA runtime error (cudaGetLastError), which the next kernel launch would raise."""
+    runtime = cuda_runtime()
+    if runtime is not None:
+        runtime.cudaGetLastError()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 class HostBuffer:
     """Host bytes for copies from `device`, page-locked for exactly the life of this object on CUDA.
 
@@ -95,15 +184,29 @@ class HostBuffer:
     so the registration must not hang on any tensor's Python object (a view would outlive it and copy from
     pageable memory). `release` (or the object's death) unregisters only after the device has finished every
     queued copy, on every stream, that may still touch the bytes.
+
+    The pages are faulted in on every core first (`fault_seconds`), then registered as `chunks` of at most
+    REGISTER_CHUNK bytes each (`pin_seconds`): one call faults pages in on one thread at 2-4 GB/s, and a call
+    of 512 GiB or more fails on recent drivers.
     """
 
     def __init__(self, nbytes: int, device: torch.device):
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device=host_device_for(device))
+        self.data = _page_aligned(nbytes, host_device_for(device))
+        self.chunks = chunk_ranges(self.data.data_ptr(), nbytes, REGISTER_CHUNK)
         self.pinned = pins(device) and nbytes > 0
-        if self.pinned and _cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0) != 0:
-            raise RuntimeError(f"could not pin {nbytes} bytes of host memory (cudaHostRegister failed)")
+        start = time.perf_counter()
+        if self.data.device.type == "cpu":
+            prefault(self.data)
+        faulted = time.perf_counter()
+        if self.pinned:
+            _register(self.chunks, nbytes)
+        self.fault_seconds, self.pin_seconds = faulted - start, time.perf_counter() - faulted
+        if self.pinned:
+            log.info("pinned %s of host memory: pages faulted in %.1f s, registered in %.1f s",
+                     format_bytes(nbytes), self.fault_seconds, self.pin_seconds)
         # runs before `data` is dropped (weak references die first), so the bytes are never freed while pinned
-        self._unpin = weakref.finalize(self, _unregister, self.data.data_ptr(), device) if self.pinned else None
+        ptrs = [ptr for ptr, _ in self.chunks]
+        self._unpin = weakref.finalize(self, _unregister, ptrs, device) if self.pinned else None
 
     def release(self) -> None:
         """Unpins now (idempotent), after synchronising the device; `data` stays usable as pageable memory."""
@@ -111,9 +214,60 @@ class HostBuffer:
             self._unpin()
 
 
-def _unregister(ptr: int, device: torch.device) -> None:
+def _page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Returns `nbytes` uninitialised bytes that start a page and own every page they touch, so no other
+    allocation's registration can overlap theirs."""
+    raw = torch.empty(-(-nbytes // PAGE) * PAGE + PAGE, dtype=torch.uint8, device=device)
+    at = -raw.data_ptr() % PAGE
+    return raw[at : at + nbytes]
+
+
+def chunk_ranges(ptr: int, nbytes: int, cap: int) -> list[tuple[int, int]]:
+    """Returns (address, bytes) of consecutive pieces of at most `cap` bytes that cover [ptr, ptr + nbytes)."""
+    return [(ptr + at, min(cap, nbytes - at)) for at in range(0, nbytes, cap)]
+
+
+def prefault(data: torch.Tensor) -> None:
+    """Backs every page of `data` (host bytes that start a page) with memory now, on all cores: each thread asks
+    the kernel to fault in one piece (MADV_POPULATE_WRITE); before Linux 5.14 one byte per page is written
+    instead, on torch's threads. Threads of our own, since torchrun sets OMP_NUM_THREADS=1."""
+    threads = max(1, min(_cores(), data.numel() // PREFAULT_PIECE))
+    step = max(PAGE, -(-data.numel() // (threads * PAGE)) * PAGE)
+    with ThreadPoolExecutor(threads) as pool:
+        populated = all(pool.map(_populate, [data[at : at + step] for at in range(0, data.numel(), step)]))
+    if not populated:
+        data[::PAGE].fill_(0)
+
+
+def _populate(piece: torch.Tensor) -> bool:
+    """Returns whether the kernel faulted in `piece` for writing (Linux >= 5.14 only)."""
+    return sys.platform == "linux" and _libc().madvise(piece.data_ptr(), piece.numel(), MADV_POPULATE_WRITE) == 0
+
+
+def _cores() -> int:
+    """Returns the cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _register(chunks: list[tuple[int, int]], nbytes: int) -> None:
+    """Page-locks every chunk. On a failure it unpins those done and clears the error CUDA latched (the next
+    kernel launch would raise it), then raises one line naming the size and `--host-budget`."""
+    for i, (ptr, size) in enumerate(chunks):
+        error = int(_cudart().cudaHostRegister(ptr, size, 0))
+        if error:
+            for done, _ in chunks[:i]:
+                _cudart().cudaHostUnregister(done)
+            _clear_cuda_error()
+            raise RuntimeError(
+                f"could not pin {format_bytes(nbytes)} of host memory (cudaHostRegister error {error} at "
+                f"{format_bytes(ptr - chunks[0][0])}); lower `--host-budget` (or `--alpha`) or free host memory"
+            )
+
+
+def _unregister(ptrs: list[int], device: torch.device) -> None:
     synchronize(device)
-    _cudart().cudaHostUnregister(ptr)
+    for ptr in ptrs:
+        _cudart().cudaHostUnregister(ptr)
 
 
 def synchronize(device: torch.device) -> None:
@@ -149,16 +303,75 @@ def use_expandable_segments() -> str:
     return EXPANDABLE
 
 
-def available_host_bytes() -> int:
-    """Returns the host memory the OS reports as available (MemAvailable), or total RAM if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+def available_host_bytes(root: str | Path = "/") -> int:
+    """Returns the host memory this process may still fill: the least of what the OS reports available and the
+    headroom of each memory cgroup it is in, whose limit gets the process killed however much RAM the machine
+    has free. `root` stands for / (tests give a fake tree)."""
+    root = Path(root)
+    return min([_mem_available(root), *cgroup_headrooms(root)])
+
+
+def _mem_available(root: Path) -> int:
+    """Returns MemAvailable of root/proc/meminfo, or total RAM if unknown."""
+    for line in _lines(root / "proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_CGROUP_FILES = {  # limit, usage, and the memory.stat key of page cache the kernel drops before it kills
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+}
+
+
+def cgroup_headrooms(root: Path) -> list[int]:
+    """Returns limit - usage (inactive page cache counted as free) for this process's memory cgroup and each
+    ancestor that has a limit: cgroup v1's memory controller where mounted, else cgroup v2's; [] if neither."""
+    entries = [line.split(":", 2) for line in _lines(root / "proc/self/cgroup") if line.count(":") >= 2]
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            return _headrooms(root / "sys/fs/cgroup/memory", path, _CGROUP_FILES["v1"])
+    for hierarchy, _, path in entries:
+        if hierarchy == "0":
+            return _headrooms(root / "sys/fs/cgroup", path, _CGROUP_FILES["v2"])
+    return []
+
+
+def _headrooms(base: Path, path: str, files: tuple[str, str, str]) -> list[int]:
+    """Returns the headroom of the cgroup at `path` under `base` and of its ancestors, those found with a limit
+    (a container sees its own cgroup at `base`, however deep the path it is listed under)."""
+    limit_file, usage_file, cache_key = files
+    parts = PurePosixPath(path).parts[1:]
+    found = []
+    for depth in range(len(parts), -1, -1):
+        folder = base.joinpath(*parts[:depth])
+        limit, usage = _read_int(folder / limit_file), _read_int(folder / usage_file)
+        if limit is not None and usage is not None:  # an absurd limit (v1's 2^63) never wins the min
+            found.append(max(0, limit - usage + _stat(folder / "memory.stat", cache_key)))
+    return found
+
+
+def _stat(path: Path, key: str) -> int:
+    """Returns the value of `key` in a memory.stat file (0 if absent)."""
+    for line in _lines(path):
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def _read_int(path: Path) -> int | None:
+    """Returns the number in a cgroup file; None if it is missing or says "max" (no limit)."""
+    text = "".join(_lines(path)).strip()
+    return int(text) if text.isdigit() else None
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
 
 
 def check_device(name: str) -> torch.device:

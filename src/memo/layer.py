@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attention_backward, attention_forward, head_chunks, lse_seq_len
+from .attention import attention_backward, attention_forward, choose, head_chunks, lse_seq_len
 from .config import ModelConfig
 from .lora import drops_out, low_rank_add, low_rank_backward
 from .matmul import add_mm, add_to
@@ -216,6 +216,8 @@ class DecoderLayer(nn.Module):
         self.scale = d**-0.5
         self.arena = None  # a plan.arena.Arena: transient tensors at planned offsets (Transformer.plan_memory)
         self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
+        self.attention_kernel = "auto"  # the kernel asked for (`attention.CHOICES`); the model sets its policy's
+        self.attention_ran: str | None = None  # the kernel the last forward's attention ran
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
@@ -253,9 +255,10 @@ class DecoderLayer(nn.Module):
     def _lse_spec(self, b: int, s: int, dtype, device: torch.device) -> SkeletalSpec:
         """Returns the LSE's spec: the kernel's, for all heads, or for a/sp heads of all s·sp tokens."""
         a, sp = self.config.n_heads, self.seq_parallel
+        kernel = choose(self.attention_kernel, device, dtype)
         if sp is None:
-            return SkeletalSpec((b, a, lse_seq_len(s, device, dtype)), torch.float32, "attention")
-        return SkeletalSpec((b, a // sp.size, lse_seq_len(s * sp.size, device, dtype)), torch.float32, "attention")
+            return SkeletalSpec((b, a, lse_seq_len(s, kernel)), torch.float32, "attention")
+        return SkeletalSpec((b, a // sp.size, lse_seq_len(s * sp.size, kernel)), torch.float32, "attention")
 
     def _rope(self, s: int, rows: slice, like: torch.Tensor):
         """Returns cos, sin for local token rows `rows` of this rank's `s` tokens (global positions)."""
@@ -318,19 +321,21 @@ class DecoderLayer(nn.Module):
     def attend(self, t: dict, per_call: int) -> tuple:
         """Writes the attention output and LSE of all s tokens from q, k, v, `per_call` query heads per kernel call
         at most (`attention.head_chunks`); returns the kernel's aux."""
-        sp = self.seq_parallel
+        sp, kernel = self.seq_parallel, self.attention_kernel
         k, v = self._kv(t)
         for kv_heads, q_chunks in self._head_chunks(t, per_call):
             kc, vc = self._kv_heads(k, v, kv_heads)  # (b, kv heads, all tokens, d)
             for heads in q_chunks:
                 if sp is None:
-                    out, lse, aux = attention_forward(heads_major(t["q"])[:, heads], kc, vc, self.scale)
+                    out, lse, aux = attention_forward(heads_major(t["q"])[:, heads], kc, vc, self.scale, kernel)
                     heads_major(t["attn"])[:, heads].copy_(out)  # (b, heads, s, d) into token-major (b, s, a, d)
                 else:  # (b, local tokens, all heads) -> (b, all tokens, these heads) and back: two all-to-alls
                     (q,) = sp.to_heads(t["q"], heads=(heads,))
-                    out, lse, aux = attention_forward(heads_major(q), kc, vc, self.scale)
+                    out, lse, aux = attention_forward(heads_major(q), kc, vc, self.scale, kernel)
                     sp.to_tokens(heads_major(out), out=(t["attn"],), heads=(heads,))
                 t["lse"][:, heads].copy_(lse)
+                kernel = aux[0]  # after a refusal the next calls start from the kernel that ran
+        self.attention_ran = kernel
         return aux
 
     def fill_mlp(self, v: dict) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .attention import refusals
 from .config import ModelConfig
 from .layer import DecoderLayer
 from .lora import set_dropout_keys
@@ -32,6 +33,8 @@ class Transformer(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        for layer in self.layers:
+            layer.attention_kernel = self.policy.attention
         h = config.hidden_size
         self.norm = nn.LayerNorm(h, eps=config.norm_eps) if config.arch == "gpt" else nn.RMSNorm(h, eps=config.norm_eps)
         self.head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
@@ -100,6 +103,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.arena = arena
         return arena
+
+    def attention_report(self) -> str:
+        """Returns the attention kernel(s) the last forward ran, and any that refused a shape and fell back."""
+        ran = sorted({layer.attention_ran for layer in self.layers if layer.attention_ran})
+        refused = refusals()
+        return ", ".join(ran) + (f" (fell back: {'; '.join(refused)})" if refused else "") if ran else "none yet"
 
     def swap_stats(self) -> SwapStats:
         """Returns what the activation store did in the last step (bytes offloaded, recomputed, pool peak)."""

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from .attention import check_choice
 from .units import format_bytes
 
 Strategy = Literal["none", "full", "memo"]
@@ -39,7 +40,8 @@ class ActivationPolicy:
 
     `tile_tokens` is the length of the token tiles of the token-local work (default `DEFAULT_TILE_TOKENS`,
     or the whole sequence when shorter); `attention_heads` how many query heads each attention kernel call
-    takes at most (default `attention.heads_per_call`: on a GPU about a tile's rows of every head).
+    takes at most (default `attention.heads_per_call`: on a GPU about a tile's rows of every head);
+    `attention` the attention kernel (`attention.CHOICES`, default the fastest that runs).
     """
 
     strategy: Strategy = "none"
@@ -50,8 +52,10 @@ class ActivationPolicy:
     tile_tokens: int | None = None
     device_budget_bytes: int | None = None
     attention_heads: int | None = None
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
+        check_choice(self.attention)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"`--strategy` must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if isinstance(self.alpha, (list, tuple)):

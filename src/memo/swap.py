@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from . import device as dev
@@ -613,13 +614,27 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def measure_copy_bandwidth(src: torch.Tensor) -> float:
-    """Returns device-to-host bytes/s measured by copying `src` into fresh (pinned on CUDA) host memory."""
+    """Returns device-to-host bytes/s measured by copying `src` into fresh (pinned on CUDA) host memory.
+
+    Under torch.distributed every rank copies at once and all return the slowest rank's number: a node's GPUs
+    share PCIe uplinks while they train, and every rank must solve α from the same bandwidth (§3)."""
     nbytes = src.numel() * src.element_size()
     host = dev.HostBuffer(nbytes, src.device)  # held (and so pinned) until the timing is over
     dst = host.data.view(src.dtype).view(src.shape)
+    together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if together:
+        _least_over_ranks(0.0, src.device)  # a barrier: no rank starts copying before every rank is ready
     seconds = dev.timed(lambda: dst.copy_(src, non_blocking=True), src.device, repeats=3)
     host.release()
-    return nbytes / max(seconds, 1e-9)
+    bandwidth = nbytes / max(seconds, 1e-9)
+    return _least_over_ranks(bandwidth, src.device) if together else bandwidth
+
+
+def _least_over_ranks(value: float, device: torch.device) -> float:
+    """Returns the least `value` over all ranks, once every rank has given its own (on `device`: nccl or gloo)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.item()
 
 
 def measure_layer_seconds(layer: DecoderLayer, t: dict[str, torch.Tensor], tiles: FreshTiles) -> dict[str, float]:

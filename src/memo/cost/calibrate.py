@@ -53,9 +53,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, shape: Shape)
     return work / dev.timed(lambda: [x @ w for w in weights], device, repeats=5)
 
 
-def measure_attention_flops(device: torch.device, dtype: torch.dtype, shape: Shape) -> tuple[float, float]:
+def measure_attention_flops(device: torch.device, dtype: torch.dtype, shape: Shape) -> tuple[float, float, str]:
     """Returns FLOP/s of causal attention forward and of its backward, counting the causal (half-matrix) work
-    and backward as 2.5 × forward, at `shape` (its length capped at `ATTENTION_TOKENS`)."""
+    and backward as 2.5 × forward, at `shape` (its length capped at `ATTENTION_TOKENS`), and the kernel timed
+    (what `--attention auto` takes here)."""
     seq = min(shape.attention_tokens, ATTENTION_TOKENS[device.type])
 
     def heads(n: int) -> torch.Tensor:
@@ -67,7 +68,7 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, shape: Sha
     forward = 4 * seq * seq * shape.heads * shape.head_dim / 2
     forward_s = dev.timed(lambda: attention_forward(q, k, v, scale), device, repeats=3)
     backward_s = dev.timed(lambda: attention_backward(out, q, k, v, out, lse, aux, scale), device, repeats=3)
-    return forward / forward_s, 2.5 * forward / backward_s
+    return forward / forward_s, 2.5 * forward / backward_s, aux[0]
 
 
 def measure_hbm_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -83,7 +84,7 @@ def calibrate(device: torch.device, shape: Shape | None = None) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = shape or GENERIC_SHAPE["cuda" if cuda else "cpu"]
     copy_src = torch.empty((256 if cuda else 64) << 20, dtype=torch.uint8, device=device)
-    attention_fwd, attention_bwd = measure_attention_flops(device, dtype, shape)
+    attention_fwd, attention_bwd, kernel = measure_attention_flops(device, dtype, shape)
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
@@ -91,6 +92,7 @@ def calibrate(device: torch.device, shape: Shape | None = None) -> dict:
         "matmul_flops_per_s": measure_matmul_flops(device, dtype, shape),
         "attention_forward_flops_per_s": attention_fwd,
         "attention_backward_flops_per_s": attention_bwd,
+        "attention_kernel": kernel,
         "hbm_bytes_per_s": measure_hbm_bandwidth(device, (1 << 30) if cuda else (256 << 20)),
         "host_copy_bytes_per_s": measure_copy_bandwidth(copy_src),
     }

@@ -41,16 +41,18 @@ POINTS = ("low", "mid", "high")
 
 @dataclass(frozen=True)
 class Band:
-    """The efficiencies a prediction is made at (mid) and the slow and fast ends of its range."""
+    """The efficiencies a prediction is made at (mid) and the slow and fast ends of its range, and the attention
+    kernel whose speeds they hold."""
 
     low: Efficiency
     mid: Efficiency
     high: Efficiency
     source: str
+    attention: str = ""
 
     @classmethod
-    def around(cls, mid: Efficiency, spread: float, source: str) -> Band:
-        return cls(mid.scaled(1 - spread), mid, mid.scaled(1 + spread), source)
+    def around(cls, mid: Efficiency, spread: float, source: str, attention: str = "") -> Band:
+        return cls(mid.scaled(1 - spread), mid, mid.scaled(1 + spread), source, attention)
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,10 @@ class KernelSpeeds:
     """Published achieved speeds of one GPU generation (TFLOP/s), each table with its source. Attention
     counts the causal half of the s × s matrix; backward FLOPs are 2.5 × forward's."""
 
-    # kernel -> head dim -> (forward, backward), each ((sequence length, TFLOP/s), ...); "flash2" is PyTorch's
+    # published kernel (the values of TIMED_AS, and older ones) -> head dim -> (forward, backward), each
+    # ((sequence length, TFLOP/s), ...)
     attention: dict[str, dict[int, tuple[tuple, tuple]]]
+    auto: str  # memo's kernel that `--attention auto` runs here without optional packages (memo.attention)
     matmul: tuple[tuple[int, float], ...]  # (hidden size of a layer's GEMMs, TFLOP/s)
     sms: int  # streaming multiprocessors: one attention block per 128 query rows and head must fill them
     hbm: float  # achieved fraction of the HBM bandwidth by memory-bound ops
@@ -70,6 +74,18 @@ class KernelSpeeds:
     source: str
 
 
+# memo's attention kernels (`memo.attention.KERNELS`, `--attention`) -> the published kernel whose speeds time them;
+# the one place that maps them ("efficient", fp32 only, has no published bf16 speeds)
+TIMED_AS = {
+    "flash": "flash2",  # PyTorch's SDPA flash backend is FlashAttention-2 (since PyTorch 2.2)
+    "cudnn": "cudnn",  # aten._scaled_dot_product_cudnn_attention: cuDNN's fused attention, as the FA3 paper times it
+    # flash-attn-4 on sm90 is a CuTe-DSL reimplementation of FlashAttention-3's Hopper kernels with their tile sizes
+    # (Dao-AILab/flash-attention: flash_attn/cute/flash_fwd.py "A reimplementation of hopper/flash_fwd_kernel_sm90.h
+    # from Cutlass C++ to Cute-DSL"; interface.py `_tile_size_fwd_sm90` / `_tile_size_bwd_sm90`, "based on" FA3's).
+    # No H100 speed of FA4 is published (its paper, Zadouri et al. 2026, arXiv 2603.05451, times B200 only): on
+    # Hopper it is assumed to run at FlashAttention-3's published speeds
+    "fa4": "fa3",
+}
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)  # the published attention benchmarks' sequence lengths
 # FlashAttention-2 (the kernel PyTorch's SDPA flash backend has shipped since 2.2), causal, forward + backward,
 # TFLOP/s at LENGTHS, counted as the paper counts (causal half, backward 2.5 × forward): Dao 2023,
@@ -84,8 +100,20 @@ _OTHERS_A100 = {
     "standard": {64: (15, 16, 17, 18, 18, 18), 128: (23, 28, 32, 32, 34, 34)},
 }
 _FA2_H100 = {64: (141, 192, 232, 257, 273, 284), 128: (163, 221, 265, 294, 308, 328)}
-# FlashAttention-2 forward alone on H100 SXM5, causal: Shah et al. 2024 (FlashAttention-3), arXiv 2407.08608, Fig. 5
-_FA2_H100_FORWARD = {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)}
+# H100 80GB SXM5, FP16/BF16, TFLOP/s at LENGTHS as printed on the bars of Shah et al. 2024, FlashAttention-3,
+# arXiv 2407.08608 (https://arxiv.org/abs/2407.08608); the same forward figure is Dao-AILab/flash-attention
+# assets/flash3_fp16_fwd.png. Fig. 5 (b) and (d): forward with causal mask, head dim 64 and 128.
+_H100_FORWARD = {
+    "flash2": {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)},
+    "cudnn": {64: (225, 288, 334, 363, 379, 388), 128: (315, 410, 484, 518, 529, 539)},
+    "fa3": {64: (197, 265, 371, 420, 460, 473), 128: (292, 423, 521, 579, 602, 616)},
+}
+# Fig. 6 (a) and (b): backward without causal mask, head dim 64 and 128 (the paper's only backward figure)
+_H100_BACKWARD_UNMASKED = {
+    "flash2": {64: (198, 238, 264, 279, 287, 291), 128: (214, 260, 291, 310, 318, 322)},
+    "cudnn": {64: (266, 348, 395, 417, 432, 433), 128: (305, 408, 465, 499, 518, 516)},
+    "fa3": {64: (272, 363, 422, 453, 472, 474), 128: (316, 424, 501, 542, 559, 561)},
+}
 # A100's forward and backward apart are only given at their best: "up to 73% ... forward, up to 63% ...
 # backward" (FlashAttention-2, §1); the combined figures are split in that ratio
 _A100_FORWARD_OVER_BACKWARD = 0.73 / 0.63
@@ -103,14 +131,29 @@ def _split(combined: tuple, ratio: float) -> tuple[tuple, tuple]:
     return _apart(combined, tuple(c * (1 + 2.5 * ratio) / 3.5 for c in combined))
 
 
+def _causal_h100(kernel: str, head_dim: int, flash2: tuple[tuple, tuple]) -> tuple[tuple, tuple]:
+    """Returns a kernel's causal (forward, backward) tables on H100: its published causal forward, and its unmasked
+    backward slowed as the causal mask slows FlashAttention-2's (`flash2`: the one kernel published both ways;
+    the FA3 paper times backward unmasked only), never made faster than unmasked."""
+    masked = [speed for _, speed in flash2[1]]
+    slowdown = [min(1.0, m / u) for m, u in zip(masked, _H100_BACKWARD_UNMASKED["flash2"][head_dim])]
+    backward = tuple(b * r for b, r in zip(_H100_BACKWARD_UNMASKED[kernel][head_dim], slowdown))
+    return tuple(zip(LENGTHS, _H100_FORWARD[kernel][head_dim])), tuple(zip(LENGTHS, backward))
+
+
 _A100_ATTENTION = {
     kernel: {d: _split(v, _A100_FORWARD_OVER_BACKWARD) for d, v in table.items()}
     for kernel, table in {"flash2": _FA2_A100, **_OTHERS_A100}.items()
 }
-_H100_ATTENTION = {"flash2": {d: _apart(v, _FA2_H100_FORWARD[d]) for d, v in _FA2_H100.items()}}
+_FA2_H100_ATTENTION = {d: _apart(v, _H100_FORWARD["flash2"][d]) for d, v in _FA2_H100.items()}
+_H100_ATTENTION = {
+    "flash2": _FA2_H100_ATTENTION,
+    **{k: {d: _causal_h100(k, d, _FA2_H100_ATTENTION[d]) for d in (64, 128)} for k in ("cudnn", "fa3")},
+}
 SPEEDS: dict[str, KernelSpeeds] = {
     "A100": KernelSpeeds(
         attention=_A100_ATTENTION,
+        auto="flash",
         # bf16 GEMMs: 271 TFLOP/s (0.87) at the best shape searched (S. Bekman, ml-engineering, "Maximum
         # Achievable Matmul FLOPS"), "80-90% of the theoretical maximum" (FlashAttention-2, §1); no published
         # fall-off with size for A100: 0.80 at every size, the band covers the rest
@@ -125,6 +168,7 @@ SPEEDS: dict[str, KernelSpeeds] = {
     ),
     "H100": KernelSpeeds(
         attention=_H100_ATTENTION,
+        auto="cudnn",  # memo's run-time choice on sm90 takes cuDNN before flash (fa4 first, when installed)
         # sm_90 bf16 GEMMs measured by OpenXLA (xla/service/gpu/model/matmul_interpolator_data.h): 632 TFLOP/s
         # at 2048^3, 783 at 4096^3 (0.79); 794.5 at the best shape searched (ml-engineering)
         matmul=((1024, 524.0), (2048, 632.0), (4096, 783.0)),
@@ -134,7 +178,8 @@ SPEEDS: dict[str, KernelSpeeds] = {
         nvlink=0.71,  # all-to-all bus bandwidth 320 GB/s of 450 on DGX H100 (NVIDIA GTC25 S72583)
         network=0.70,
         spread=0.10,
-        source="FlashAttention-2/-3 papers (H100 attention, PyTorch's flash backend), OpenXLA sm_90 GEMM table",
+        source="FlashAttention-2/-3 papers (H100 attention: FlashAttention-2, cuDNN, FlashAttention-3), "
+        "OpenXLA sm_90 GEMM table",
     ),
 }
 SPEEDS["A800"] = SPEEDS["A100"]  # the A100 die, NVLink cut to 400 GB/s (the spec's bandwidth, not its fraction)
@@ -143,20 +188,36 @@ GENERIC = Efficiency(matmul=0.6, attention_forward=0.4, attention_backward=0.4)
 CALIBRATION_SPREAD = 0.05
 
 
+def _speeds(spec: GPUSpec) -> KernelSpeeds | None:
+    """Returns the published speeds of `spec`'s GPU generation, None for a GPU without them."""
+    return next((v for k, v in SPEEDS.items() if k.lower() in spec.name.lower()), None)
+
+
+def attention_kernel(spec: GPUSpec, requested: str = "auto") -> str:
+    """Returns memo's attention kernel whose speeds time `requested` on `spec`: "auto" is the one memo's run-time
+    choice takes there without optional packages (cudnn on Hopper, flash elsewhere); it stays "auto" on a GPU
+    without published speeds, where every kernel gets the generic efficiencies."""
+    speeds = _speeds(spec)
+    return speeds.auto if requested == "auto" and speeds else requested
+
+
 def published_band(
-    spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kernel: str = "flash2", rows: int | None = None
+    spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kernel: str = "flash", rows: int | None = None
 ) -> Band:
     """Returns the efficiency band of `spec`'s kernels at one GPU's shape: attention over `tokens` tokens for
     `heads` query heads (all sequences of a micro-batch), `c`'s head dimension, and GEMMs of its hidden size
     over `rows` token rows at a time (a tile; default as many as the hidden size). A GPU without published
-    speeds gets `GENERIC`, wide. `kernel` names the attention kernel (default PyTorch's flash)."""
-    speeds = next((v for k, v in SPEEDS.items() if k.lower() in spec.name.lower()), None)
+    speeds gets `GENERIC`, wide. `kernel` names the attention kernel: one of memo's (`TIMED_AS`) or a published
+    one of the tables (what older published runs used)."""
+    speeds = _speeds(spec)
     if speeds is None:
-        return Band.around(GENERIC, 0.25, f"no published speeds for {spec.name}: generic efficiencies ±25%")
-    if kernel not in speeds.attention:
-        raise ValueError(f"no published {kernel!r} attention speeds for {spec.name}: {', '.join(speeds.attention)}")
-    head_dim = min(speeds.attention[kernel], key=lambda d: (abs(d - c.head_dim), d))
-    forward, backward = speeds.attention[kernel][head_dim]
+        return Band.around(GENERIC, 0.25, f"no published speeds for {spec.name}: generic efficiencies ±25%", kernel)
+    timed = TIMED_AS.get(kernel, kernel)
+    if timed not in speeds.attention:
+        known = ", ".join(k for k, v in TIMED_AS.items() if v in speeds.attention)
+        raise ValueError(f"no published speeds of the {kernel!r} attention kernel on {spec.name} (published: {known})")
+    head_dim = min(speeds.attention[timed], key=lambda d: (abs(d - c.head_dim), d))
+    forward, backward = speeds.attention[timed][head_dim]
     # fewer attention blocks than SMs leave SMs idle: the published runs always filled them
     fill = min(1.0, -(-tokens // 128) * heads / speeds.sms)
     peak = spec.peak_flops / 1e12
@@ -170,7 +231,7 @@ def published_band(
         nvlink=speeds.nvlink,
         network=speeds.network,
     )
-    return Band.around(mid, speeds.spread, speeds.source)
+    return Band.around(mid, speeds.spread, speeds.source, kernel)
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
@@ -208,4 +269,5 @@ def efficiency_from_calibration(calibration: dict, spec: GPUSpec) -> Band:
     )
     shape = calibration.get("shape", {})
     where = f" at {shape.get('attention_tokens')} tokens x {shape.get('heads')} heads per GPU" if shape else ""
-    return Band.around(mid, CALIBRATION_SPREAD, f"memo calibrate on {calibration.get('device')}{where}")
+    # `memo calibrate` times the kernel memo's "auto" runs on that device
+    return Band.around(mid, CALIBRATION_SPREAD, f"memo calibrate on {calibration.get('device')}{where}", "calibrated")

@@ -16,11 +16,12 @@ that fits and saying which:
 - `offload-all`: as `memo` but every skeletal tensor of every layer goes to host (α = 1, nothing recomputed).
 
 Time per layer = matmuls and causal attention forward and backward at per-phase efficiencies (published for
-the GPU and shape, `efficiency.published_band`, or measured by `memo calibrate`), plus recomputation, plus the
-part of each host copy that does not hide behind the layer's compute, plus communication (all-to-all and
-tensor-parallel collectives on the critical path; parameter gathers and context-parallel rings overlapped
-with compute). Data-parallel gradient reduction and the optimizer step on the GPU are left out (once per step,
-overlapped with backward in all four systems alike). Every time comes as a range from the efficiency band.
+the GPU, shape and attention kernel, `efficiency.published_band`, or measured by `memo calibrate`), plus
+recomputation, plus the part of each host copy that does not hide behind the layer's compute, plus
+communication (all-to-all and tensor-parallel collectives on the critical path; parameter gathers and
+context-parallel rings overlapped with compute). Data-parallel gradient reduction and the optimizer step on the
+GPU are left out (once per step, overlapped with backward in all four systems alike). Every time comes as a range
+from the efficiency band.
 
 memo (and offload-all) also estimate two more ways of training (`states.States`): LoRA (`lora`: a frozen bf16
 base, adapters trained; frozen linears compute no weight gradient) and model states in host memory
@@ -39,12 +40,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..attention import CHOICES
 from ..config import ModelConfig
 from ..lora import LoraConfig
 from ..policy import plan_costs, solve_plan
 from ..swap import plan_problem
 from ..units import format_bytes, format_count
-from .efficiency import POINTS, Band, Efficiency, published_band
+from .efficiency import POINTS, TIMED_AS, Band, Efficiency, attention_kernel, published_band
 from .flops import (
     HFU,
     LORA_FLOPS,
@@ -62,7 +64,6 @@ from .memory import (
     Traced,
     fragmentation_bytes,
     layer_specs,
-    skeletal_bytes,
     store_bytes,
     traffic_bytes,
     transient_floor,
@@ -73,6 +74,7 @@ from .states import device_bytes as state_device_bytes
 from .states import host_bytes as state_host_bytes
 
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
+ATTENTION_CHOICES = tuple(k for k in CHOICES if k == "auto" or k in TIMED_AS)  # kernels with published bf16 speeds
 CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU, "lora": LORA_FLOPS}
 RECOMPUTE = {  # what each system can recompute, as it ships
     "memo": ("memo",),  # a plan of keep / memo / checkpoint layers with α (docs/method.md §3)
@@ -155,14 +157,17 @@ class Estimate:
     tokens_per_step: int = 0  # every GPU's tokens of one optimizer step (micro-batch x data-parallel groups)
     states: str = "full fine-tuning"  # what trains and where its states live (states.States)
     host_state_bytes_per_node: int = 0  # of host_bytes_per_node: offloaded model states (the rest: activations)
+    attention_kernel: str = ""  # whose attention speeds time the step (efficiency.TIMED_AS; "calibrated")
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "conventions": CONVENTIONS}
 
 
-def _check(seq: int, gpus: int, system: str, sp: int | None, states: States = States()) -> None:
+def _check(seq: int, gpus: int, system: str, sp: int | None, states=States(), attention: str = "auto") -> None:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+    if attention not in CHOICES:
+        raise ValueError(f"`--attention` must be one of {', '.join(CHOICES)}, got {attention!r}")
     if states != States() and system not in STATES:
         raise ValueError(
             f"`--lora-rank` and `--offload-states` are estimated for {' and '.join(STATES)}, not for {system} "
@@ -221,6 +226,7 @@ def estimate(
     host_memory: int | None = None,
     arena: bool = False,
     states: States = States(),
+    attention: str = "auto",
 ) -> Estimate:
     """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
     of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
@@ -231,25 +237,27 @@ def estimate(
     as an arena at LOAD would (no caching-allocator overhead). `host_memory` is each node's (default the GPU
     spec's), of which `HOST_FRACTION` may hold offloaded tensors and model states. `arena`: memo runs with its
     planned allocator (`memo train --arena`), not the caching allocator. `states`: what trains and where the
-    model states live (memo and offload-all only).
+    model states live (memo and offload-all only). `attention`: memo's attention kernel ("auto" or one of
+    `memo.attention.KERNELS`) whose published speeds time attention (`efficiency.attention_kernel`).
     """
     if micro_batch < 1:
         raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"`--host-memory` must be positive, got {host_memory} bytes")
-    _check(seq, gpus, system, sp, states)
+    _check(seq, gpus, system, sp, states, attention)
+    kernel = attention_kernel(gpu, attention)
     candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
     if not candidates:
         return _unsupported(c, seq, gpus, gpu, system, sp)
     run = (c, seq, gpus, gpu, system, states)
     allocator = "arena" if arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
     fragmentation = allocator if fragmentation else None
-    floors = [(_floor_seconds(*run, lay, eff, point, micro_batch), i) for i, lay in enumerate(candidates)]
+    floors = [(_floor_seconds(*run, lay, eff, point, micro_batch, kernel), i) for i, lay in enumerate(candidates)]
     results, best = [], None
     for floor, i in sorted(floors):  # the fastest first; stop once none left can beat the best that fits
         if best is not None and floor >= best.step_seconds:
             break
-        results.append(_evaluate(*run, candidates[i], eff, point, fragmentation, micro_batch, host_memory))
+        results.append(_evaluate(*run, candidates[i], eff, point, fragmentation, micro_batch, host_memory, kernel))
         if results[-1].fits and (best is None or results[-1].step_seconds < best.step_seconds):
             best = results[-1]
     fitting = [e for e in results if e.fits]
@@ -258,20 +266,21 @@ def estimate(
     return min(results, key=lambda e: (e.device_bytes["total"], e.step_seconds))
 
 
-def _floor_seconds(c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, batch) -> float:
+def _floor_seconds(c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, batch, kernel):
     """Returns a layout's step time with nothing recomputed or copied (what keeping every layer would take): no
     plan of it is faster, so layouts whose floor is past a fitting one's time need no memory estimate."""
     tokens = batch * seq // layout.sp
-    eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens), point)
+    eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens, kernel), point)
     seconds = _step_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, None, states)
     return sum(seconds.values()) - seconds["recompute"] - seconds["exposed_copy"]
 
 
-def _band(c: ModelConfig, seq: int, gpu: GPUSpec, layout: Layout, batch: int, tokens: int) -> Band:
-    """Returns the published efficiency band at a layout's shape: attention over the whole sequence (Ulysses, tp)
-    or its context-parallel chunk for the GPU's heads, and the token-local matmuls over a tile's rows."""
+def _band(c: ModelConfig, seq: int, gpu: GPUSpec, layout: Layout, batch: int, tokens: int, kernel: str) -> Band:
+    """Returns the published efficiency band at a layout's shape: `kernel`'s attention over the whole sequence
+    (Ulysses, tp) or its context-parallel chunk for the GPU's heads, and the token-local matmuls over a tile's
+    rows."""
     heads = batch * c.n_heads // (layout.tp * layout.ulysses)
-    return published_band(gpu, c, seq // layout.cp, heads, rows=layout.tile or tokens)
+    return published_band(gpu, c, seq // layout.cp, heads, kernel, rows=layout.tile or tokens)
 
 
 def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> Estimate:
@@ -284,11 +293,12 @@ def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str,
 
 
 def _evaluate(
-    c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, fragmentation, batch, host_memory
+    c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, fragmentation, batch, host_memory,
+    kernel: str,
 ):
-    """Returns the estimate of one layout, `batch` sequences per micro-batch."""
+    """Returns the estimate of one layout, `batch` sequences per micro-batch, attention timed as `kernel`'s."""
     tokens = batch * seq // layout.sp  # per GPU
-    band = band or _band(c, seq, gpu, layout, batch, tokens)
+    band = band or _band(c, seq, gpu, layout, batch, tokens, kernel)
     eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * (host_memory or gpu.host_memory_per_node))
@@ -362,6 +372,7 @@ def _evaluate(
         sequences * seq,
         str(states),
         held * node_gpus,
+        band.attention,
     )
 
 
@@ -635,6 +646,7 @@ def max_seq(
     host_memory: int | None = None,
     arena: bool = False,
     states: States = States(),
+    attention: str = "auto",
 ) -> Longest:
     """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
     0 if none does, with what stops the next length."""
@@ -644,7 +656,7 @@ def max_seq(
     def fits(seq: int) -> bool:
         e = estimate(
             c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation, host_memory=host_memory,
-            arena=arena, states=states,
+            arena=arena, states=states, attention=attention,
         )
         why[seq] = e.why
         return e.fits
@@ -663,17 +675,18 @@ def max_seq(
 
 def max_seq_range(
     c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None, host_memory=None,
-    arena: bool = False, states: States = States(),
+    arena: bool = False, states: States = States(), attention: str = "auto",
 ) -> dict:
     """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
     and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
     caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
-    "mid"."""
-    every = dict(host_memory=host_memory, states=states)
+    "mid"; "attention_kernel": whose attention speeds time the steps."""
+    every = dict(host_memory=host_memory, states=states, attention=attention)
     mid = max_seq(c, gpus, gpu, system, sp, eff, arena=arena, **every)
     return {
         "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", arena=arena, **every).tokens,
         "mid": mid.tokens,
         "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, **every).tokens,
         "why_not": mid.why_not,
+        "attention_kernel": eff.attention if eff else attention_kernel(gpu, attention),
     }

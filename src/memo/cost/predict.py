@@ -27,12 +27,14 @@ def predict_run(
     kernels: str,
     spec: GPUSpec | None = None,
     states: States = States(),
+    attention: str = "auto",
 ) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
     the step's transient peak traced at the run's dtype, kernels, tiles and modes, with the gradients a
     one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and, on a known
-    GPU, the step time and MFU with their ranges. `states`: what trains (LoRA) and whether the model states
-    live in host memory (`--offload-states`: on the device only what FSDP gathers, `states.device_bytes`)."""
+    GPU, the step time and MFU with their ranges, attention timed as the `attention` kernel's (`--attention`).
+    `states`: what trains (LoRA) and whether the model states live in host memory (`--offload-states`: on the
+    device only what FSDP gathers, `states.device_bytes`)."""
     tokens = micro_batch * seq // sp
     n = c.n_layers
     model_states = training_lower_bound(c, tokens, policy, dtype, shards=world, lora=states.lora)["states"]
@@ -59,7 +61,9 @@ def predict_run(
         predicted["host_state_bytes"] = host_bytes(c, world, states)
     if spec is not None:
         layout = Layout(ulysses=sp, recompute=policy.strategy, tile=tile if tile < tokens else None)
-        e = estimate(c, seq, world, spec, "memo", layout=layout, micro_batch=micro_batch, states=states)
+        e = estimate(
+            c, seq, world, spec, "memo", layout=layout, micro_batch=micro_batch, states=states, attention=attention
+        )
         predicted.update(
             gpu=spec.name,
             step_seconds=e.step_seconds,
@@ -67,6 +71,7 @@ def predict_run(
             mfu=e.mfu,
             mfu_range=e.ranges["mfu"],
             dominant=e.dominant,
+            attention_kernel=e.attention_kernel,
         )
     return predicted
 

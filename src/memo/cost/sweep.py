@@ -31,9 +31,10 @@ def sweep(
     eff: Band | None = None,
     host_memory: int | None = None,
     states: States = States(),
+    attention: str = "auto",
 ) -> dict[str, list[Estimate]]:
-    """Returns each system's estimate at each length."""
-    every = dict(host_memory=host_memory, states=states)
+    """Returns each system's estimate at each length, attention timed as `attention`'s (`estimate.estimate`)."""
+    every = dict(host_memory=host_memory, states=states, attention=attention)
     return {s: [estimate(c, n, gpus, gpu, s, sp, eff, **every) for n in lengths] for s in systems}
 
 

@@ -19,8 +19,9 @@ def local_ranks() -> int:
 
 
 def host_budget_per_rank(node_bytes: int | None = None) -> int:
-    """Returns this rank's host budget for offload: the node's (default: 80% of the memory the OS reports
-    available, as the swap engine assumes for one process) divided among its local ranks."""
+    """Returns this rank's host budget for offload: the node's (default: 80% of the host memory available to
+    this process, its container's limit included, as the swap engine assumes for one process) divided among its
+    local ranks."""
     node = int(0.8 * dev.available_host_bytes()) if node_bytes is None else node_bytes
     return node // local_ranks()
 

@@ -5,7 +5,9 @@ served from one arena at the solved offsets: no fragmentation, and a footprint a
 
 The C++ core (`csrc/planned_allocator.cpp`, built on first use with torch's cpp_extension and cached) replaces the
 CPU allocator, or on CUDA is PyTorch's allocator through `CUDAPluggableAllocator` (over the CUDA runtime's stream-
-ordered cudaMallocAsync for what it does not plan; set up before the process's first CUDA allocation). Inside
+ordered cudaMallocAsync for what it does not plan, from the device's default memory pool, which keeps what is freed
+as PyTorch's own cudaMallocAsync backend has it keep; set up before the process's first CUDA allocation; memory the
+device cannot give raises torch.OutOfMemoryError; `pool_high_water()` reads the pool's peaks). Inside
 `step()` it logs every request (size, order, when it is freed); once two steps in a row made the same requests (the
 first step also makes the optimizer state, a curriculum changes lengths), the last one is solved here with
 `dsa.solve` and later steps get the k-th request at base + offset[k]. A step that leaves the plan drops it (and its
@@ -22,10 +24,9 @@ import ctypes
 import functools
 import logging
 import os
-import re
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -33,9 +34,22 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .. import device as dev
 from .problem import Problem, max_load
 
 ALIGN = {"cpu": 64, "device": 512}  # bytes each planned tensor starts on: the CPU allocator's, the CUDA caching one's
+CUDA_FUNCTIONS = (  # what the device core calls (csrc/planned_allocator.cpp, CudaRuntime)
+    "cudaMallocAsync",
+    "cudaFreeAsync",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaGetLastError",
+    "cudaGetErrorString",
+    "cudaDeviceGetAttribute",
+    "cudaDeviceGetDefaultMemPool",
+    "cudaMemPoolSetAttribute",
+    "cudaMemPoolGetAttribute",
+)
 SOURCE = Path(__file__).with_name("csrc") / "planned_allocator.cpp"
 log = logging.getLogger(__name__)
 
@@ -55,17 +69,16 @@ def extension():
         raise ValueError(f"`--arena` needs a C++ compiler to build memo's planned allocator ({err})") from None
 
 
-def make_device_core(alloc_address: int, free_address: int) -> None:
-    """Makes the device core over C functions with cudaMallocAsync's and cudaFreeAsync's signatures."""
-    extension().make_device_core(alloc_address, free_address)
+def make_device_core(functions: dict[str, int]) -> None:
+    """Makes the device core over the CUDA runtime functions at these addresses (`CUDA_FUNCTIONS`, by name)."""
+    extension().make_device_core(functions)
 
 
 @functools.cache
 def install_cuda() -> None:
     """Makes PyTorch's CUDA allocator the device core over the CUDA runtime torch loaded (once per process; it
     cannot be undone, and must come before the process's first CUDA allocation)."""
-    runtime = ctypes.CDLL(_cuda_runtime())
-    make_device_core(*(ctypes.cast(f, ctypes.c_void_p).value for f in (runtime.cudaMallocAsync, runtime.cudaFreeAsync)))
+    make_device_core(_addresses(_cuda_runtime(), CUDA_FUNCTIONS))
     planned = torch.cuda.memory.CUDAPluggableAllocator(extension().__file__, "memo_device_malloc", "memo_device_free")
     try:
         torch.cuda.memory.change_current_allocator(planned)
@@ -73,13 +86,45 @@ def install_cuda() -> None:
         raise ValueError(f"`--arena` must take over CUDA memory before its first allocation ({err})") from None
 
 
-def _cuda_runtime() -> str:
-    """Returns the path of the CUDA runtime library this process loaded with torch."""
-    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
-    found = re.search(r"(/\S*libcudart\.so[.\d]*)", maps)
-    if found is None:
+def pool_high_water() -> dict[str, int] | None:
+    """Returns the bytes of the CUDA memory pool the planned allocator takes memory from, as the driver counts them:
+    `reserved_peak` (cudaMemPoolAttrReservedMemHigh: the most the pool held from the GPU since the last
+    `reset_pool_high_water()`: the process's device footprint), `used_peak` (cudaMemPoolAttrUsedMemHigh: the most
+    handed out at once), and `reserved` and `used` now. For a run on PyTorch's caching allocator the same footprint
+    is torch.cuda.max_memory_reserved() (with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync it reads this very
+    attribute: c10/cuda/CUDAMallocAsyncAllocator.cpp getDeviceStats). None where no pool answers: the planned
+    allocator is not this process's CUDA allocator, has not allocated yet, or the GPU has no memory pools (it then
+    uses cudaMalloc, and `PlannedAllocator.counters()` hold its bytes)."""
+    if not extension.cache_info().currsize:  # the core was never loaded: no planned allocator in this process
+        return None
+    return dict(extension().pool(False)) or None
+
+
+def reset_pool_high_water() -> None:
+    """Resets the peaks of `pool_high_water()` to the pool's bytes now (what torch.cuda.reset_peak_memory_stats does
+    for PyTorch's cudaMallocAsync backend); does nothing where there is no pool."""
+    if extension.cache_info().currsize:
+        extension().pool(True)
+
+
+def _cuda_runtime() -> ctypes.CDLL:
+    """Returns the CUDA runtime torch calls (`device.cuda_runtime`); ValueError naming `--arena` without one."""
+    runtime = dev.cuda_runtime()
+    if runtime is None:
         raise ValueError("`--arena` on CUDA needs the CUDA runtime (libcudart) that torch loads; none is loaded")
-    return found.group(1)
+    return runtime
+
+
+def _addresses(library: ctypes.CDLL, names: tuple[str, ...]) -> dict[str, int]:
+    """Returns the address of each function `names` lists in `library`; a ValueError names the first it lacks."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+        except AttributeError:
+            where = library._name or "this process"
+            raise ValueError(f"`--arena` on CUDA needs {name} (CUDA 11.2 or later); {where} lacks it") from None
+    return found
 
 
 @dataclass(frozen=True)
@@ -149,6 +194,12 @@ class PlannedAllocator:
         """Returns the stream whose requests the step plans (CUDA: the current one; 0 on the CPU)."""
         return torch.cuda.current_stream(self.device).cuda_stream if self.core == "device" else 0
 
+    def _on_device(self):
+        """Returns a context on the planned device: on a GPU without memory pools the core allocates the arena with
+        cudaMalloc, which takes the current device."""
+        index = self.device.index if self.core == "device" else None
+        return torch.cuda.device(index) if index is not None else nullcontext()
+
     def recorded(self) -> list[list[int]]:
         """Returns the last step's requests as [size, born, freed] on one event clock (freed -1: it outlived
         the step): the trace the plan is solved from."""
@@ -175,7 +226,9 @@ class PlannedAllocator:
             solution = solve(problem, self.time_limit, use_mip=False, work_limit=self.work_limit)
             offsets[inside] = solution.offsets * align
             arena, load = solution.peak * align, max_load(problem) * align
-        if not self._ext.set_plan(self.core, sizes.tolist(), offsets.tolist(), int(arena)):
+        with self._on_device():
+            kept = self._ext.set_plan(self.core, sizes.tolist(), offsets.tolist(), int(arena))
+        if not kept:
             log.warning("the arena could not change while tensors lived in it: the next steps are recorded again")
         plan = Plan(len(sizes), len(inside), int(arena), int(load), time.perf_counter() - start)
         log.info("planned %d of %d allocations: arena %d B for LOAD %d B", plan.planned, plan.requests, arena, load)

@@ -8,6 +8,10 @@ solution is the arena layout. At run time a dispatch mode follows the recorded o
 planned op a view of the arena as its `out=`. Whatever cannot be planned (no `out=` overload, a tensor
 that outlives the phase, a host tensor) is allocated as usual and listed in `ArenaPlan.unplanned`.
 
+A phase whose trace fails on `meta` (an op without a meta kernel), or whose ops at run time leave the traced
+sequence (a kernel that refused a shape and fell back to another), runs unplanned from then on, with ordinary
+allocation: logged once with the reason and listed in `Arena.summary()`; the other phases keep their plans.
+
 With `debug`, every tensor that points into the arena is reference-counted at run time: handing out a
 region that overlaps a live planned tensor, or touching a region whose tensor is dead, raises.
 """
@@ -15,6 +19,7 @@ region that overlaps a live planned tensor, or touching a region whose tensor is
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,12 +28,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..attention import choose
 from ..device import meta_kernels
 from .dsa import Solution, solve
 from .problem import Problem
 from .trace import Output, trace
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 ALIGN = 512  # bytes; every planned tensor starts on this boundary (the CUDA caching allocator's granule)
 FACTORIES = {
     aten.empty.memory_format,
@@ -154,15 +161,20 @@ class Arena:
     debug: bool = False
     buffer: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
+    unplanned: dict = field(default_factory=dict)  # phase signature -> why it runs with ordinary allocation
     _twins: dict = field(default_factory=dict)
 
     def run(self, layer, phase, *args):
-        """Returns `phase(layer, *args)` with the phase's transient tensors carved from the arena."""
-        device = next(layer.parameters()).device
-        key = (phase.__name__, next(layer.parameters()).dtype, _signature(args))
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = self._plan(layer, phase, args, device)
+        """Returns `phase(layer, *args)` with the phase's transient tensors carved from the arena (with ordinary
+        allocation where the phase cannot be planned)."""
+        device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
+        kernel = layer.attention_ran or choose(layer.attention_kernel, device, dtype)  # the trace runs the same
+        key = (phase.__name__, dtype, kernel, _signature(args))
+        if key not in self.plans and key not in self.unplanned:
+            self._plan(key, layer, phase, args, device)
+        if key in self.unplanned:
+            return phase(layer, *args)
+        plan = self.plans[key]
         if self.buffer is None or self.buffer.numel() < plan.arena_bytes or self.buffer.device != device:
             self.buffer = None  # no planned tensor is alive between phases: the old arena can go first
             self.buffer = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8, device=device)
@@ -170,35 +182,57 @@ class Arena:
         with mode:
             result = phase(layer, *args)
         mode.finish()
+        if mode.strayed:
+            # tensors it placed before it strayed may outlive it: they keep this buffer, the next phase gets another
+            self.buffer = None
+            self._unplan(key, f"at run time {mode.strayed}")
         return result
 
-    def _plan(self, layer, phase, args, device) -> ArenaPlan:
-        twin = self._twin(layer)
-        meta_args = tree_map(_meta_twin, args)
-        with meta_kernels(device.type):
-            phase_trace, _ = trace(phase, twin, *meta_args)
-        return plan_phase(phase_trace, self.time_limit)
+    def _plan(self, key, layer, phase, args, device) -> None:
+        """Plans the phase from its trace on `meta`, or marks it unplanned when it cannot be traced there."""
+        try:
+            twin = self._twin(layer, key[2])
+            meta_args = tree_map(_meta_twin, args)
+            with meta_kernels(device.type):
+                phase_trace, _ = trace(phase, twin, *meta_args)
+        except Exception as err:  # any refusal of meta tensors, by an op (no meta kernel) or by the phase's code
+            first_line = str(err).partition("\n")[0]
+            self._unplan(key, f"its trace on meta failed: {type(err).__name__}: {first_line}")
+            return
+        self.plans[key] = plan_phase(phase_trace, self.time_limit)
 
-    def _twin(self, layer):
-        """Returns a parameter-free copy of `layer` on `meta` (same code, same shapes, no memory)."""
-        dtype = next(layer.parameters()).dtype
-        if dtype not in self._twins:
+    def _unplan(self, key, why: str) -> None:
+        """Runs the phase with ordinary allocation from now on, and says why once (not once per layer shape)."""
+        self.plans.pop(key, None)
+        if (key[0], why) not in {(k[0], w) for k, w in self.unplanned.items()}:
+            log.warning("arena: phase %s runs unplanned: %s", key[0], why)
+        self.unplanned[key] = why
+
+    def _twin(self, layer, kernel: str):
+        """Returns a parameter-free copy of `layer` on `meta` (same code, same shapes, no memory) that runs the
+        attention kernel `kernel`."""
+        key = (next(layer.parameters()).dtype, kernel)
+        if key not in self._twins:
             with torch.device("meta"):
-                self._twins[dtype] = type(layer)(layer.config, layer.index).to(dtype)
-        return self._twins[dtype]
+                self._twins[key] = type(layer)(layer.config, layer.index).to(key[0])
+            self._twins[key].attention_kernel = kernel
+        return self._twins[key]
 
     def summary(self) -> dict:
-        """Returns the arena size, what was planned, and every op whose output could not be planned."""
+        """Returns the arena size, what was planned, every op whose output could not be planned, and every phase
+        that runs unplanned."""
         unplanned = Counter()
         for plan in self.plans.values():
             for op, nbytes, why in plan.unplanned:
                 unplanned[(op, why)] += nbytes
+        phases = sorted({(key[0], why) for key, why in self.unplanned.items()})
         return {
             "arena_bytes": 0 if self.buffer is None else self.buffer.numel(),
             "phases": len(self.plans),
             "load_bytes": max((p.solution.lower_bound * ALIGN for p in self.plans.values() if p.solution), default=0),
             "planned_bytes": max((p.planned_bytes for p in self.plans.values()), default=0),
             "unplanned": [{"op": op, "why": why, "bytes": n} for (op, why), n in sorted(unplanned.items())],
+            "unplanned_phases": [{"phase": name, "why": why} for name, why in phases],
         }
 
 
@@ -215,20 +249,24 @@ def _check_layout(func, out, slots: list[Slot]) -> None:
 
 
 class _PlannedMode(TorchDispatchMode):
-    """Replays one phase's recorded op sequence, giving planned ops their arena views as `out=`."""
+    """Replays one phase's recorded op sequence, giving planned ops their arena views as `out=`; from the first
+    op that leaves the sequence on, every op allocates as usual (`strayed` says where)."""
 
     def __init__(self, buffer: torch.Tensor, plan: ArenaPlan, debug: bool):
         super().__init__()
         self.buffer, self.plan, self.debug = buffer, plan, debug
         self.call = 0
+        self.strayed: str | None = None
         self.live: dict[int, list] = {}  # debug: tensor id -> [start, end, references]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         call, self.call = self.call, self.call + 1
-        if call >= len(self.plan.calls) or self.plan.calls[call] != func:
+        if self.strayed is None and (call >= len(self.plan.calls) or self.plan.calls[call] != func):
             expected = self.plan.calls[call] if call < len(self.plan.calls) else "the end of the phase"
-            raise RuntimeError(f"arena plan out of step at op {call}: planned {expected}, ran {func}")
+            self.strayed = f"op {call} was {func} where its meta trace has {expected}"
+        if self.strayed is not None:
+            return func(*args, **kwargs)
         slots = self.plan.slots.get(call)
         if slots is None:
             out = func(*args, **kwargs)
@@ -307,8 +345,9 @@ class _PlannedMode(TorchDispatchMode):
                 del self.live[tensor]
 
     def finish(self) -> None:
-        """Checks the phase ran its whole plan and (debug) left no planned tensor alive."""
-        if self.call != len(self.plan.calls):
-            raise RuntimeError(f"arena plan out of step: the phase ran {self.call} of {len(self.plan.calls)} ops")
-        if self.debug and self.live:
+        """Notes a phase that ended before its plan did as strayed; checks (debug) that a phase that kept to its
+        plan left no planned tensor alive."""
+        if self.strayed is None and self.call < len(self.plan.calls):
+            self.strayed = f"it ran {self.call} of the {len(self.plan.calls)} ops of its meta trace"
+        if self.strayed is None and self.debug and self.live:
             raise RuntimeError(f"arena: planned tensors {sorted(self.live)} outlive their phase")

@@ -17,6 +17,10 @@ and the `workspace` of `Params::workspace_size()`, whose gradQ part is ceil(s_q 
 BI · BJ floats and a 16-byte header per (b, h), rounded to 4 floats; the tile is 128 × 128 for 16-bit inputs
 and 128 × 64 for fp32 above head dim 64, 64 × 64 at most 64. Neither configuration accumulates dk, dv in the
 workspace. cuBLAS's workspace is allocated once per handle, not per call: the cost model counts it apart.
+
+cuDNN's fused attention and FlashAttention-4 size their backward's scratch inside the library (cuDNN's graph
+workspace, FA4's fp32 dq accumulator) by rules their sources do not fix across versions: they are not listed,
+so a plan's LOAD leaves them out and the arena passes those requests through to the device allocator.
 """
 
 from __future__ import annotations

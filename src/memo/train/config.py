@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from ..attention import CHOICES as ATTENTION_CHOICES
 from ..config import PRESETS, ModelConfig, RopeScaling
 from ..files import read_json_object
 from ..lora import ALL_TARGETS, LoraConfig, targets_value
@@ -50,6 +51,12 @@ class TrainConfig:
     )
     tile_tokens: int | None = _f(
         None, "tokens per tile of the token-local work (default 8K, or the whole sequence shard when shorter)", kind=int
+    )
+    attention: str = _f(
+        "auto",
+        "attention kernel: flash (PyTorch's, FlashAttention-2), cudnn, fa4 (the flash-attn-4 package), efficient; "
+        "auto: the fastest that runs here (Hopper and later: fa4, cudnn, flash)",
+        choices=ATTENTION_CHOICES,
     )
     host_budget: str | None = _f(
         None,
@@ -122,6 +129,7 @@ class TrainConfig:
     # run directory
     out: str | None = _f(None, "run directory (default: runs/<date-time>)")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
+    save_final: bool = _f(True, "write a checkpoint at the last step (--no-save-final: benchmarks keep no weights)")
     keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted)")
     eval_every: int = _f(
         100, "held-out evaluation every N steps and at the end (with --data: needs --eval-data or --eval-split)"
@@ -240,6 +248,7 @@ class TrainConfig:
             host_budget_bytes=budget,
             plan=plan if memo else None,
             tile_tokens=self.tile_tokens,
+            attention=self.attention,
         )
 
     def lora(self) -> LoraConfig | None:

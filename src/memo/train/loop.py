@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import device as dev
 from .. import parallel
+from ..attention import choose as choose_attention
+from ..cost.estimate import ATTENTION_CHOICES
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
@@ -122,6 +124,7 @@ class Trainer:
         self.arena = self._planned_allocator() if cfg.arena else None  # on CUDA: before any CUDA allocation
         if self.device.type == "cuda" and not cfg.arena:
             log.info("CUDA allocator: %s", dev.use_expandable_segments())
+        choose_attention(cfg.attention, self.device, DTYPES[cfg.dtype])  # an impossible --attention: before work
         check_memory(cfg, self.device, self.mesh)
         # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
@@ -275,7 +278,8 @@ class Trainer:
                 self._write(record)
                 yield record
             saved = None
-            if self.step == self.cfg.steps or (self.cfg.save_every and self.step % self.cfg.save_every == 0):
+            final = self.step == self.cfg.steps and self.cfg.save_final
+            if final or (self.cfg.save_every and self.step % self.cfg.save_every == 0):
                 saved = self.save()
             signum = self._agreed_signal(stop)
             if signum and self.step < self.cfg.steps:
@@ -327,6 +331,7 @@ class Trainer:
             self.device.type,
             spec,
             States(cfg.lora(), cfg.offload_states),
+            _timed_kernel(choose_attention(cfg.attention, self.device, DTYPES[cfg.dtype])),
         )
         self._write({"step": self.step, "predicted": predicted})
         return predicted
@@ -425,6 +430,7 @@ class Trainer:
             "alphas": stats.alphas,
             "modes": stats.modes,
             "tile_tokens": stats.tile_tokens,
+            "attention": model.attention_report(),
         }
         if caching:
             record["device_peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -445,12 +451,10 @@ class Trainer:
             self.model.dropout_key = (self.cfg.seed * 1_000_003 + self.step) * 1_000_003 + index
             loss = self.model(local_ids, targets=targets) * (count / sum(counts))
             loss.backward()
+            self.optimizer.accumulate()  # into fp32: a bf16 .grad would round every micro-batch's sum
             total += loss.detach().float()
-        loss_value = total.item()  # synchronises the device; the same value on every rank
-        if not math.isfinite(loss_value):
-            self.optimizer.discard()
-            return loss_value, math.nan
-        return loss_value, self.optimizer.step(lr, self.cfg.grad_clip)  # a norm that is not finite updates nothing
+        # one device sync for loss and norm (the same on every rank); one that is not finite updates nothing
+        return self.optimizer.step(lr, self.cfg.grad_clip, total)
 
     def save(self) -> Path:
         """Writes a checkpoint of the current step (atomically); under torchrun every rank writes its shards
@@ -588,6 +592,12 @@ def _mesh(cfg: TrainConfig, world: int) -> DeviceMesh | None:
     if world > 1:
         return parallel.init_mesh(cfg.sp, offload=cfg.offload_states)
     return parallel.init_local_mesh(dev.check_device(cfg.device)) if cfg.offload_states else None
+
+
+def _timed_kernel(kernel: str) -> str:
+    """Returns the cost model's name for the attention kernel this run takes ("auto" where none is published:
+    fp32's efficient kernel)."""
+    return kernel if kernel in ATTENTION_CHOICES else "auto"
 
 
 def _record_launch(cfg: TrainConfig) -> TrainConfig:

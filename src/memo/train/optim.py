@@ -53,17 +53,26 @@ class MasterAdamW:
         )
         self.clip_grad_norm = clip_grad_norm or (lambda max_norm: torch.nn.utils.clip_grad_norm_(self.master, max_norm))
 
-    def step(self, lr: float, grad_clip: float) -> float:
-        """Clips the global gradient norm, updates the masters, copies them to the model; returns the norm. A
-        norm that is not finite (nan, inf) updates nothing: the weights and moments stay those of the last
-        good step."""
-        if self.separate:
-            for m, p in zip(self.master, self.params):
-                m.grad = None if p.grad is None else p.grad.float()
-        norm = float(self.clip_grad_norm(grad_clip))
-        if not math.isfinite(norm):
+    def accumulate(self) -> None:
+        """Adds the model's gradients (one micro-batch's) into the masters' fp32 gradients and drops them, so
+        gradient accumulation sums in fp32, not in the compute dtype."""
+        if not self.separate:
+            return
+        for m, p in zip(self.master, self.params):
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+
+    def step(self, lr: float, grad_clip: float, loss: torch.Tensor) -> tuple[float, float]:
+        """Clips the global gradient norm, updates the masters, copies them to the model; returns (the step's
+        `loss`, the norm), both read with one device sync. A loss or norm that is not finite (nan, inf) updates
+        nothing: the weights and moments stay those of the last good step (the norm is then reported nan)."""
+        self.accumulate()
+        norm = self.clip_grad_norm(grad_clip)
+        loss_value, norm_value = torch.stack((loss.float(), norm.float().to(loss.device))).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.discard()
-            return norm
+            return loss_value, norm_value if math.isfinite(loss_value) else math.nan
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
@@ -72,7 +81,7 @@ class MasterAdamW:
             with torch.no_grad():
                 for m, p in zip(self.master, self.params):
                     p.copy_(m)
-        return norm
+        return loss_value, norm_value
 
     def discard(self) -> None:
         """Drops the gradients (after an update, or instead of one)."""

@@ -10,10 +10,15 @@
 // The same core serves two front ends:
 // - CPU: it replaces PyTorch's CPU allocator (c10::SetCPUAllocator); the backend is PyTorch's default one.
 // - CUDA: `memo_device_malloc` / `memo_device_free` are the functions torch.cuda.memory.CUDAPluggableAllocator
-//   loads; the backend is the CUDA runtime's stream-ordered allocator (cudaMallocAsync / cudaFreeAsync, whose
-//   addresses Python passes in). Only requests on the step's stream are planned, so a region is reused in that
-//   stream's order, as the caching allocator reuses blocks; side streams use memo's persistent buffers only.
-//   `memo_host_alloc` / `memo_host_free` stand in for the CUDA runtime so the CPU tests run this path.
+//   loads; the backend is the CUDA runtime's stream-ordered allocator (cudaMallocAsync / cudaFreeAsync from the
+//   device's default memory pool, or cudaMalloc / cudaFree on a GPU without memory pools), called at addresses
+//   Python finds in the runtime torch loaded, so that this file builds without the CUDA toolkit. Only requests on
+//   the step's stream are planned, so a region is reused in that stream's order, as the caching allocator reuses
+//   blocks; side streams use memo's persistent buffers only. The CPU tests give host stand-ins for the runtime.
+// A request the backend cannot serve raises torch.OutOfMemoryError: PyTorch's allocator calls
+// `memo_device_malloc` from C++ (torch/csrc/cuda/Module.cpp `_cuda_customAllocator` wraps its address in a
+// std::function that torch/csrc/cuda/CUDAPluggableAllocator.cpp `malloc` calls), so the exception unwinds to the
+// op's Python binding, which translates c10::OutOfMemoryError as it does the caching allocator's.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -23,15 +28,14 @@
 #include <malloc.h>
 #endif
 
-#include <sys/types.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -48,15 +52,19 @@ struct Request {
 // Where pass-throughs and the arena come from.
 struct Backend {
   virtual ~Backend() = default;
-  virtual void* alloc(size_t n, void* stream) = 0;
+  virtual void use_device(int /*device*/) {}       // before a request of that device is served
+  virtual void* alloc(size_t n, void* stream) = 0;  // nullptr when out of memory
   virtual void release(void* data, void* stream) = 0;
   virtual void trim() {}
+  virtual std::map<std::string, int64_t> pool(bool /*reset_peaks*/) {  // empty: no pool to ask
+    return {};
+  }
 };
 
 struct CpuBackend final : Backend {
   c10::Allocator* host = c10::GetDefaultCPUAllocator();
   void* alloc(size_t n, void*) override {
-    return host->raw_allocate(n);
+    return host->raw_allocate(n);  // PyTorch's CPU allocator raises rather than return nullptr
   }
   void release(void* data, void*) override {
     host->raw_deallocate(data);
@@ -68,32 +76,139 @@ struct CpuBackend final : Backend {
   }
 };
 
-// A device allocator given as C functions with cudaMallocAsync's and cudaFreeAsync's signatures.
-struct FunctionBackend final : Backend {
-  using AllocFn = int (*)(void** data, size_t n, void* stream);
-  using FreeFn = int (*)(void* data, void* stream);
-  AllocFn alloc_fn;
-  FreeFn free_fn;
-  FunctionBackend(int64_t alloc_address, int64_t free_address)
-      : alloc_fn(reinterpret_cast<AllocFn>(alloc_address)), free_fn(reinterpret_cast<FreeFn>(free_address)) {}
+// Values from CUDA's driver_types.h (the same since CUDA 11.3).
+constexpr int kCudaSuccess = 0, kCudaErrorMemoryAllocation = 2;
+constexpr int kDevAttrMemoryPoolsSupported = 115;
+constexpr int kPoolReleaseThreshold = 4, kPoolReservedCurrent = 5, kPoolReservedHigh = 6, kPoolUsedCurrent = 7,
+              kPoolUsedHigh = 8;
+
+// The CUDA runtime functions the device backend calls, with the runtime's signatures (cudaError_t and the enums
+// are ints), at the addresses Python passes by name.
+struct CudaRuntime {
+  int (*cudaMallocAsync)(void**, size_t, void*);
+  int (*cudaFreeAsync)(void*, void*);
+  int (*cudaMalloc)(void**, size_t);
+  int (*cudaFree)(void*);
+  int (*cudaGetLastError)();
+  const char* (*cudaGetErrorString)(int);
+  int (*cudaDeviceGetAttribute)(int*, int, int);
+  int (*cudaDeviceGetDefaultMemPool)(void**, int);
+  int (*cudaMemPoolSetAttribute)(void*, int, void*);
+  int (*cudaMemPoolGetAttribute)(void*, int, void*);
+
+  explicit CudaRuntime(const std::map<std::string, int64_t>& at) {
+    bind(at, "cudaMallocAsync", cudaMallocAsync);
+    bind(at, "cudaFreeAsync", cudaFreeAsync);
+    bind(at, "cudaMalloc", cudaMalloc);
+    bind(at, "cudaFree", cudaFree);
+    bind(at, "cudaGetLastError", cudaGetLastError);
+    bind(at, "cudaGetErrorString", cudaGetErrorString);
+    bind(at, "cudaDeviceGetAttribute", cudaDeviceGetAttribute);
+    bind(at, "cudaDeviceGetDefaultMemPool", cudaDeviceGetDefaultMemPool);
+    bind(at, "cudaMemPoolSetAttribute", cudaMemPoolSetAttribute);
+    bind(at, "cudaMemPoolGetAttribute", cudaMemPoolGetAttribute);
+  }
+
+  template <typename F>
+  static void bind(const std::map<std::string, int64_t>& at, const char* name, F& fn) {
+    auto found = at.find(name);
+    TORCH_CHECK(found != at.end() && found->second != 0, "the device core needs the address of ", name);
+    fn = reinterpret_cast<F>(found->second);
+  }
+
+  // Raises on a CUDA error, clearing it first so that the next kernel launch check does not report it again.
+  void check(int err, const char* call) const {
+    if (err != kCudaSuccess) {
+      (void)cudaGetLastError();
+      TORCH_CHECK(false, call, " failed: ", cudaGetErrorString(err));
+    }
+  }
+};
+
+// The device backend: the default memory pool of the device, cudaMalloc / cudaFree where it has none.
+struct CudaBackend final : Backend {
+  explicit CudaBackend(const std::map<std::string, int64_t>& functions) : rt_(functions) {}
+
+  // Sets up the device at its first request: the core serves one GPU per process, as PyTorch's allocator calls it.
+  void use_device(int device) override {
+    if (device == device_) {
+      return;
+    }
+    TORCH_CHECK(device_ < 0, "the planned allocator serves one GPU per process: cuda:", device_, ", not cuda:", device);
+    int pools = 0;
+    rt_.check(rt_.cudaDeviceGetAttribute(&pools, kDevAttrMemoryPoolsSupported, device), "cudaDeviceGetAttribute");
+    if (pools != 0) {
+      void* pool = nullptr;
+      rt_.check(rt_.cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool");
+      // The pool keeps what is freed instead of unmapping it at every synchronization (its default threshold is
+      // 0), as PyTorch's c10/cuda/CUDAMallocAsyncAllocator.cpp sets it in lazy_init_device.
+      uint64_t keep = UINT64_MAX;
+      rt_.check(rt_.cudaMemPoolSetAttribute(pool, kPoolReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
+      pool_ = pool;
+    }
+    device_ = device;
+  }
+
   void* alloc(size_t n, void* stream) override {
+    TORCH_INTERNAL_ASSERT(device_ >= 0, "a device allocation before the core met its device");
     void* data = nullptr;
-    return alloc_fn(&data, n, stream) == 0 ? data : nullptr;
+    const int err = pool_ != nullptr ? rt_.cudaMallocAsync(&data, n, stream) : rt_.cudaMalloc(&data, n);
+    if (err == kCudaErrorMemoryAllocation) {
+      (void)rt_.cudaGetLastError();  // as c10/cuda/CUDAMallocAsyncAllocator.cpp's mallocAsync: a caught OOM may retry
+      return nullptr;
+    }
+    rt_.check(err, pool_ != nullptr ? "cudaMallocAsync" : "cudaMalloc");
+    return data;
   }
-  void release(void* data, void* stream) override {
-    free_fn(data, stream);
+
+  void release(void* data, void* stream) override {  // a deleter cannot raise: a failed free shows at the next check
+    if (pool_ != nullptr) {
+      (void)rt_.cudaFreeAsync(data, stream);
+    } else {
+      (void)rt_.cudaFree(data);
+    }
   }
+
+  // The pool's bytes (current and high-water marks), after resetting the marks to the current values if asked:
+  // setting a mark to 0 does that (c10/cuda/CUDAMallocAsyncAllocator.cpp resetPeakStats).
+  std::map<std::string, int64_t> pool(bool reset_peaks) override {
+    if (pool_ == nullptr) {
+      return {};
+    }
+    if (reset_peaks) {
+      for (int attr : {kPoolReservedHigh, kPoolUsedHigh}) {
+        uint64_t zero = 0;
+        rt_.check(rt_.cudaMemPoolSetAttribute(pool_, attr, &zero), "cudaMemPoolSetAttribute");
+      }
+    }
+    std::map<std::string, int64_t> bytes;
+    for (const auto& [name, attr] : {std::pair<const char*, int>{"reserved", kPoolReservedCurrent},
+                                     {"reserved_peak", kPoolReservedHigh},
+                                     {"used", kPoolUsedCurrent},
+                                     {"used_peak", kPoolUsedHigh}}) {
+      uint64_t value = 0;
+      rt_.check(rt_.cudaMemPoolGetAttribute(pool_, attr, &value), "cudaMemPoolGetAttribute");
+      bytes[name] = static_cast<int64_t>(value);
+    }
+    return bytes;
+  }
+
+ private:
+  CudaRuntime rt_;
+  int device_ = -1;
+  void* pool_ = nullptr;  // the device's default memory pool; nullptr where it has none
 };
 
 class Core {
  public:
   explicit Core(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
 
-  void* request(size_t n, void* stream) {
+  void* request(size_t n, int device, void* stream) {
     std::lock_guard<std::mutex> guard(mutex_);
     if (n == 0) {
       return nullptr;
     }
+    backend_->use_device(device);
     if (!in_step_ || stream != stream_) {
       return pass(n, -1, stream);
     }
@@ -178,14 +293,18 @@ class Core {
   bool set_plan(const std::vector<int64_t>& sizes, const std::vector<int64_t>& offsets, int64_t arena_bytes) {
     std::lock_guard<std::mutex> guard(mutex_);
     TORCH_CHECK(sizes.size() == offsets.size(), "a plan needs one offset per request");
+    serving_ = false;  // until the plan's arena is in place
     if (arena_bytes != arena_bytes_) {
       if (!live_.empty()) {
-        serving_ = false;
         return false;
       }
       drop_arena();  // the old arena goes before the new one comes: never both
-      base_ = static_cast<char*>(backend_->alloc(static_cast<size_t>(arena_bytes), stream_));
-      TORCH_CHECK(base_ != nullptr, "cannot allocate the planned arena of ", arena_bytes, " bytes");
+      if (arena_bytes > 0) {
+        base_ = static_cast<char*>(backend_->alloc(static_cast<size_t>(arena_bytes), stream_));
+        if (base_ == nullptr) {
+          out_of_memory(arena_bytes, "the planned arena");
+        }
+      }
       arena_bytes_ = arena_bytes;
     }
     sizes_ = sizes;
@@ -225,6 +344,18 @@ class Core {
     pass_peak_ = pass_live_;
   }
 
+  // The backend's memory pool in bytes (empty: none), its high-water marks first reset if asked.
+  std::map<std::string, int64_t> pool(bool reset_peaks) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return backend_->pool(reset_peaks);
+  }
+
+  // Whether it holds no memory: then nothing it handed out can outlive it.
+  bool idle() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return held_.empty() && base_ == nullptr;
+  }
+
  private:
   struct Held {
     int64_t step;     // the step it was allocated in: only a free in that same step is logged
@@ -237,13 +368,20 @@ class Core {
   void* pass(size_t n, int64_t k, void* stream) {  // under mutex_
     void* data = backend_->alloc(n, stream);
     if (data == nullptr) {
-      return nullptr;
+      out_of_memory(static_cast<int64_t>(n), "a request");
     }
     ++passed_;
     pass_live_ += static_cast<int64_t>(n);
     pass_peak_ = std::max(pass_peak_, pass_live_);
     held_.emplace(data, Held{step_, k, -1, static_cast<int64_t>(n), stream});
     return data;
+  }
+
+  // Raises torch.OutOfMemoryError (a null pointer would reach a kernel as an illegal address).
+  [[noreturn]] void out_of_memory(int64_t n, const char* what) const {  // under mutex_
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory: the planned allocator could not get ", n,
+                     " bytes for ", what, " (it holds an arena of ", arena_bytes_, " bytes and ", pass_live_,
+                     " bytes passed through)");
   }
 
   void drop_arena() {  // under mutex_
@@ -306,7 +444,7 @@ void free_cpu(void* data) {
 // `raw_deleter()`), as kernels that call raw_allocate need.
 struct CpuAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    void* data = cpu_core->request(n, nullptr);
+    void* data = cpu_core->request(n, -1, nullptr);
     return {data, data, &free_cpu, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
@@ -338,37 +476,36 @@ void uninstall_cpu() {
   c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/100);
 }
 
-void make_device_core(int64_t alloc_address, int64_t free_address) {
-  TORCH_CHECK(device_core == nullptr, "the device's planned allocator is made once per process");
-  device_core = new Core(std::make_unique<FunctionBackend>(alloc_address, free_address));
+// Makes the device core over the CUDA runtime functions at these addresses (by name); it replaces an earlier
+// one only while that holds no memory.
+void make_device_core(const std::map<std::string, int64_t>& functions) {
+  TORCH_CHECK(device_core == nullptr || device_core->idle(), "the device's planned allocator still holds memory");
+  auto made = new Core(std::make_unique<CudaBackend>(functions));
+  delete device_core;
+  device_core = made;
 }
 
 }  // namespace
 
-// The functions torch.cuda.memory.CUDAPluggableAllocator calls.
-extern "C" void* memo_device_malloc(ssize_t size, int /*device*/, void* stream) {
-  return device_core->request(static_cast<size_t>(size), stream);
+// The functions torch.cuda.memory.CUDAPluggableAllocator calls (its MallocFuncType and FreeFuncType).
+extern "C" void* memo_device_malloc(size_t size, int device, void* stream) {
+  return device_core->request(size, device, stream);
 }
 
 extern "C" void memo_device_free(void* data, size_t /*size*/, int /*device*/, void* /*stream*/) {
   device_core->give_back(data);
 }
 
-// Host stand-ins with the CUDA runtime's signatures, so that the CPU tests run the device path.
-extern "C" int memo_host_alloc(void** data, size_t n, void* /*stream*/) {
-  *data = std::malloc(n);
-  return *data == nullptr ? 2 : 0;  // 2: cudaErrorMemoryAllocation
-}
-
-extern "C" int memo_host_free(void* data, void* /*stream*/) {
-  std::free(data);
-  return 0;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install_cpu", &install_cpu, "route CPU allocations through the planned allocator");
   m.def("uninstall_cpu", &uninstall_cpu, "route CPU allocations back to PyTorch's default allocator");
-  m.def("make_device_core", &make_device_core, "the device core over C allocation functions at these addresses");
+  m.def("make_device_core", &make_device_core, "the device core over the CUDA runtime functions at these addresses");
+  m.def("device_malloc", [](size_t n, int device, int64_t stream) {  // the C path PyTorch calls, for the CPU tests
+    return reinterpret_cast<int64_t>(memo_device_malloc(n, device, reinterpret_cast<void*>(stream)));
+  });
+  m.def("pool", [](bool reset_peaks) {
+    return device_core == nullptr ? std::map<std::string, int64_t>{} : device_core->pool(reset_peaks);
+  });
   m.def("begin_step", [](const std::string& which, int64_t stream) { core(which).begin_step(stream); });
   m.def("end_step", [](const std::string& which) { return core(which).end_step(); });
   m.def("log", [](const std::string& which) { return core(which).log(); });
