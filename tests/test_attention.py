@@ -133,6 +133,7 @@ def _cudnn(
     q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
 ):
     CUDNN_CALLS.append(q.shape[2])
+    assert all(t.transpose(1, 2).is_contiguous() for t in (q, k, v)), "cuDNN's graph wants dense (b, s, h, d)"
     if q.shape[2] in REFUSED_LENGTHS:
         raise RuntimeError("cuDNN Frontend error: no engine supports this graph\nmore detail")
     assert attn_bias is None and compute_log_sumexp and (dropout_p, is_causal, return_debug_mask) == (0.0, True, False)
@@ -146,6 +147,7 @@ def _cudnn_backward(
     dout, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, *, scale=None
 ):
     assert attn_bias is None and (dropout_p, is_causal) == (0.0, True) and isinstance(scale, float)
+    assert out.stride() == dout.stride() == q.stride(), "cuDNN checks out and dout against q's layout"
     assert lse.shape == (*q.shape[:3], 1) and lse.dtype == torch.float32 and (max_q, max_k) == (q.shape[2],) * 2
     _check_saved(q, k, v, out, lse.squeeze(-1), scale)
     return _grads_like(dout, q, k, v, scale)

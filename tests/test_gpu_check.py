@@ -182,7 +182,12 @@ def test_offload_all_must_be_bitwise_equal_only_where_strategy_none_is_itself_de
     assert not verdict({**ok, "alpha=0.5": _difference(False, 2e-2)})["passed"]
     assert not verdict({**ok, "alpha=0.5": _difference(False, 3e-3, finite=False)})["passed"]
     noisy = {**ok, "none again": _difference(False, 1e-4), "offload-all": _difference(False, 1e-4)}
-    assert verdict(noisy) == {**verdict(ok), "deterministic": False}
+    assert verdict(noisy) == {
+        **verdict(ok),
+        "deterministic": False,
+        "offload_all_checked": "within 1e-2: none is not deterministic here",
+    }
+    assert verdict(ok)["offload_all_checked"] == "bitwise"
 
 
 def _event(cat: str, name: str, stream: int, ts: float, dur: float, nbytes: int = 0) -> dict:

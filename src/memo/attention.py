@@ -45,6 +45,10 @@ CHOICES = ("auto", *KERNELS)
 HALF = (torch.float16, torch.bfloat16)
 FA4_MODULE = "flash_attn.cute.interface"  # where flash-attn-4 keeps its kernels' entry points
 _refused: dict[tuple, str] = {}  # (kernel, shape key) -> why it refused: tried once per process
+# how kernels refuse a shape: aten's checks (RuntimeError), flash-attn-4's asserts and ValueErrors, a missing
+# package; never a fault of the device (an illegal access poisons the context for every kernel after it) or memory
+REFUSALS = (RuntimeError, NotImplementedError, ImportError, AssertionError, ValueError)
+FATAL = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 
 
 def check_choice(name: str) -> str:
@@ -63,9 +67,11 @@ def _has_kernel(op: str, device_type: str) -> bool:
 
 
 def _fa4_installed() -> bool:
+    """Returns whether flash-attn-4 can be found; a broken `flash_attn` package (e.g. a FlashAttention-2 build for
+    another torch, which fails on import) counts as absent, not as an error of every attention call."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:
+    except Exception:
         return False
 
 
@@ -187,7 +193,15 @@ def _flash_backward(dout, q, k, v, out, lse, aux, scale):
     )[:3]
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Returns `t` (b, h, s, d) over dense (b, s, h, d) memory, copied only when it is a slice of more heads: cuDNN
+    builds its graph from q's layout and checks out, dout and the gradients against it (aten/src/ATen/native/
+    cudnn/MHA.cpp, `check_tensor_matches_graph`), which a few heads of a token-major buffer do not match."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cudnn_forward(q, k, v, scale):
+    q, k, v = _dense(q), _dense(k), _dense(v)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, True, False, scale=scale
     )
@@ -196,6 +210,7 @@ def _cudnn_forward(q, k, v, scale):
 
 def _cudnn_backward(dout, q, k, v, out, lse, aux, scale):
     cum_q, cum_k, max_q, max_k, seed, offset = aux
+    dout, q, k, v, out = (_dense(t) for t in (dout, q, k, v, out))
     stats = lse.contiguous().unsqueeze(-1)  # back to the kernel's (b, h, s, 1)
     saved = (out, stats, seed, offset, None, cum_q, cum_k, max_q, max_k)
     return aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, *saved, 0.0, True, scale=scale)
@@ -298,9 +313,9 @@ def attention_forward(q, k, v, scale: float, kernel: str = "auto") -> tuple[torc
             continue
         try:
             out, lse, aux = _FORWARD[name](q, k, v, scale)
-        except torch.OutOfMemoryError:
+        except FATAL:
             raise
-        except (RuntimeError, NotImplementedError, ImportError) as err:
+        except REFUSALS as err:
             _refused[key] = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             log.warning("attention: %s refused %s; trying the next kernel", name, _describe(key, _refused[key]))
             continue

@@ -43,7 +43,7 @@ from ..lora import apply_lora
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..parallel import faults
-from ..plan.allocator import PlannedAllocator
+from ..plan.allocator import PlannedAllocator, pool_high_water, reset_pool_high_water
 from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
@@ -394,8 +394,11 @@ class Trainer:
     def _train_step(self) -> dict:
         cfg, model = self.cfg, self.model
         caching = self.device.type == "cuda" and self.arena is None  # its peak statistics (the planned one: its own)
+        pooled = self.device.type == "cuda" and self.arena is not None  # the planned allocator's memory pool
         if caching:
             torch.cuda.reset_peak_memory_stats(self.device)
+        if pooled:
+            reset_pool_high_water()
         start = time.perf_counter()
         ids, labels = self.source.batch(self.step, cfg.batch_size)  # the global batch, the same on every rank
         micro = list(zip(ids.chunk(cfg.grad_accum), labels.chunk(cfg.grad_accum)))
@@ -437,6 +440,8 @@ class Trainer:
             record["device_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
         if self.arena:
             record.update(_arena_record(self.arena, before))
+        if pooled:  # the pool's peaks over this step, like the caching allocator's above
+            record.update({f"device_pool_{k}": v for k, v in (pool_high_water() or {}).items() if k.endswith("peak")})
         return record
 
     def _update(self, micro: list, counts: list[int], lr: float) -> tuple[float, float]:
