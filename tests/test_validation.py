@@ -175,6 +175,8 @@ def test_training_lower_bound_counts_states_and_the_stores_buffers():
 
     none = training_lower_bound(cfg, tokens, ActivationPolicy("none"), torch.bfloat16)
     assert none["states"] == cfg.num_parameters() * (2 + 2 + 8 + 4)  # bf16 weights, grads; m, v, fp32 masters
+    accumulating = training_lower_bound(cfg, tokens, ActivationPolicy("none"), torch.bfloat16, micro_batches=2)
+    assert accumulating["states"] == none["states"] + cfg.num_parameters() * 4  # + the masters' fp32 gradients
     assert 0 <= none["activations"] - n * total() < n * align and none["host_pool"] == 0
     memo = training_lower_bound(cfg, tokens, ActivationPolicy("memo", alpha=0.0), torch.bfloat16)
     tile = 8192  # two rounding buffers: the whole-length tensors and two tile slots of the larger group

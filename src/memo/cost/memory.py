@@ -264,15 +264,18 @@ def training_lower_bound(
     dtype: torch.dtype,
     shards: int = 1,
     lora: LoraConfig | None = None,
+    micro_batches: int = 1,
 ) -> dict[str, int]:
-    """Returns bytes a training run needs at least, without tracing: model states (weights, gradients, AdamW
-    m and v, fp32 masters of 16-bit weights; sharded over `shards` ranks), the store's device buffers for
-    `tokens` tokens (all micro-batch rows) and its host pool, for the policy's plan and α (the least a solved
-    plan can take where they are to be solved: `ActivationPolicy.least_host_plan`). With `lora` (a LoraConfig)
-    only the adapters have gradients and AdamW state; the frozen base is its weights alone. Transients and the
-    loss are left out."""
+    """Returns bytes a training run needs at least, without tracing: model states (weights, gradients, AdamW m and v,
+    fp32 masters of 16-bit weights, and with several `micro_batches` the masters' fp32 gradients, which sum the
+    micro-batches' 16-bit ones: `MasterAdamW.accumulate`; sharded over `shards` ranks), the store's device buffers
+    for `tokens` tokens (all micro-batch rows) and its host pool, for the policy's plan and α (the least a solved
+    plan can take where they are to be solved: `ActivationPolicy.least_host_plan`). With `lora` (a LoraConfig) only
+    the adapters have gradients and AdamW state; the frozen base is its weights alone. Transients and the loss are
+    left out."""
     size = torch.empty((), dtype=dtype).element_size()
     masters = 4 if dtype != torch.float32 else 0
+    masters += masters if micro_batches > 1 else 0  # their gradients, alive through every micro-batch's backward
     train, frozen = trained(c, States(lora))
     states = (train * (2 * size + 8 + masters) + frozen * size) // shards
     modes, alphas = policy.least_host_plan(c.n_layers)

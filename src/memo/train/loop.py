@@ -536,7 +536,9 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
     config, dtype = model_config(cfg), DTYPES[cfg.dtype]
     world = mesh.size() if mesh else 1
     tokens = sequences_per_rank(cfg, world) * (cfg.seq_len // cfg.sp)
-    need = training_lower_bound(config, tokens, cfg.policy(), dtype, shards=world, lora=cfg.lora())
+    need = training_lower_bound(
+        config, tokens, cfg.policy(), dtype, shards=world, lora=cfg.lora(), micro_batches=cfg.grad_accum
+    )
     if cfg.offload_states:
         need["states"] = _offloaded_states(cfg, device, world, need["host_pool"])
     free = dev.free_memory_bytes(device)
