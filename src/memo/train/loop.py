@@ -307,10 +307,13 @@ class Trainer:
         return {"step": self.step, "skipped": what, "skipped_steps": self.skipped}
 
     def _agreed_signal(self, stop: StopRequest | None) -> int:
-        """Returns the signal any rank caught (0: none), the same on every rank, so that all save together."""
-        caught = torch.tensor([(stop.signum or 0) if stop else 0], device=self.device)
-        if self.mesh:
-            dist.all_reduce(caught, op=dist.ReduceOp.MAX)
+        """Returns the signal any rank caught (0: none), the same on every rank, so that all save together; one
+        process asks no device (reading a device tensor back would sync the host with it every step)."""
+        signum = (stop.signum or 0) if stop else 0
+        if not self.mesh:
+            return signum
+        caught = torch.tensor([signum], device=self.device)
+        dist.all_reduce(caught, op=dist.ReduceOp.MAX)
         return int(caught)
 
     def _predict(self) -> dict:
