@@ -30,13 +30,14 @@ then take about as much memory as one tile of the token-local work, not all head
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
 
 import torch
 
-from .device import kernel_device_type
+from .device import has_fused_kernel, kernel_device_type
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -59,16 +60,11 @@ def check_choice(name: str) -> str:
 
 
 # ---- availability and choice -------------------------------------------------------------------------------
-def _has_kernel(op: str, device_type: str) -> bool:
-    """Returns whether aten/memo `op` has a kernel for `device_type`; CUDA builds have every fused attention
-    kernel (assumed on meta, so a CPU-only build traces a GPU step); elsewhere the dispatcher is asked, so a test
-    can register CPU kernels that mimic CUDA's."""
-    return device_type == "cuda" or torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
-
-
+@functools.cache
 def _fa4_installed() -> bool:
-    """Returns whether flash-attn-4 can be found; a broken `flash_attn` package (e.g. a FlashAttention-2 build for
-    another torch, which fails on import) counts as absent, not as an error of every attention call."""
+    """Returns whether flash-attn-4 can be found (looked up once per process); a broken `flash_attn` package (e.g.
+    a FlashAttention-2 build for another torch, which fails on import) counts as absent, not as an error of every
+    attention call."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except Exception:
@@ -86,15 +82,16 @@ def available(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     kind = kernel_device_type(device)
     half = dtype in HALF or kind != "cuda"  # the 16-bit-only rule is CUDA's kernels'; a registered one decides
     found = []
-    if kind == "cpu" or (half and _has_kernel("aten::_scaled_dot_product_flash_attention", kind)):
+    if kind == "cpu" or (half and has_fused_kernel("aten::_scaled_dot_product_flash_attention", kind)):
         found.append("flash")
-    if half and _has_kernel("aten::_scaled_dot_product_cudnn_attention", kind) and _cudnn_built(device):
+    if half and has_fused_kernel("aten::_scaled_dot_product_cudnn_attention", kind) and _cudnn_built(device):
         found.append("cudnn")
     capability = _capability(device)
     fa4_arch = capability is None or capability[0] in (9, 10)
-    if half and fa4_arch and _has_kernel("memo::fa4_attention", kind) and (kind != "cuda" or _fa4_installed()):
+    fa4_here = has_fused_kernel("memo::fa4_attention", kind) and (kind != "cuda" or _fa4_installed())
+    if half and fa4_arch and fa4_here:
         found.append("fa4")
-    if _has_kernel("aten::_scaled_dot_product_efficient_attention", kind):
+    if has_fused_kernel("aten::_scaled_dot_product_efficient_attention", kind):
         found.append("efficient")
     return tuple(found)
 
@@ -173,7 +170,7 @@ def _sum_kv(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 # ---- the kernels: forward (q, k, v, scale) -> (out, lse, aux); backward -> (dq, dk, dv) on k's heads ------------
 def _flash_forward(q, k, v, scale):
-    if not _has_kernel("aten::_scaled_dot_product_flash_attention", kernel_device_type(q.device)):
+    if not has_fused_kernel("aten::_scaled_dot_product_flash_attention", kernel_device_type(q.device)):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
@@ -294,12 +291,13 @@ def _shape_key(kernel: str, q: torch.Tensor, k: torch.Tensor) -> tuple:
     return kernel, q.device.type, q.dtype, q.shape[1], k.shape[1], q.shape[-1], q.shape[-2]
 
 
-def _fallbacks(kernel: str, q: torch.Tensor) -> list[str]:
-    """Returns `kernel` and then the kernels to try when it refuses a shape, in "auto"'s order: those whose LSE has
+def _fallbacks(kernel: str, q: torch.Tensor):
+    """Yields `kernel`, then (only once it refused) the kernels to try next, in "auto"'s order: those whose LSE has
     the same length, which the layer sized for the first."""
+    yield kernel
     here, s = available(q.device, q.dtype), q.shape[-2]
-    same = [k for k in _preference(q.device) if k in here and lse_seq_len(s, k) == lse_seq_len(s, kernel)]
-    return [kernel] + [k for k in same if k != kernel]
+    same = (k for k in _preference(q.device) if k in here and lse_seq_len(s, k) == lse_seq_len(s, kernel))
+    yield from (k for k in same if k != kernel)
 
 
 def attention_forward(q, k, v, scale: float, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, tuple]:

@@ -58,8 +58,9 @@ def kernel_device_type(device: torch.device) -> str:
 def has_fused_kernel(op: str, device_type: str) -> bool:
     """Returns whether `op` ("aten::name") has a kernel of its own for `device_type`, not a decomposition.
 
-    CUDA builds of torch >= 2.11 have the fused norm kernels; assuming them lets a CPU-only build trace a GPU
-    step on meta. Elsewhere the dispatcher is asked (a test may register a kernel to mimic CUDA on CPU).
+    CUDA builds of torch >= 2.11 have the fused norm and attention kernels (and memo's FA4 op registers one);
+    assuming them lets a CPU-only build trace a GPU step on meta. Elsewhere the dispatcher is asked (a test may
+    register a kernel to mimic CUDA on CPU).
     """
     return device_type == "cuda" or torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
 

@@ -275,9 +275,9 @@ def training_lower_bound(
     left out."""
     size = torch.empty((), dtype=dtype).element_size()
     masters = 4 if dtype != torch.float32 else 0
-    masters += masters if micro_batches > 1 else 0  # their gradients, alive through every micro-batch's backward
+    master_grads = masters if micro_batches > 1 else 0  # alive through every micro-batch's backward
     train, frozen = trained(c, States(lora))
-    states = (train * (2 * size + 8 + masters) + frozen * size) // shards
+    states = (train * (2 * size + 8 + masters + master_grads) + frozen * size) // shards
     modes, alphas = policy.least_host_plan(c.n_layers)
     layout = store_bytes(c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype)
     return {"states": states, "activations": layout.device_bytes, "host_pool": layout.host_total}

@@ -124,7 +124,7 @@ class Trainer:
         self.arena = self._planned_allocator() if cfg.arena else None  # on CUDA: before any CUDA allocation
         if self.device.type == "cuda" and not cfg.arena:
             log.info("CUDA allocator: %s", dev.use_expandable_segments())
-        choose_attention(cfg.attention, self.device, DTYPES[cfg.dtype])  # an impossible --attention: before work
+        self.attention = choose_attention(cfg.attention, self.device, DTYPES[cfg.dtype])  # impossible: before work
         check_memory(cfg, self.device, self.mesh)
         # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
@@ -334,7 +334,7 @@ class Trainer:
             self.device.type,
             spec,
             States(cfg.lora(), cfg.offload_states),
-            _timed_kernel(choose_attention(cfg.attention, self.device, DTYPES[cfg.dtype])),
+            _timed_kernel(self.attention),
         )
         self._write({"step": self.step, "predicted": predicted})
         return predicted
