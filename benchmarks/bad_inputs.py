@@ -5,7 +5,15 @@ what the case expects:
 - error: exit 2, one line on stderr, no traceback, nothing left behind (no run folder in `runs/`, no temporary
   file; a run stopped on a nan loss keeps its folder), and every file that was there before unchanged;
 - success: a documented recovery (a damaged newest checkpoint falls back to the older one): exit 0, no
-  traceback, the files that must survive unchanged.
+  traceback, the files that must survive unchanged;
+- signal: SIGTERM, SIGHUP or SIGINT sent while the command works (once a file it writes appears, or after some
+  seconds): exit 128 + the signal's number, at most two lines (a run says where its checkpoint is and how to
+  resume), no traceback, nothing left but what it may change;
+- reproducible: run twice, the second time beside a busy loop on every core: exit 0 both times, and the output
+  (the first path it may change) byte-identical.
+
+Every case also checks that no temporary file or folder (a name holding `.tmp`) and no process of the command's
+session outlives it, and that it answers within TIMEOUT_S (no hang).
 
 Writes the table to docs/bad-inputs.md, prints it, and exits 1 when a case is NOT OK (unless --report-only), so
 it doubles as a check.
@@ -16,6 +24,7 @@ it doubles as a check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import importlib.metadata
@@ -25,6 +34,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +51,9 @@ EST = "--model gpt-7b --gpus 8 --gpu A800-80GB"
 PROGRESS = re.compile(r"^[\w ]+:\s*\d+%\|")  # a tqdm bar, e.g. "train:  50%|█████     | 1/2 [00:01<00:01]"
 RUNS = (
     "done",
+    "big",
+    "gone",
+    "changed",
     "trunc",
     "allbad",
     "no-ckpt",
@@ -56,6 +69,22 @@ GPU_FIELDS = {
     "network_bytes_per_s": 12.5e9,
     "host_memory_per_node": 1e12,
     "gpus_per_node": 8,
+}
+TINY_HF = {  # a Hugging Face config.json of `tiny`'s shape
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False,
 }
 FILES = {  # the user's files, in every case's folder
     "notes.txt": "my notes\n",
@@ -93,8 +122,41 @@ FILES = {  # the user's files, in every case's folder
     "tokens.json": json.dumps({"format": "memo-tokens-v1", "dtype": "uint16", "num_tokens": 200, "max_token_id": 7}),
     "tokens-dtype.bin": "h\0e\0l\0l\0o\0" * 40,
     "tokens-dtype.json": json.dumps({"format": "memo-tokens-v1", "dtype": "uint32", "num_tokens": 200}),
+    "held.bin": "ab",  # one token, tokenized by another tokenizer than any run here
+    "held.json": json.dumps(
+        {"format": "memo-tokens-v1", "dtype": "uint16", "num_tokens": 1, "tokenizer_id": "sha256:" + "1" * 64}
+    ),
+    "wide.yaml": "arch: llama\nn_layers: 4\nhidden_size: 96\nn_heads: 4\nn_kv_heads: 2\nffn_hidden_size: 176\n"
+    "vocab_size: 256\n",
+    "overflow.csv": "id,lower,upper,size\n0,0,2,18446744073709551616\n",
+    "fractional.csv": "id,lower,upper,size\n0,0,2,4\n1,1,3,2.5\n",
+    "sum-overflow.csv": "id,lower,upper,size\n0,0,2,4611686018427387903\n1,1,3,4611686018427387903\n",
+    "short-row.csv": "id,lower,upper,size\n0,0,2\n",
+    "hf-model/tokenizer.json": "x\n",  # beside the config and weights build_fixtures saves with transformers
+    "mine.safetensors": "mine\n",
+    "gpus-inf.json": json.dumps({"L40S": {**GPU_FIELDS, "peak_flops": float("inf")}}),  # JSON's Infinity
+    "gpus-nan.json": json.dumps({"L40S": {**GPU_FIELDS, "nvlink_bytes_per_s": float("nan")}}),
+    "gpus-fraction.json": json.dumps({"L40S": {**GPU_FIELDS, "gpus_per_node": 7.5}}),
+    "hf-heads0/config.json": json.dumps({**TINY_HF, "num_attention_heads": 0}),
+    "hf-hidden-text/config.json": json.dumps({**TINY_HF, "hidden_size": "64"}),
+    "hf-kv3/config.json": json.dumps({**TINY_HF, "num_key_value_heads": 3}),
+    "hf-outside/config.json": json.dumps(TINY_HF),
+    "hf-outside/model.safetensors.index.json": json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "../notes.txt"}}
+    ),
+    "hf-no-shard/config.json": json.dumps(TINY_HF),
+    "hf-no-shard/model.safetensors.index.json": json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    ),
+    "hf-garbage/config.json": json.dumps(TINY_HF),
+    "hf-garbage/model.safetensors": "not a safetensors file\n",
+    # 27M parameters: an export writes ~110 MB, long enough to be signalled while it writes
+    "big.yaml": "arch: llama\nn_layers: 2\nhidden_size: 768\nn_heads: 12\nn_kv_heads: 4\nffn_hidden_size: 2048\n"
+    "vocab_size: 8192\nname: big\n",
 }
+DSA_J = ROOT / "benchmarks" / "dsa-instances" / "minimalloc" / "challenging" / "J.1048576.csv"
 BLOW_UP = f"{TINY} --lr 1e30 --schedule constant --warmup-steps 0"  # the loss is nan from step 2
+LONG, SAVED = f"{TINY} --steps 100000 --out sig", "sig/checkpoints/step-*"  # a run to signal, and its first save
 
 
 @dataclass(frozen=True)
@@ -102,9 +164,15 @@ class Case:
     """One bad input and the answer it should get."""
 
     args: str  # after `memo`, run in a fresh folder holding FILES and copies of the runs it names
-    expect: str = "error"  # "error" or "success" (see the module's docstring)
+    expect: str = "error"  # "error", "success", "signal" or "reproducible" (see the module's docstring)
     may_change: tuple[str, ...] = ()  # paths it may write; every other file there before must survive
     within_s: float | None = None  # the answer must come in fewer seconds (a length that must not be traced)
+    signal: str | None = None  # with expect="signal": TERM, HUP or INT
+    when: str = ""  # ... sent once a file matching this glob exists ("file:GLOB") or after seconds ("after:S")
+
+    @property
+    def signum(self) -> int | None:
+        return getattr(signal, f"SIG{self.signal}") if self.signal else None
 
     def runs(self) -> list[str]:
         """Returns the fixture runs the arguments name: only those are copied (a few MB each)."""
@@ -207,9 +275,9 @@ CASES = [
     Case("report"),
     Case("report no-such-run"),
     Case("report hf-empty"),
-    Case("report done --out no-such-folder/report.png"),
+    Case("report done --out new-folder/report.png", expect="success", may_change=("new-folder",)),
     # estimate
-    Case(f"estimate {EST} --seq 1T", expect="success", within_s=30),
+    Case(f"estimate {EST} --seq 1T", expect="success", within_s=60),
     Case(f"estimate {EST}"),
     Case(f"estimate {EST} --seq 0"),
     Case(f"estimate {EST} --seq 1M --gpus 0"),
@@ -221,7 +289,7 @@ CASES = [
     Case("estimate --model hf-broken --gpus 8 --gpu A800-80GB --seq 1M"),
     Case("estimate --model model-unknown-field.yaml --gpus 8 --gpu A800-80GB --seq 1M"),
     Case(f"estimate {EST} --seq 1M --plot x.png"),
-    Case(f"estimate {EST} --sweep --plot no-such-folder/sweep.png"),
+    Case(f"estimate {EST} --sweep --plot notes.txt/sweep.png", within_s=30),
     Case(f"estimate {EST} --seq 1M --calibration missing.json"),
     Case(f"estimate {EST} --seq 1M --calibration calibration-empty.json"),
     Case(f"estimate {EST} --seq 1M --calibration calibration-cpu.json"),
@@ -234,7 +302,7 @@ CASES = [
     # calibrate
     Case("calibrate --device tpu9"),
     Case("calibrate --device cuda"),
-    Case("calibrate --out no-such-folder/calibration.json"),
+    Case("calibrate --out notes.txt/calibration.json"),
     Case("calibrate --model tiny"),
     Case("calibrate --model tiny --seq 2K --sp 3"),
     Case("calibrate --model hf-partial --seq 2K"),
@@ -246,7 +314,7 @@ CASES = [
     Case("dsa negative-size.csv"),
     Case("dsa empty-lifetime.csv"),
     Case("dsa ok.csv --time-limit 0"),
-    Case("dsa ok.csv --out no-such-folder/placed.csv"),
+    Case("dsa ok.csv --out new-folder/placed.csv", expect="success", may_change=("new-folder",)),
     # plan
     Case("plan --model tiny --seq 0"),
     Case("plan --model tiny --seq 1G", within_s=30),
@@ -273,8 +341,82 @@ CASES = [
     Case("eval done --lengths 128 --trials 0 --ppl-file notes.txt --max-sequences 0"),
     Case("eval done --lengths 128 --ppl-file missing.txt"),
     Case("eval done --lengths 128 --tokenizer missing.json"),
-    Case("eval done --lengths 128 --trials 1 --plot no-such-folder/passkey.png"),
+    Case("eval done --lengths 128 --trials 1 --plot notes.txt/passkey.png"),
     Case("eval trunc --lengths 128 --depths 0.5 --trials 1", expect="success"),
+    # paths are pinned at run start with fingerprints; token files name their tokenizer
+    Case(f"train {TINY} --data docs.jsonl --eval-data /dev/null"),
+    Case(f"train {TINY} --data /dev/zero"),
+    Case(f"train {TINY} --data fifo", within_s=30),
+    Case("eval done --lengths 64M", within_s=30),
+    Case("eval done --lengths 16K --batch-size 100000", within_s=30),
+    Case("train --resume done --model wide.yaml"),
+    Case(f"train {TINY.replace('tiny', 'hf-model')} --data docs.jsonl"),  # the folder's tokenizer.json is garbled
+    Case(f"train {TINY} --data docs.jsonl --eval-data held.bin"),
+    Case("eval done --lengths 128 --trials 0 --ppl-file held.bin"),
+    Case("train --resume gone --steps 3"),
+    Case("train --resume changed --steps 3"),
+    Case("train --resume gone --steps 3 --data docs.jsonl", expect="success", may_change=("gone",)),
+    # outputs have owners: nothing a user (or a run) owns is overwritten
+    Case("train --model hf-model --seq-len 64 --batch-size 2 --steps 1 --out hf-model"),
+    Case("train --seq-len 64 --batch-size 2 --steps 1 --out hf-model"),
+    Case("train --seq-len 64 --batch-size 2 --steps 1 --out link-to-hf-model"),
+    Case("export done --hf hf-model"),
+    Case("export done --hf done"),
+    Case("export done --out done/checkpoints/step-0000002/model.safetensors"),
+    Case("export done --out done/config.json --overwrite"),
+    Case("export done --out mine.safetensors"),
+    Case("export done --adapter ."),
+    Case("report done --out done/metrics.jsonl"),
+    Case("export done --out 'new/a b/ü/m.safetensors'", expect="success", may_change=("new",)),
+    Case("export done --hf hf-model --overwrite", expect="success", may_change=("hf-model",)),
+    # validation: one validator per quantity, for every verb and file format
+    Case(f"estimate {EST} --seq 1M --gpu-file gpus-inf.json"),
+    Case(f"estimate {EST} --seq 1M --gpu-file gpus-nan.json"),
+    Case(f"estimate {EST} --seq 1M --gpu-file gpus-fraction.json"),
+    Case(f"estimate {EST} --seq 1M --gpus 1099511627776", within_s=30),
+    Case(f"estimate {EST} --gpus 1099511627776 --max-seq", within_s=30),
+    Case(f"estimate {EST} --seq 100"),
+    Case(f"estimate {EST} --seq 1M --sp 0"),
+    Case(f"estimate {EST} --gpus 6 --sp 6 --sweep"),
+    Case("calibrate --device cpu --model tiny --seq 1K --sp 0"),
+    Case("estimate --model hf-heads0 --gpus 8 --gpu A800-80GB --seq 1M"),
+    Case("estimate --model hf-hidden-text --gpus 8 --gpu A800-80GB --seq 1M"),
+    Case("estimate --model hf-kv3 --gpus 8 --gpu A800-80GB --seq 1M"),
+    Case(f"train {TINY.replace('tiny', 'hf-heads0')}"),
+    Case("dsa overflow.csv"),
+    Case("dsa fractional.csv"),
+    Case("dsa sum-overflow.csv"),
+    Case("dsa short-row.csv"),
+    Case("dsa ok.csv --work 0"),
+    Case("dsa ok.csv --out ok.csv"),
+    Case("dsa ok.csv --out notes.txt"),
+    Case("plan --model gpt-7b --seq 96 --tp 3"),
+    Case("plan --model tiny --seq 64 --policy none --alpha 0.3"),
+    Case("plan --model tiny --seq 64 --plot notes.txt"),
+    Case("calibrate --out notes.txt"),
+    Case(f"estimate {EST} --sweep --plot notes.txt", within_s=30),
+    # third-party errors: shards and safetensors files
+    Case(f"train {TINY.replace('tiny', 'hf-outside')}"),
+    Case(f"train {TINY.replace('tiny', 'hf-no-shard')}"),
+    Case(f"train {TINY.replace('tiny', 'hf-garbage')}"),
+    Case("eval hf-garbage --lengths 128 --trials 1"),
+    # bounds: work is bounded before it is built
+    Case(f"train {TINY} --batch-size 1099511627776 --grad-accum 1099511627776", within_s=30),
+    Case(f"train {TINY} --eval-batches 1099511627776", within_s=30),
+    # signals: every long verb ends on SIGTERM, SIGHUP or Ctrl-C, cleaning up after itself
+    Case(f"train {LONG} --save-every 2", "signal", ("sig",), signal="TERM", when=f"file:{SAVED}"),
+    Case(f"train {LONG}", "signal", ("sig",), signal="HUP", when="file:sig/config.json"),
+    Case(f"train {LONG} --save-every 2 --nproc 2", "signal", ("sig",), signal="TERM", when=f"file:{SAVED}"),
+    Case(f"train {LONG}", "signal", ("sig",), signal="INT", when="file:sig/metrics.jsonl"),
+    # plans: the same input gives the same plan on a loaded machine
+    Case("dsa J.csv --work 2G --out placed.csv", "reproducible", ("placed.csv",)),
+    Case("dsa G_1.csv --work 2G --out placed.csv", "reproducible", ("placed.csv",)),
+    Case("export big --out e/model.safetensors", "signal", signal="TERM", when="file:e/.*"),
+    Case("export big --hf hf-out", "signal", signal="HUP", when="file:.hf-out*"),
+    Case("dsa J.csv --out placed.csv", "signal", signal="TERM", when="after:12"),
+    Case("plan --model gpt-7b --seq 256K --tp 8 --plot plan.png", "signal", signal="HUP", when="after:12"),
+    Case("calibrate --model llama3-8b --seq 16K --out c.json", "signal", signal="TERM", when="after:8"),
+    Case("eval done --lengths 4K,8K --depths 0.5 --trials 16", "signal", signal="TERM", when="after:8"),
 ]
 
 
@@ -290,6 +432,9 @@ class Result:
     seconds: float
     left: list[str]
     changed: list[str]
+    temporaries: list[str]
+    orphans: bool
+    differs: bool  # a reproducible case's output differed between its two runs
 
     def problems(self) -> list[str]:
         if self.exit is None:
@@ -302,9 +447,17 @@ class Result:
                 found += [] if self.exit == 2 else [f"exit {self.exit}"]
                 found += [] if self.lines == 1 else [f"{self.lines} lines"]
             found += [f"left {p}" for p in self.left if not may_change(self.case, p)]
+        elif self.case.expect == "signal":
+            expected = 128 + self.case.signum
+            found += [] if self.exit == expected else [f"exit {self.exit}, expected {expected}"]
+            found += [] if 1 <= self.lines <= 2 else [f"{self.lines} lines"]
+            found += [f"left {p}" for p in self.left if not may_change(self.case, p)]
         elif self.exit != 0:
             found.append(f"exit {self.exit}, expected 0")
         found += [f"changed {p}" for p in self.changed]
+        found += [f"left temporary {p}" for p in self.temporaries]
+        found += ["left a process running"] if self.orphans else []
+        found += [f"{self.case.may_change[0]} differs under load"] if self.differs else []
         if self.case.within_s is not None and self.seconds > self.case.within_s:
             found.append(f"took {self.seconds:.0f} s")
         return found
@@ -312,7 +465,8 @@ class Result:
 
 def build_fixtures(root: Path) -> None:
     """Writes the user's files and the runs once: `done` (tiny, 2 steps, checkpoints at 1 and 2), `trunc` (its
-    newest model.safetensors cut in half), `allbad` (both cut), `no-ckpt` (a run that stopped before a save)."""
+    newest model.safetensors cut in half), `allbad` (both cut), `no-ckpt` (a run that stopped before a save),
+    `big` (27M parameters, one step) and the public DSA instance J as `J.csv`."""
     for name, text in FILES.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -330,9 +484,41 @@ def build_fixtures(root: Path) -> None:
         f.write('["a list"]\n{"no": "step"}\n{torn')
     for name in ("step-0000002-backup", "step-abc", "notes"):
         (root / "damaged" / "checkpoints" / name).mkdir()
+    big = subprocess.run(
+        memo_command("train --model big.yaml --seq-len 64 --batch-size 1 --steps 1 --out big"),
+        cwd=root,
+        env=memo_env(),
+        capture_output=True,
+        text=True,
+    )
+    if big.returncode != 0:
+        raise SystemExit(f"building the fixture run `big` failed:\n{big.stderr}")
+    shutil.copy2(DSA_J, root / "J.csv")
+    shutil.copy2(DSA_J.parents[2] / "idealloc" / "G_1.csv", root / "G_1.csv")
+    for name, then in (("gone", Path.unlink), ("changed", lambda p: p.write_text(p.read_text() + "more\n"))):
+        data = root / f"{name}-data.txt"  # a run's data that is then deleted, or changed: runs record absolute paths
+        data.write_text("some text to train on. " * 30)
+        train = f"train {TINY} --data {data.name} --out {name}"
+        done = subprocess.run(memo_command(train), cwd=root, env=memo_env(), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"building the fixture run `{name}` failed:\n{done.stderr}")
+        then(data)
+    hf_model(root / "hf-model")
+    (root / "link-to-hf-model").symlink_to("hf-model")
     (root / "no-ckpt" / "checkpoints").mkdir(parents=True)
     shutil.copy2(root / "done" / "config.json", root / "no-ckpt" / "config.json")
     shutil.copy2(root / "done" / "metrics.jsonl", root / "no-ckpt" / "metrics.jsonl")
+
+
+def hf_model(folder: Path) -> None:
+    """Saves a small Llama checkpoint with transformers (config.json and model.safetensors): a user's model."""
+    script = (
+        "import sys, transformers as t\n"
+        "c = t.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+        "                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)\n"
+        "t.LlamaForCausalLM(c).save_pretrained(sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(folder)], check=True, capture_output=True)
 
 
 def memo_command(args: str) -> list[str]:
@@ -356,19 +542,21 @@ def run_case(case: Case, fixtures: Path) -> Result:
     with tempfile.TemporaryDirectory(prefix="memo-bad-input-") as tmp:
         folder = Path(tmp)
         shutil.copytree(fixtures, folder, dirs_exist_ok=True, ignore=lambda d, names: ignored(fixtures, d, names))
+        os.mkfifo(folder / "fifo")  # a named pipe nobody writes: reading it would block forever
         for run in case.runs():
             shutil.copytree(fixtures / run, folder / run)
         before = checksums(folder)
         start = time.perf_counter()
-        try:
-            done = subprocess.run(
-                memo_command(case.args), cwd=folder, env=memo_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-            )
-            code, out, err = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as timeout:
-            code, out, err = None, text_of(timeout.stdout), text_of(timeout.stderr)
+        code, out, err, orphans = run_command(case, folder)
+        differs = False
+        if case.expect == "reproducible" and code == 0:  # again, beside a busy loop on every core
+            first = checksums(folder).get(case.may_change[0])
+            with busy():
+                code, out, err, orphans = run_command(case, folder)
+            differs = checksums(folder).get(case.may_change[0]) != first
         seconds = time.perf_counter() - start
         after = checksums(folder)
+        temporaries = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if ".tmp" in p.name)
     lines = [s.strip() for s in re.split(r"[\r\n]", err) if s.strip() and not PROGRESS.match(s.strip())]
     printed = [s.strip() for s in out.splitlines() if s.strip()]
     created = sorted({"/".join(p.split("/")[:2]) for p in set(after) - set(before)})
@@ -381,7 +569,65 @@ def run_case(case: Case, fixtures: Path) -> Result:
         seconds=seconds,
         left=created,
         changed=[p for p, digest in before.items() if after.get(p) != digest and not may_change(case, p)],
+        temporaries=temporaries,
+        orphans=orphans,
+        differs=differs,
     )
+
+
+def run_command(case: Case, folder: Path) -> tuple[int | None, str, str, bool]:
+    """Runs the case's command in its own session (sending its signal when due); returns (exit code or None
+    when it did not answer in time, stdout, stderr, whether a process of its session outlived it)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            memo_command(case.args), cwd=folder, env=memo_env(), stdout=out, stderr=err, start_new_session=True
+        )
+        if case.signal:
+            wait_for(case.when, folder, proc)
+            proc.send_signal(case.signum)
+        try:
+            code = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        orphans = session_alive(proc.pid)
+        if code is None or orphans:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return code, text_of(out.read()), text_of(err.read()), orphans
+
+
+@contextlib.contextmanager
+def busy():
+    """Keeps every core busy with other work while the block runs (a loaded machine)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def wait_for(when: str, folder: Path, proc: subprocess.Popen) -> None:
+    """Returns once `when` ("file:GLOB" exists under `folder`, "after:SECONDS" passed) or the command ended."""
+    kind, _, what = when.partition(":")
+    deadline = time.monotonic() + (float(what) if kind == "after" else TIMEOUT_S)
+    while proc.poll() is None and time.monotonic() < deadline:
+        if kind == "file" and any(folder.glob(what)):
+            return
+        time.sleep(0.002)
+
+
+def session_alive(pid: int) -> bool:
+    """Returns whether a process of the session `pid` leads is still running (a worker the command left)."""
+    time.sleep(0.2)  # a child's exit may trail its parent's by a moment
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def ignored(fixtures: Path, directory: str, names: list[str]) -> list[str]:
@@ -434,10 +680,16 @@ PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py      # exits 1 while a 
 Each input runs as `python -m memo ...` in a fresh folder holding the user's files (YAML, JSON, CSV, JSONL
 and model folders, see `FILES` in the script) and the runs it names: `done` (a finished `tiny` run of 2 steps
 with checkpoints at steps 1 and 2), `trunc` (its copy with step 2's `model.safetensors` cut in half), `allbad`
-(both cut) and `no-ckpt` (a run that stopped before its first checkpoint). An error is ok with exit 2, one line on
-stderr, no traceback, nothing left behind (a run stopped on a nan loss keeps its folder) and every file that was
-there before unchanged; a success (a documented recovery) with exit 0 and no traceback. `message` is the last line
-on stderr (progress bars left out), or on stdout when stderr is empty; `s` is the wall time of the command.
+(both cut), `no-ckpt` (a run that stopped before its first checkpoint) and `big` (a 27M-parameter run whose
+export takes long enough to be signalled). An error is ok with exit 2, one line on stderr, no traceback, nothing
+left behind (a run stopped on a nan loss keeps its folder) and every file that was there before unchanged; a
+success (a documented recovery) with exit 0 and no traceback; a signal (SIGTERM, SIGHUP or SIGINT sent once a file
+the command writes appears, or after some seconds of work) with exit 128 + its number, at most two lines (a run
+stopped after a step names its checkpoint and how to resume) and nothing left but what it may change; a
+reproducible case (a DSA plan) runs twice, the second time beside a busy loop on every core, with exit 0 and
+byte-identical output. Every case also leaves no temporary (a name holding `.tmp`) and no process of its
+session, and answers within {TIMEOUT_S} s. `message` is the last line on stderr (progress bars left out), or on
+stdout when stderr is empty; `s` is the wall time of the command.
 
 Measured {datetime.date.today()} on {platform.platform()} ({os.cpu_count()} cores), Python {platform.python_version()},
 torch {importlib.metadata.version("torch")}, GPUs hidden: {len(results)} cases, {len(results) - bad} ok, {bad} NOT OK,
@@ -451,19 +703,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=3, help="cases run at once (default: %(default)s)")
     p.add_argument("--report-only", action="store_true", help="exit 0 even when a case is NOT OK")
+    p.add_argument("--only", metavar="REGEX", help="run only the cases whose arguments match (no table written)")
     args = p.parse_args(argv)
+    cases = [c for c in CASES if not args.only or re.search(args.only, c.args)]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="memo-bad-input-fixtures-") as tmp:
         fixtures = Path(tmp)
         build_fixtures(fixtures)
         with ThreadPoolExecutor(args.workers) as pool:
-            results = list(pool.map(lambda case: announced(run_case(case, fixtures)), CASES))
+            results = list(pool.map(lambda case: announced(run_case(case, fixtures)), cases))
     seconds = time.perf_counter() - start
-    text = document(results, seconds)
-    DOC.write_text(text)
+    if not args.only:
+        DOC.write_text(document(results, seconds))
     print(table(results))
     failed = [i for i, r in enumerate(results, 1) if r.problems()]
-    print(f"\n{len(results)} cases, {len(results) - len(failed)} ok, {seconds:.0f} s; wrote {DOC.relative_to(ROOT)}")
+    wrote = "" if args.only else f"; wrote {DOC.relative_to(ROOT)}"
+    print(f"\n{len(results)} cases, {len(results) - len(failed)} ok, {seconds:.0f} s{wrote}")
     if failed:
         print("NOT OK: " + ", ".join(f"#{i} memo {results[i - 1].case.args}" for i in failed))
     return 1 if failed and not args.report_only else 0

@@ -189,8 +189,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--steps", "4", "--save-every", "2", "--out", str(out), "--json"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"memo train: error: cannot save checkpoint step-0000004 in {out / 'checkpoints'}: No space left on device "
-        "(step-0000002 is intact)"
+        f"memo train: error: cannot save checkpoint step-0000004 in {out / 'checkpoints'}: optimizer.safetensors: "
+        "No space left on device (step-0000002 is intact)"
     ]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]
     assert checkpoint.damage(out / "checkpoints" / "step-0000002") is None

@@ -77,3 +77,52 @@ def test_bad_input_exits_2_with_one_clear_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# Errors raised by the libraries memo calls (real ones, from torch and safetensors) end a verb as one line, exit 2.
+def _failing_verb(monkeypatch, failure) -> None:
+    """Makes `memo dsa` run `failure()` in place of its work (the verb's own error handling stays)."""
+    from memo.plan import dsa
+
+    monkeypatch.setattr(dsa, "solve", lambda *args, **kwargs: failure())
+
+
+def _host_out_of_memory():
+    import torch
+
+    return torch.empty(2**55, dtype=torch.uint8)  # 32 PiB: the CPU allocator refuses
+
+
+def _device_out_of_memory():
+    import torch  # the type (and first line) the caching allocator raises; no CPU op raises it
+
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore lines of advice")
+
+
+def _unreadable_safetensors(path: Path):
+    from safetensors.torch import load_file
+
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    return load_file(path)
+
+
+@pytest.mark.parametrize(
+    "failure, said",
+    [
+        (lambda tmp: _host_out_of_memory, "memo dsa: error: the host ran out of memory (32.00PiB at once); lower "),
+        (lambda tmp: lambda: _unreadable_safetensors(tmp / "w.safetensors"), "memo dsa: error: a safetensors file "),
+        (lambda tmp: _device_out_of_memory, "memo dsa: error: the device ran out of memory (CUDA out of memory. "),
+        (lambda tmp: lambda: [0][1], None),  # a bug keeps its traceback
+    ],
+)
+def test_library_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, capsys, monkeypatch, failure, said):
+    _failing_verb(monkeypatch, failure(tmp_path))
+    csv = tmp_path / "b.csv"
+    csv.write_text("id,lower,upper,size\n0,0,2,4\n")
+    if said is None:
+        with pytest.raises(IndexError):
+            main(["dsa", str(csv)])
+        return
+    assert main(["dsa", str(csv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and len(err.strip().splitlines()) == 1, err

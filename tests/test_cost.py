@@ -541,7 +541,10 @@ def test_each_attention_kernel_runs_at_its_published_h100_speed(kernel):
 
 def test_auto_times_the_kernel_memo_runs_there_without_optional_packages():
     assert [attention_kernel(GPUS[g]) for g in ("H100-SXM", "H200", "A100-80GB", "A800-80GB")] == [
-        "cudnn", "cudnn", "flash", "flash"
+        "cudnn",
+        "cudnn",
+        "flash",
+        "flash",
     ]
     assert attention_kernel(GPUS["H100-SXM"], "fa4") == "fa4"
     assert attention_kernel(dataclasses.replace(A800, name="MI300X")) == "auto"  # generic efficiencies for all
@@ -670,8 +673,9 @@ def test_states_and_the_activation_pool_share_the_host_and_a_refusal_names_both(
     alone = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=need, states=states)
     assert not alone.fits and "the model states alone need" in alone.why
     # room for the states and a little more: the plan's pool gets what they leave
-    tight = estimate(cfg, 64 * 1024, 1, SMALL, "memo", layout=layout, host_memory=int(need / 0.9) + (64 << 20),
-                     states=states)
+    tight = estimate(
+        cfg, 64 * 1024, 1, SMALL, "memo", layout=layout, host_memory=int(need / 0.9) + (64 << 20), states=states
+    )
     assert not tight.fits and tight.why.startswith("host memory") and "model states take" in tight.why
 
 
@@ -739,3 +743,73 @@ def test_estimate_cli_takes_lora_and_offloaded_states(capsys):
     ]:
         assert main([*argv, *bad]) == 2
         assert message in capsys.readouterr().err
+
+
+# ---- bad input: one line naming the flag or file, before any work -----------------------------------------
+
+EST = ["estimate", "--model", "gpt-7b", "--gpus", "8", "--gpu", "A800-80GB"]
+
+
+def _one_line_error(capsys, argv: list[str], message: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("peak_flops", float("inf"), "`peak_flops` must be a finite number > 0, got inf"),
+        ("nvlink_bytes_per_s", float("nan"), "`nvlink_bytes_per_s` must be a finite number > 0, got nan"),
+        ("gpus_per_node", 7.5, "`gpus_per_node` must be a positive integer, got 7.5"),
+        ("hbm_bytes", "80GB", "`hbm_bytes` must be a positive integer, got '80GB'"),
+        ("host_link_shared_by", True, "`host_link_shared_by` must be a positive integer, got True"),
+    ],
+)
+def test_a_gpu_file_with_a_value_no_gpu_has_is_one_line_naming_file_gpu_and_field(
+    tmp_path, capsys, field, value, message
+):
+    spec = {k: v for k, v in A800.__dict__.items() if k not in ("name", "source")}
+    path = tmp_path / "gpus.json"
+    path.write_text(json.dumps({"X1": {**spec, field: value}}))  # json writes Infinity and NaN, as a user may
+    _one_line_error(capsys, [*EST, "--seq", "1M", "--gpu-file", str(path)], f"{path}: GPU 'X1': {message}")
+
+
+def test_a_gpu_file_may_write_whole_numbers_as_floats(tmp_path):
+    spec = {k: v for k, v in A800.__dict__.items() if k not in ("name", "source")}
+    (tmp_path / "gpus.json").write_text(json.dumps({"X1": {**spec, "hbm_bytes": 48e9, "gpus_per_node": 4.0}}))
+    x1 = load_gpus(tmp_path / "gpus.json")["X1"]
+    assert (x1.hbm_bytes, x1.gpus_per_node) == (48 * 10**9, 4) and isinstance(x1.gpus_per_node, int)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gpus", str(1 << 40), "--seq", "1M"], "`--gpus` must be a positive integer up to 1M, got 1099511627776"),
+        (["--gpus", str(1 << 40), "--max-seq"], "`--gpus` must be a positive integer up to 1M"),
+        (["--gpus", str(1 << 40), "--sweep"], "`--gpus` must be a positive integer up to 1M"),
+        (["--gpus", "0", "--seq", "1M"], "`--gpus` must be a positive integer up to 1M, got 0"),
+        (["--seq", "100"], "`--seq` 100 is shorter than the published attention speeds the estimate cites (512"),
+        (["--seq", "1M", "--sp", "0"], "`--sp` must be a positive integer, got 0"),
+        (["--seq", "1M", "--sp", "16"], "`--sp` (16) must divide `--gpus` (8)"),
+        (["--gpus", "6", "--sp", "6", "--sweep"], "powers of two from 32K: `--sp` must divide them"),
+        (["--seq", "1M", "--lora-rank", "100000"], "`--lora-rank` (100000) must be at most 4096"),
+    ],
+)
+def test_estimate_bounds_are_one_line_before_any_layout_is_searched(capsys, monkeypatch, flags, message):
+    monkeypatch.setattr("memo.cost.estimate.layouts", lambda *a, **k: pytest.fail("searched"))
+    _one_line_error(capsys, [*EST, *flags], message)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "tiny", "--seq", "1K", "--sp", "0"], "`--sp` must be a positive integer, got 0"),
+        (["--model", "tiny", "--seq", "1K", "--sp", "-2"], "`--sp` must be a positive integer, got -2"),
+        (["--model", "tiny", "--seq", "1K", "--sp", "8"], "heads of tiny must split over `--sp` 8"),
+        (["--sp", "2"], "`--sp` splits the shape of `--model` and `--seq`"),
+    ],
+)
+def test_calibrate_flags_are_checked_before_measuring(capsys, monkeypatch, flags, message):
+    monkeypatch.setattr("memo.cli.calibrate", lambda *a, **k: pytest.fail("measured"))
+    _one_line_error(capsys, ["calibrate", "--device", "cpu", *flags], message)

@@ -1,4 +1,5 @@
 import json
+import os
 
 import numpy as np
 import pytest
@@ -19,6 +20,10 @@ from memo.train.data import (
     retrieval_accuracy,
     retrieval_batch,
     split_documents,
+    text_files,
+    token_dataset,
+    token_file_tokenizer,
+    tokenizer_identity,
     write_token_file,
 )
 
@@ -471,3 +476,44 @@ def test_tiny_model_learns_retrieval_well_below_chance():
         losses.append(loss.item())
     assert sum(losses[-25:]) / 25 < 0.6 * task.chance_loss
     assert retrieval_accuracy(model, task.eval_batches(2, 8)) > 0.5
+
+
+# ------------------------------------------------------------------------------------------ tokenizer identity
+
+
+def test_a_token_file_records_its_tokenizer_and_refuses_another_one(tmp_path):
+    path, _ = _word_level_tokenizer(tmp_path)
+    (tmp_path / "d.txt").write_text("the cat sat")
+    sidecar = write_token_file(tmp_path / "d.txt", tmp_path / "d.bin", path)
+    assert sidecar["tokenizer_id"] == tokenizer_identity(path) == HFTokenizer(path).identity
+    assert sidecar["tokenizer"] == str(path.absolute())
+    assert write_token_file(tmp_path / "d.txt", tmp_path / "b.bin")["tokenizer_id"] == "bytes"
+    make_source(tmp_path / "d.bin", seq_len=4, tokenizer=tokenizer_identity(path))
+    with pytest.raises(ValueError, match=r"`--eval-data` '.*b.bin' is tokenized by bytes, not by the run's tokenizer "):
+        token_dataset(tmp_path / "b.bin", 4, flag="--eval-data", tokenizer=tokenizer_identity(path))
+    with pytest.raises(ValueError, match=r"`--data` '.*d.txt' is tokenized by bytes, not by the run's"):
+        make_source(tmp_path / "d.txt", seq_len=4, tokenizer=tokenizer_identity(path))
+
+
+def test_a_sidecar_written_before_tokenizer_identities_is_accepted(tmp_path):
+    (tmp_path / "d.txt").write_text("hello world")
+    write_token_file(tmp_path / "d.txt", tmp_path / "d.bin")
+    sidecar = json.loads((tmp_path / "d.json").read_text())
+    del sidecar["tokenizer_id"]
+    (tmp_path / "d.json").write_text(json.dumps(sidecar))
+    assert token_file_tokenizer(tmp_path / "d.bin") is None
+    assert read_token_file(tmp_path / "d.bin", tokenizer="sha256:another")[0].tolist() == list(b"hello world")
+
+
+def test_pipes_and_devices_are_refused_as_data_not_read(tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(ValueError, match=r"`--data` '.*pipe.txt' is not a regular file"):
+        make_source(tmp_path / "pipe.txt", seq_len=8)
+    (tmp_path / "d.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"`--data` '.*pipe.txt' is not a regular file"):
+        make_source(tmp_path, seq_len=8)  # a folder holding one
+    with pytest.raises(ValueError, match=r"`--eval-data` '/dev/null' is not a regular file"):
+        text_files("/dev/null", "--eval-data")
+    os.mkfifo(tmp_path / "t.bin")
+    with pytest.raises(ValueError, match=r"`--data` '.*t.bin' is not a regular file"):
+        read_token_file(tmp_path / "t.bin")

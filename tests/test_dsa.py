@@ -2,8 +2,11 @@
 
 import itertools
 import json
+import logging
+import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,9 +163,57 @@ def test_a_work_budget_stops_the_search_without_claiming_a_proof():
     full, cut = SearchStats(), SearchStats()
     assert search(p, best - 1, None, stats=full, work_limit=WORK) is None and full.exhausted
     assert search(p, best - 1, None, stats=cut, work_limit=full.work // 2) is None and not cut.exhausted
+    assert not cut.clock_cut
     assert solve(p, time_limit=None, work_limit=full.work // 2).peak >= best
-    with pytest.raises(ValueError, match="time limit or a work limit"):
-        solve(p, time_limit=None)
+    with pytest.raises(ValueError, match="positive work limit"):
+        solve(p, time_limit=None, work_limit=0)
+
+
+@contextmanager
+def busy_cpus():
+    """Keeps every core busy with a spinning process while the block runs: a machine under someone else's load."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def test_a_solve_gives_the_same_placement_on_a_busy_machine_and_reports_its_work():
+    p = read_csv(INSTANCES / "minimalloc" / "challenging" / "D.1048576.csv")  # never proven: the budget ends it
+    budget = 100_000_000  # about 0.15 s idle
+    idle = solve(p, time_limit=None, work_limit=budget)  # no clock at all
+    with busy_cpus():  # a clock that does not bind must change nothing, even with the cores taken
+        busy = solve(p, time_limit=60, work_limit=budget)
+    assert busy.offsets.tobytes() == idle.offsets.tobytes() and busy.steps == idle.steps
+    assert 0 < idle.work <= budget + 1_000_000 and idle.work_limit == budget  # a run stops just past its limit
+    assert not idle.clock_cut and not busy.clock_cut
+    assert idle.summary()["work"] == idle.work and idle.summary()["clock_cut"] is False
+
+
+def test_the_mip_stops_at_its_node_limit_with_the_same_answer_on_a_busy_machine():
+    rng = np.random.default_rng(2)  # 40 buffers, 221 overlapping pairs: 20 nodes improve on greedy, prove nothing
+    lo = rng.integers(0, 50, 40)
+    p = Problem(
+        tuple(range(40)), lo, lo + rng.integers(1, 15, 40), rng.integers(1, 30, 40) * 1000 + rng.integers(0, 3, 40)
+    )
+    start = greedy(p)[0]
+    idle = solve_mip(p, start, None, nodes=20)
+    with busy_cpus():
+        busy = solve_mip(p, start, None, nodes=20)
+    assert not idle[1] and peak(p, idle[0]) < peak(p, start) and check_placement(p, idle[0]) == []
+    assert idle[0].tobytes() == busy[0].tobytes() and idle[2] == busy[2]
+
+
+def test_a_solve_the_safety_time_limit_cuts_says_so(caplog):
+    p = read_csv(INSTANCES / "minimalloc" / "challenging" / "D.1048576.csv")
+    with caplog.at_level(logging.WARNING, logger="memo.plan.dsa"):
+        cut = solve(p, time_limit=0.01, work_limit=WORK)
+    assert cut.clock_cut and cut.summary()["clock_cut"] is True and cut.work < WORK
+    assert check_placement(p, cut.offsets) == []
+    assert "depends on the machine's speed and load" in caplog.text
 
 
 def test_decomposition_splits_at_boundaries_no_buffer_crosses_from_the_start():
@@ -205,7 +256,7 @@ def test_solve_is_never_worse_than_greedy_and_reports_gap():
     rng = np.random.default_rng(5)
     p = random_problem(rng, 60, horizon=50, max_size=20)
     g, _ = greedy(p)
-    s = solve(p, time_limit=5)
+    s = solve(p, time_limit=None, work_limit=WORK)
     assert s.peak <= peak(p, g) and check_placement(p, s.offsets) == []
     assert s.lower_bound >= max_load(p) and s.gap == pytest.approx(s.peak / s.lower_bound - 1)
 

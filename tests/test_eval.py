@@ -379,3 +379,32 @@ def test_ctrl_c_during_the_loss_keeps_the_pass_key_and_the_sequences_scored(run_
     assert report["interrupted"] and len(report["passkey"]) == 1
     ppl = report["perplexity"]
     assert (ppl["sequences"], ppl["of"]) == (4, 11) and sum(b["tokens"] for b in ppl["buckets"]) == 4 * 127
+
+
+# ---------------------------------------------------------------------------------------------- length bounds
+
+
+def test_lengths_far_past_the_trained_length_are_refused_in_one_line_before_any_work(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--lengths", "1K,64M", "--trials", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "memo eval: error: `--lengths` 64M is past 64x the length the model's positions know (at most 16K "
+        "here): lower `--lengths`"
+    )
+
+
+def test_the_length_limit_counts_from_the_longer_known_length_and_keeps_the_default_grid():
+    config = ModelConfig.preset("tiny")
+    assert evaluation.length_limit(config, None) is None  # nothing known: only memory bounds it
+    assert evaluation.length_limit(config, 64) == 16384
+    assert evaluation.length_limit(dataclasses.replace(config, max_position_embeddings=4096), 1024) == 64 * 4096
+
+
+def test_lengths_whose_activations_cannot_fit_are_refused(monkeypatch):
+    model = Transformer(ModelConfig.preset("tiny"))
+    loaded = evaluation.Loaded(model, BYTES, None, "tiny")
+    monkeypatch.setattr(evaluation.dev, "free_memory_bytes", lambda device: 1 << 20)
+    evaluation.check_lengths(loaded, [256], batch=1)  # 256 x (2 x 64 + 176) x 4 B = 304 KiB
+    with pytest.raises(ValueError, match=r"`--lengths` 1K needs at least 4.75MiB of activations \(4 prompt\(s\)\)"):
+        evaluation.check_lengths(loaded, [1024], batch=4)

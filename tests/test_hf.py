@@ -6,17 +6,19 @@ All checkpoints are tiny random ones made with transformers' config classes and 
 import dataclasses
 import json
 import os
+import re
 import stat
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from memo import ActivationPolicy, ModelConfig, Transformer, from_hf, to_hf
 from memo.cli import main
 from memo.config import RopeScaling
-from memo.hf import config_from_hf, hf_name, save_hf, special_token_ids
+from memo.hf import config_from_hf, config_to_hf, hf_name, save_hf, special_token_ids
 from memo.train import checkpoint
 from memo.train.config import TrainConfig
 
@@ -432,6 +434,7 @@ def test_export_writes_trained_length_rope_tokens_generation_config_and_modes(tm
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (None, 3, 4)
     assert sorted(p.name for p in out.iterdir()) == [
+        ".memo",  # memo's mark: a later export may replace the folder whole
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -687,7 +690,7 @@ def test_missing_weights_are_a_clear_error(saved):
 
 def test_missing_shard_is_a_clear_error(saved):
     next(saved.glob("model-00002-of-*.safetensors")).unlink()
-    with pytest.raises(FileNotFoundError, match="model-00002"):
+    with pytest.raises(ValueError, match="model-00002"):
         from_hf(saved)
 
 
@@ -718,3 +721,126 @@ def test_extra_tensors_are_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"unexpected \['model.layers.1"):
         from_hf(tmp_path)
+
+
+# ---- bad config.json values and bad safetensors: one line naming the file (and field or tensor) ----------
+
+
+def _config_json(**overrides) -> dict:
+    config = config_to_hf(ModelConfig.preset("tiny"), torch.float32)
+    return {**config, **overrides}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_attention_heads": 0}, "`num_attention_heads` must be a positive integer up to 16M, got 0"),
+        ({"hidden_size": "64"}, "`hidden_size` must be a positive integer up to 16M, got '64'"),
+        ({"num_hidden_layers": True}, "`num_hidden_layers` must be a positive integer up to 16M, got True"),
+        ({"intermediate_size": 96.5}, "`intermediate_size` must be a positive integer up to 16M, got 96.5"),
+        ({"vocab_size": -1}, "`vocab_size` must be a positive integer up to 16M, got -1"),
+        ({"hidden_size": 66, "head_dim": None}, "`num_attention_heads` (4) must divide `hidden_size` (66)"),
+        ({"num_key_value_heads": 3}, "`num_key_value_heads` (3) must divide `num_attention_heads` (4)"),
+        ({"head_dim": 15}, "the head dimension (`head_dim`) must be even"),
+        ({"rms_norm_eps": "1e-6"}, "`rms_norm_eps` must be a finite number > 0, got '1e-6'"),
+        ({"attention_bias": "false"}, "`attention_bias` must be true or false, got 'false'"),
+        ({"tie_word_embeddings": 1}, "`tie_word_embeddings` must be true or false, got 1"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, "`rope_theta` must be a finite"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "`--rope-factor` must be a finite number >= 1"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": "2"}, "`max_window_layers` must"),
+        ({"model_type": ["llama"]}, "`model_type` = ['llama'] is not supported"),
+        ({"model_type": "qwen3", "layer_types": "full_attention"}, "`layer_types` = 'full_attention' is not supported"),
+    ],
+)
+def test_a_config_json_value_memo_cannot_shape_a_model_of_is_one_line_naming_file_and_field(overrides, message):
+    with pytest.raises(ValueError) as err:
+        config_from_hf(_config_json(**overrides), source="ckpt/config.json")
+    assert str(err.value).startswith("ckpt/config.json: ") and message in str(err.value), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_a_bad_config_json_is_one_line_from_the_cli(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(_config_json(num_attention_heads=0)))
+    assert main(["estimate", "--model", str(tmp_path / "ckpt"), "--seq", "4K", "--gpus", "1", "--gpu", "h200"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "config.json: `num_attention_heads` must be a positive integer" in err
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    """A one-layer `tiny` checkpoint as memo exports it, and its tensors (HF names)."""
+    path = to_hf(Transformer(ModelConfig.preset("tiny", n_layers=1)), tmp_path / "ckpt")
+    return path, load_file(path / "model.safetensors")
+
+
+def _sharded(path, tensors: dict, weight_map: dict) -> None:
+    """Rewrites the checkpoint as shards `weight_map` names (file -> its tensors) and an index of `weight_map`."""
+    (path / "model.safetensors").unlink()
+    for file in set(weight_map.values()):
+        save_file({n: t for n, t in tensors.items() if weight_map[n] == file}, path / file)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_a_truncated_safetensors_file_is_one_line_naming_it(tiny_ckpt):
+    path, _ = tiny_ckpt
+    data = (path / "model.safetensors").read_bytes()
+    for broken in (data[:1000], data[:-8], b"not a safetensors file"):
+        (path / "model.safetensors").write_bytes(broken)
+        with pytest.raises(ValueError, match=f"^{path / 'model.safetensors'}: safetensors cannot read it: "):
+            from_hf(path)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors", 7])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused_unread(tiny_ckpt, shard):
+    path, tensors = tiny_ckpt
+    _sharded(path, tensors, {n: "model-1.safetensors" for n in tensors})
+    save_file(tensors, path.parent / "outside.safetensors")  # a readable file there: refused all the same
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"index.json: shard {re.escape(repr(shard))} is not a file in the checkpoint"):
+        from_hf(path)
+
+
+def test_an_index_naming_the_wrong_shard_for_a_tensor_is_one_line_naming_the_shard(tiny_ckpt):
+    path, tensors = tiny_ckpt
+    weight_map = {n: f"model-{i % 2}.safetensors" for i, n in enumerate(sorted(tensors))}
+    _sharded(path, tensors, weight_map)
+    moved = sorted(tensors)[0]
+    index = {"weight_map": {**weight_map, moved: "model-1.safetensors"}}  # it is in model-0
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"model-1.safetensors: safetensors cannot read it: .*{re.escape(moved)}"):
+        from_hf(path)
+
+
+def test_a_missing_shard_is_a_value_error_naming_it(tiny_ckpt):
+    path, tensors = tiny_ckpt
+    _sharded(path, tensors, {n: "model-1.safetensors" for n in tensors})
+    (path / "model-1.safetensors").unlink()
+    with pytest.raises(ValueError, match="names a shard that is missing: .*model-1.safetensors"):
+        from_hf(path)
+
+
+@pytest.mark.parametrize(
+    "tensor, message",
+    [
+        (torch.ones(3), r"model.norm.weight has shape \(3,\), config.json implies \(64,\)"),
+        (torch.ones(64, dtype=torch.int32), "model.norm.weight has dtype int32, not floating point"),
+        (torch.ones(64, dtype=torch.bool), "model.norm.weight has dtype bool, not floating point"),
+    ],
+)
+def test_a_tensor_of_the_wrong_shape_or_dtype_is_one_line_naming_file_and_tensor(tiny_ckpt, tensor, message):
+    path, tensors = tiny_ckpt
+    save_file({**tensors, "model.norm.weight": tensor}, path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"^{path / 'model.safetensors'}: {message}$"):
+        from_hf(path)
+
+
+def test_a_broken_shard_is_one_line_from_memo_train(tiny_ckpt, tmp_path, capsys):
+    path, _ = tiny_ckpt
+    (path / "model.safetensors").write_bytes(b"\x00" * 7)
+    argv = ["train", "--model", str(path), "--seq-len", "64", "--batch-size", "2", "--steps", "2"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "model.safetensors: safetensors cannot read it" in err

@@ -214,9 +214,9 @@ def done(tmp_path_factory):
     "argv, message",
     [
         (["export", "{run}", "--out", "{tmp}"], "is a folder: give a file path"),
-        (["export", "{run}", "--hf", "{tmp}/file"], "is a file: a Hugging Face checkpoint is a folder"),
-        (["export", "{run}", "--out", "{tmp}/file/x.safetensors"], "folder {tmp}/file does not exist"),
-        (["report", "{run}", "--out", "{tmp}/missing/r.png"], "folder {tmp}/missing does not exist"),
+        (["export", "{run}", "--hf", "{tmp}/file"], "is a file: give a folder path"),
+        (["export", "{run}", "--out", "{tmp}/file/x.safetensors"], "{tmp}/file/x.safetensors: Not a directory"),
+        (["report", "{run}", "--out", "{tmp}/file/r.png"], "{tmp}/file/r.png: Not a directory"),
         (["calibrate", "--device", "tpu9", "--out", "{tmp}/c.json"], "`--device` 'tpu9' is not a torch device"),
         (["train", *SMALL, "--out", "{tmp}/file/run"], "{tmp}/file/run: Not a directory"),
         (["export", ""], "argument run_dir: an empty path"),
@@ -238,6 +238,6 @@ def test_expected_failures_of_every_verb_are_one_line_and_leave_nothing_behind(d
 def test_outputs_replace_their_target_whole(done, tmp_path, capsys):
     out = tmp_path / "model.safetensors"
     out.write_text("old")
-    assert main(["export", str(done), "--out", str(out)]) == 0
+    assert main(["export", str(done), "--out", str(out), "--overwrite"]) == 0
     assert set(load_file(out)) == set(checkpoint.load_latest(done).model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

@@ -1,7 +1,9 @@
 import json
 
 import numpy as np
+import pytest
 import torch
+from test_dsa import INSTANCES, busy_cpus
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cli import main
@@ -82,17 +84,45 @@ def test_a_float32_gpu_step_traces_the_efficient_kernels_scratch():
 
 def test_plan_cli_reports_load_arena_and_allocator(capsys, tmp_path):
     png = tmp_path / "plan.png"
-    argv = ["plan", "--model", "tiny", "--seq", "512", "--tp", "2", "--json", "--plot", str(png), "--time-limit", "5"]
+    argv = ["plan", "--model", "tiny", "--seq", "512", "--tp", "2", "--json", "--plot", str(png), "--work", "256M"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["arena_peak"] >= report["load"] > 0 and report["caching_peak_reserved"] > 0
-    assert report["flat_peak"] >= report["load"]  # how close within 5 s depends on the machine: see the test above
+    assert report["flat_peak"] >= report["load"]
+    assert 0 <= report["work"] and report["work_limit"] == 256 << 20 and report["clock_cut"] is False
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_cli_json_is_the_same_on_a_busy_machine_but_for_its_seconds(capsys):
+    argv = ["plan", "--model", "tiny", "--seq", "512", "--json", "--work", "256M"]
+    assert main(argv) == 0
+    idle = json.loads(capsys.readouterr().out)
+    with busy_cpus():
+        assert main(argv) == 0
+    busy = json.loads(capsys.readouterr().out)
+    timeless = [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in (idle, busy)]
+    assert timeless[0] == timeless[1] and "work" in timeless[0]
 
 
 def test_plan_cli_rejects_a_tp_that_does_not_divide(capsys):
     assert main(["plan", "--model", "tiny", "--seq", "100", "--tp", "3"]) == 2
     assert "`--tp` (3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model", "gpt-7b", "--seq", "96", "--tp", "3"],
+            "`--tp` (3) must divide the number of attention heads (32)",
+        ),
+        (["--model", "tiny", "--seq", "512", "--policy", "none", "--alpha", "0.3"], "`--alpha` applies only to"),
+    ],
+)
+def test_plan_cli_refuses_what_it_would_silently_ignore_in_one_line(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_dsa_cli_solves_the_example_and_writes_offsets(capsys, tmp_path):
@@ -106,9 +136,43 @@ def test_dsa_cli_solves_the_example_and_writes_offsets(capsys, tmp_path):
     assert check_placement(read_csv(src), offsets) == []
 
 
+def test_dsa_cli_says_when_the_safety_time_limit_cut_the_solve(capsys):
+    src = INSTANCES / "minimalloc" / "challenging" / "J.1048576.csv"
+    assert main(["dsa", str(src), "--time-limit", "0.01"]) == 0
+    captured = capsys.readouterr()
+    assert "cut by --time-limit: not reproducible" in captured.out
+    assert "memo dsa: warning:" in captured.err and "depends on the machine's speed and load" in captured.err
+
+
+@pytest.mark.parametrize("verb", [["dsa", "x.csv"], ["plan", "--model", "tiny", "--seq", "512"]])
+def test_a_work_budget_must_be_positive(capsys, verb):
+    with pytest.raises(SystemExit):
+        main([*verb, "--work", "0"])
+    assert "`--work` must be a positive number of work units, got '0'" in capsys.readouterr().err
+
+
 def test_dsa_cli_bad_file_is_one_line(capsys, tmp_path):
     assert main(["dsa", str(tmp_path / "missing.csv")]) == 2
     assert "no such DSA instance" in capsys.readouterr().err
+
+
+def test_dsa_cli_size_beyond_int64_is_one_line_naming_file_and_row(capsys, tmp_path):
+    src = tmp_path / "overflow.csv"
+    src.write_text("id,lower,upper,size\n0,0,2,4\n1,0,2,18446744073709551616\n")
+    assert main(["dsa", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert f"{src}: line 3: size 18446744073709551616 is too large" in err and len(err.strip().splitlines()) == 1
+
+
+def test_dsa_cli_writes_the_same_placement_on_a_busy_machine_and_reports_its_work(capsys, tmp_path):
+    src = INSTANCES / "minimalloc" / "challenging" / "J.1048576.csv"  # never proven: the budget ends the search
+    outs = [tmp_path / "idle.csv", tmp_path / "busy.csv"]
+    assert main(["dsa", str(src), "--work", "256M", "--out", str(outs[0])]) == 0
+    with busy_cpus():
+        assert main(["dsa", str(src), "--work", "256M", "--out", str(outs[1])]) == 0
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    lines = capsys.readouterr().out.splitlines()
+    assert all("of 256M)" in line and "--time-limit" not in line for line in lines) and len(lines) == 2
 
 
 def test_csv_with_offsets_round_trips(tmp_path):

@@ -47,15 +47,22 @@ def test_csv_round_trip(tmp_path):
     "text, message",
     [
         ("id,lower,size\n0,1,2\n", "header must have"),
-        ("id,lower,upper,size\n0,5,5,2\n", "empty lifetime"),
-        ("id,lower,upper,size\n0,1,x,2\n", "line 2"),
-        ("id,lower,upper,size\n0,1,4,0\n", "non-positive size"),
+        ("id,lower,upper,size\n0,5,5,2\n", r"line 2: upper \(5\) must be above lower \(5\)"),
+        ("id,lower,upper,size\n0,1,4,2\n1,1,x,2\n", "line 3: upper 'x' is not an integer"),
+        ("id,lower,upper,size\n0,1,4,0\n", "line 2: size must be positive, got 0"),
+        ("id,lower,upper,size\n0,1,4,-3\n", "line 2: size must be positive, got -3"),
+        ("id,lower,upper,size\n0,1,4,2.5\n", "line 2: size '2.5' is not an integer"),
+        ("id,lower,upper,size\n0,0,2,18446744073709551616\n", "line 2: size 18446744073709551616 is too large"),
+        ("id,lower,upper,size\n0,-9223372036854775809,2,1\n", "line 2: lower -9223372036854775809 is too large"),
+        ("id,lower,upper,size\n0,1,4\n", "line 2: the row has no size"),
+        ("id,lower,upper,size\n0,0,2,4611686018427387903\n1,0,2,1\n", "the sizes add up to 4611686018427387904"),
     ],
 )
-def test_bad_csv_is_a_clear_error(tmp_path, text, message):
+def test_bad_csv_is_one_line_naming_the_file_and_row(tmp_path, text, message):
     (tmp_path / "bad.csv").write_text(text)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         read_csv(tmp_path / "bad.csv")
+    assert str(err.value).startswith(str(tmp_path / "bad.csv")) and "\n" not in str(err.value)
 
 
 def test_shipped_instances_have_the_size_and_load_their_table_lists():

@@ -54,3 +54,105 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_matches_
     straight = {r["step"]: r["loss"] for r in map(json.loads, capsys.readouterr().out.splitlines()) if "loss" in r}
     assert sorted(resumed) == [last + 1, last + 2]
     assert all(resumed[s] == straight[s] for s in resumed), (resumed, straight)
+
+
+# Every long verb, in this process: the signal is sent from inside the verb's work (a hook on a function it calls),
+# so it arrives at a known point; the handlers `memo.cli.main` installs turn it into an exception there.
+TRAIN = ["train", "--model", "tiny", "--seq-len", "64", "--batch-size", "2", "--eval-every", "1000"]
+
+
+def _signal_once(monkeypatch, signum: int, *hooks) -> None:
+    """Makes the first call of any `(owner, name)` of `hooks` send `signum` to this process, then do its work."""
+    sent = []
+
+    def hook(original):
+        def hooked(*args, **kwargs):
+            if not sent:
+                sent.append(signum)
+                os.kill(os.getpid(), signum)
+            return original(*args, **kwargs)
+
+        return hooked
+
+    for owner, name in hooks:
+        monkeypatch.setattr(owner, name, hook(getattr(owner, name)))
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("signals") / "done"
+    assert main([*TRAIN, "--steps", "1", "--out", str(run)]) == 0
+    return run
+
+
+def _outputs(run: Path, out: Path) -> dict[str, list[str]]:
+    """Each long verb's arguments, writing one output `out` (with the suffix its format needs)."""
+    csv = out.parent / "buffers.csv"
+    csv.write_text("id,lower,upper,size\n0,0,2,4\n1,1,3,4\n")
+    return {
+        "export": ["export", str(run), "--out", f"{out}.safetensors"],
+        "export --hf": ["export", str(run), "--hf", str(out)],
+        "dsa": ["dsa", str(csv), "--out", f"{out}.csv"],
+        "plan": ["plan", "--model", "tiny", "--seq", "128", "--plot", f"{out}.png"],
+        "calibrate": ["calibrate", "--device", "cpu", "--model", "tiny", "--seq", "128", "--out", f"{out}.json"],
+        "eval": ["eval", str(run), "--lengths", "128", "--depths", "0.5", "--trials", "1", "--plot", f"{out}.png"],
+    }
+
+
+@pytest.mark.parametrize("verb", ["export", "export --hf", "dsa", "plan", "calibrate", "eval"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_a_verb_writes_its_output_leaves_neither_the_output_nor_a_temporary(
+    tmp_path, capsys, monkeypatch, finished_run, verb, signum
+):
+    out = tmp_path / "out"
+    # the output is whole in its temporary and about to be published (renamed): the latest moment to undo
+    _signal_once(monkeypatch, signum, (os, "replace"), (os, "rename"))
+    before = sorted(p.name for p in finished_run.rglob("*"))
+    assert main(_outputs(finished_run, out)[verb]) == 128 + signum
+    err = capsys.readouterr().err  # after any progress bar, one line
+    assert err.splitlines()[-1] == f"memo {verb.split()[0]}: stopped by {signal.Signals(signum).name}", err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("out*")) and _leftovers(tmp_path) == [] and _leftovers(finished_run) == []
+    assert sorted(p.name for p in finished_run.rglob("*")) == before  # the run read from is untouched
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_before_the_first_step_leaves_no_run_folder(tmp_path, capsys, monkeypatch, signum):
+    from memo.train import loop
+
+    # the run folder and its config.json are written: the metrics log opens next, then the first step
+    _signal_once(monkeypatch, signum, (loop, "MetricsLog"))
+    run = tmp_path / "runs" / "new"
+    assert main([*TRAIN, "--steps", "3", "--out", str(run)]) == 128 + signum
+    err = capsys.readouterr().err.strip()
+    said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    assert err == f"memo train: {said}", err
+    assert not (tmp_path / "runs").exists()  # the folders this run made, `runs/` too, are gone
+
+
+def test_sighup_during_training_stops_after_the_step_with_a_checkpoint(tmp_path, capsys, monkeypatch):
+    from memo.train.loop import Trainer
+
+    _signal_once(monkeypatch, signal.SIGHUP, (Trainer, "_train_step"))
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--steps", "5", "--out", str(run)]) == 128 + signal.SIGHUP
+    err = capsys.readouterr().err
+    assert "stopped by SIGHUP after step 1; checkpoint" in err and "Traceback" not in err
+    assert (run / "checkpoints" / "step-0000001" / "state.json").exists() and _leftovers(run) == []
+
+
+def test_an_ignored_signal_stays_ignored(monkeypatch):
+    """`nohup memo train` ignores SIGHUP: a closed terminal must not stop the run."""
+    from memo.train.signals import Stopping
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Stopping():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -53,10 +53,16 @@ def adapter_config(lora: LoraConfig, base: str | None) -> dict:
 
 
 def save_adapter(
-    config: ModelConfig, weights: dict[str, torch.Tensor], lora: LoraConfig, out: Path, base: str | None = None
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    lora: LoraConfig,
+    out: Path,
+    base: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Writes the adapters of `weights` (memo names) as a PEFT adapter folder `out`, atomically; returns it.
-    `base` is the checkpoint the adapters apply to (recorded as base_model_name_or_path)."""
+    """Writes the adapters of `weights` (memo names) as a PEFT adapter folder `out`, atomically (an existing folder
+    memo did not write only with `overwrite`); returns it. `base` is the checkpoint the adapters apply to
+    (recorded as base_model_name_or_path)."""
     check_exportable(config, hf_family(config))  # no transformers model, no PEFT adapter: one line, before writing
     tensors = {}
     for module in adapter_names(weights):
@@ -64,7 +70,7 @@ def save_adapter(
             tensors[peft_name(f"{module}.{kind}")] = weights[f"{module}.{kind}"].contiguous()
     if not tensors:
         raise ValueError("the run has no LoRA adapters to export (it trained with `--lora-rank 0`): use `--hf`")
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config(lora, base), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         shutil.copymode(tmp / CONFIG_NAME, tmp / WEIGHTS_NAME)  # a new file's mode, not safetensors' 0600

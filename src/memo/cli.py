@@ -8,16 +8,19 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from . import eval as evaluation
 from .config import PRESETS, ModelConfig
-from .cost.calibrate import Shape, calibrate
+from .cost.calibrate import Shape, calibrate, is_calibration
+from .cost.efficiency import LENGTHS as ATTENTION_LENGTHS
 from .cost.efficiency import check_calibration_device, efficiency_from_calibration
 from .cost.estimate import ATTENTION_CHOICES, CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
 from .cost.flops import LORA_FLOPS
@@ -28,16 +31,25 @@ from .cost.sweep import default_lengths, plot_sweep, sweep
 from .device import check_device
 from .eval import DTYPES as EVAL_DTYPES
 from .eval import PasskeyTask, held_out_sequences, load, passkey_accuracy, perplexity_by_position, plot_passkey
-from .files import read_json_object, write_text
+from .figures import drawn_by_memo
+from .files import claim_file, read_json_object, write_text
 from .lora import ALL_TARGETS, LoraConfig, targets_value
 from .parallel import faults
 from .policy import STRATEGIES, ActivationPolicy
 from .train import checkpoint
-from .train.config import TrainConfig, alpha_value, named_model_config, plan_value, read_config_file, replaced_rope
+from .train.config import (
+    TrainConfig,
+    alpha_value,
+    named_model_config,
+    plan_value,
+    read_config_file,
+    replaced_rope,
+    with_model_tokenizer,
+)
 from .train.launch import launch
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
-from .train.signals import Interrupted, StopRequest
+from .train.signals import Interrupted, Stopping, StopRequest, Terminated
 from .units import format_bytes, format_count, parse_length, parse_size
 
 MODEL_HELP = f"a preset ({', '.join(PRESETS)}), a model config file (.yaml/.toml/.json) or a Hugging Face folder"
@@ -73,8 +85,13 @@ def _add_field(p, f) -> None:
     if isinstance(f.default, bool):
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         return
-    kinds = {"alpha": _cli_type(alpha_value, "alpha"), "plan": plan_value, "seq_len": _cli_type(parse_size, "size"),
-             "tile_tokens": _cli_type(parse_size, "size"), "lora_targets": targets_value}
+    kinds = {
+        "alpha": _cli_type(alpha_value, "alpha"),
+        "plan": plan_value,
+        "seq_len": _cli_type(parse_size, "size"),
+        "tile_tokens": _cli_type(parse_size, "size"),
+        "lora_targets": targets_value,
+    }
     kind = kinds.get(f.name)
     kind = kind or f.metadata.get("kind")
     kind = kind or (type(f.default) if f.default is not None else str)
@@ -117,6 +134,13 @@ def _path(text: str) -> str:
 PATH = _cli_type(_path, "path")
 
 
+def _claim_output(path: str | None, flag: str, args, inputs: dict | None = None, ours=drawn_by_memo) -> None:
+    """Checks, before any work, that the verb may write its output file `path` (`memo.files.claim_file`): an
+    existing one only when `ours(path)` recognises memo's own, or with `--overwrite`."""
+    if path:
+        claim_file(path, flag, inputs, args.overwrite, ours=Path(path).is_file() and ours(path))
+
+
 def _run_train(args) -> int:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     flags = {k: v for k, v in vars(args).items() if k in fields}
@@ -131,6 +155,7 @@ def _run_train(args) -> int:
         cfg, resume = TrainConfig.from_dict(values, args.config or "flags"), False
     if (cfg.nproc > 1 or cfg.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         return launch(cfg, args.argv)
+    cfg = cfg if resume else with_model_tokenizer(cfg)  # a resumed run keeps the tokenizer it trained with
     replaced = None if resume else replaced_rope(named_model_config(cfg.model), cfg)
     if replaced and os.environ.get("RANK", "0") == "0":
         print(f"memo train: warning: {replaced}", file=sys.stderr)
@@ -175,9 +200,9 @@ def _train(trainer: Trainer) -> int:
         if not quiet:
             print(str(stopped), file=sys.stderr)
         return stopped.exit_code
-    except ValueError:  # the error goes on a line of its own; a start that failed leaves no run folder
+    except (ValueError, Terminated, KeyboardInterrupt):  # a run stopped before its first step leaves no folder
         bar.close()
-        if not history:
+        if not history and not checkpoint.list_checkpoints(trainer.run_dir):
             trainer.discard()
         raise
     bar.close()
@@ -310,23 +335,30 @@ def _export_parser(sub) -> None:
         metavar="DIR",
         help="a LoRA run: write its adapters alone as a PEFT adapter folder (PeftModel.from_pretrained(base, DIR))",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a file or folder memo did not write (a folder whole, never mixed with its old files); without "
+        "it only a new path, an empty folder or an earlier export is written. Never the run or its checkpoints",
+    )
     p.set_defaults(run=_run_export)
 
 
 def _run_export(args) -> int:
-    print(checkpoint.export(Path(args.run_dir), args.out, args.hf, args.adapter))
+    print(checkpoint.export(Path(args.run_dir), args.out, args.hf, args.adapter, args.overwrite))
     return 0
 
 
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="plot a run's loss, throughput and memory to PNG")
     p.add_argument("run_dir", type=PATH, help="a run directory written by `memo train`")
-    p.add_argument("--out", type=PATH, help="PNG path (default: RUN_DIR/report.png)")
+    p.add_argument("--out", type=PATH, help="PNG path (default: RUN_DIR/report.png; missing folders are made)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (memo cannot tell its own)")
     p.set_defaults(run=_run_report)
 
 
 def _run_report(args) -> int:
-    print(plot_report(args.run_dir, args.out))
+    print(plot_report(args.run_dir, args.out, args.overwrite))
     return 0
 
 
@@ -405,6 +437,7 @@ def _run_estimate(args) -> int:
         check_calibration_device(calibration, spec)
         eff = efficiency_from_calibration(calibration, spec)
     cfg = named_model_config(args.model)
+    _claim_output(args.plot, "--plot", args, {"`--gpu-file`": args.gpu_file, "`--calibration`": args.calibration})
     states = _estimated_states(args)
     systems = args.system or (["memo"] if states != States() else list(SYSTEMS))
     if args.plot and not args.sweep:
@@ -427,6 +460,11 @@ def _run_estimate(args) -> int:
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
+    if args.seq < ATTENTION_LENGTHS[0]:  # below them the speeds it would use have no source
+        raise ValueError(
+            f"`--seq` {args.seq} is shorter than the published attention speeds the estimate cites "
+            f"({format_count(ATTENTION_LENGTHS[0])} tokens and up): give a longer `--seq`"
+        )
     every = dict(host_memory=args.host_memory, arena=args.arena, states=states, attention=args.attention)
     results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, **every) for s in systems]
     if args.json:
@@ -434,8 +472,8 @@ def _run_estimate(args) -> int:
         return 0
     print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}, {states}")
     print(
-        "| system | fits | layout | plan (alpha) | device GiB/GPU | host GiB/GPU | tokens/step | step s | tokens/s | MFU | "
-        "MFU full s² | HFU | dominant | why not |"
+        "| system | fits | layout | plan (alpha) | device GiB/GPU | host GiB/GPU | tokens/step | step s | tokens/s | "
+        "MFU | MFU full s² | HFU | dominant | why not |"
     )
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     node_gpus = min(args.gpus, spec.gpus_per_node)
@@ -478,15 +516,17 @@ def _estimated_states(args) -> States:
 
 def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff, states: States) -> int:
     """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M."""
+    lengths = default_lengths()
+    if args.sp and lengths[0] % args.sp:
+        raise ValueError(f"`--sweep` estimates powers of two from {format_count(lengths[0])}: `--sp` must divide them")
     run = (args.gpus, spec, systems, args.sp, eff, args.host_memory, states, args.attention)
-    results = sweep(cfg, default_lengths(), *run)
+    results = sweep(cfg, lengths, *run)
     if args.plot:
         plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({s: [e.as_dict() for e in es] for s, es in results.items()}))
         return 0
-    lengths = [e.seq for e in results[systems[0]]]
     print("| seq | " + " | ".join(f"{s} MFU" for s in systems) + " |")
     print("|---" * (len(systems) + 1) + "|")
     for i, n in enumerate(lengths):
@@ -524,7 +564,7 @@ def _calibrate_parser(sub) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     p.add_argument("--model", type=PATH, default=None, help=f"the model whose shapes to time: {MODEL_HELP}")
     p.add_argument("--seq", type=_cli_type(parse_length, "length"), default=None, help="tokens per sequence")
-    p.add_argument("--sp", type=int, default=1, help="GPUs per sequence: each times seq/sp tokens of heads/sp heads")
+    p.add_argument("--sp", type=int, default=None, help="with --model: GPUs per sequence (seq/sp tokens, heads/sp)")
     p.add_argument("--out", type=PATH, default=None, help="write the measurements to this JSON file")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
     p.set_defaults(run=_run_calibrate)
@@ -533,8 +573,12 @@ def _calibrate_parser(sub) -> None:
 def _run_calibrate(args) -> int:
     if (args.model is None) != (args.seq is None):
         raise ValueError("give `--model` and `--seq` together (or neither, for a generic shape)")
+    if args.sp is not None and args.model is None:
+        raise ValueError("`--sp` splits the shape of `--model` and `--seq`: give them too")
     device = check_device(args.device)
-    shape = Shape.of(named_model_config(args.model), args.seq, args.sp) if args.model else None
+    _claim_output(args.out, "--out", args, ours=is_calibration)
+    sp = 1 if args.sp is None else args.sp
+    shape = Shape.of(named_model_config(args.model), args.seq, sp) if args.model else None
     result = calibrate(device, shape)
     if args.out:
         write_text(args.out, json.dumps(result, indent=2))
@@ -556,6 +600,8 @@ def _run_calibrate(args) -> int:
 
 
 def _dsa_parser(sub) -> None:
+    from .plan.budget import DEFAULT_WORK, SAFETY_SECONDS, TIME_LIMIT_HELP, WORK_HELP, work_value  # no numba
+
     p = sub.add_parser(
         "dsa",
         help="solve a DSA instance (MiniMalloc CSV: id,lower,upper,size)",
@@ -563,9 +609,12 @@ def _dsa_parser(sub) -> None:
         "same time never overlap, minimising the peak; prints peak, LOAD lower bound, gap and proof.",
     )
     p.add_argument("file", type=PATH, help="CSV with header id,lower,upper,size")
-    p.add_argument("--time-limit", type=NUMBER, default=30.0, help="seconds (default: %(default)s)")
+    p.add_argument("--work", type=_cli_type(work_value, "work"), default=format_count(DEFAULT_WORK), help=WORK_HELP)
+    p.add_argument("--time-limit", type=NUMBER, default=SAFETY_SECONDS, help=TIME_LIMIT_HELP)
     p.add_argument("--out", type=PATH, default=None, help="write the placement as CSV with an offset column")
-    p.add_argument("--json", action="store_true", help="print JSON: peak, lower_bound, gap, optimal, seconds, method")
+    p.add_argument(
+        "--json", action="store_true", help="print JSON: peak, lower_bound, gap, optimal, seconds, method, work"
+    )
     p.set_defaults(run=_run_dsa)
 
 
@@ -576,20 +625,23 @@ def _check_time_limit(seconds: float) -> None:
 
 def _run_dsa(args) -> int:
     _check_time_limit(args.time_limit)
+    from .plan.budget import describe
     from .plan.dsa import solve  # the planner (numba) loads with the verbs that plan: a fifth of a second
-    from .plan.problem import read_csv, write_csv
+    from .plan.problem import is_placement, read_csv, write_csv
 
+    _claim_output(args.out, "--out", args, {"the buffers' FILE": args.file}, ours=is_placement)
     problem = read_csv(args.file)
-    solution = solve(problem, args.time_limit)
+    solution = solve(problem, args.time_limit, work_limit=args.work)
     if args.out:
         write_csv(problem, args.out, solution.offsets)
     if args.json:
         print(json.dumps(solution.summary()))
     else:
         proof = "optimal" if solution.optimal else f"{100 * solution.gap:.2f}% above the lower bound"
+        spent = describe(solution.work, solution.work_limit, solution.clock_cut)
         print(
             f"{len(problem)} buffers: peak {solution.peak}, LOAD {solution.lower_bound}, {proof} "
-            f"({solution.method}, {solution.seconds:.1f}s)"
+            f"({solution.method}, {solution.seconds:.1f}s, {spent})"
         )
     return 0
 
@@ -612,6 +664,8 @@ def _check_plan_length(cfg: ModelConfig, policy: ActivationPolicy, tokens: int, 
 
 
 def _plan_parser(sub) -> None:
+    from .plan.budget import PLAN_WORK, SAFETY_SECONDS, TIME_LIMIT_HELP, WORK_HELP, work_value  # no numba
+
     p = sub.add_parser(
         "plan",
         help="static memory plan of one training step (flat and bi-level DSA), vs the caching allocator",
@@ -627,8 +681,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per GPU (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="sequence/tensor-parallel GPUs: each traces seq/tp tokens")
     p.add_argument("--policy", default="memo", choices=STRATEGIES, help="activation strategy (default: %(default)s)")
-    p.add_argument("--alpha", type=NUMBER, default=0.5, help="memo alpha (default: %(default)s)")
-    p.add_argument("--time-limit", type=NUMBER, default=20.0, help="solver seconds (default: %(default)s)")
+    p.add_argument("--alpha", type=NUMBER, default=None, help="memo alpha, only with `--policy memo` (default: 0.5)")
+    p.add_argument("--work", type=_cli_type(work_value, "work"), default=format_count(PLAN_WORK), help=WORK_HELP)
+    p.add_argument("--time-limit", type=NUMBER, default=SAFETY_SECONDS, help=TIME_LIMIT_HELP)
     p.add_argument("--plot", type=PATH, default=None, help="write the plan and allocator curves to this PNG")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_run_plan)
@@ -640,13 +695,21 @@ def _run_plan(args) -> int:
     if args.batch <= 0:
         raise ValueError(f"`--batch` must be positive, got {args.batch}")
     _check_time_limit(args.time_limit)
+    from .parallel.ulysses import Ulysses
     from .plan.bilevel import plan
+    from .plan.budget import describe
     from .plan.plot import plot_plan
 
     cfg = named_model_config(args.model)
-    policy = ActivationPolicy(args.policy, alpha=args.alpha if args.policy == "memo" else None)
+    _claim_output(args.plot, "--plot", args, {"`--model`": args.model})
+    try:  # each GPU holds 1/tp of the tokens as train's `--sp` ranks do: the same rule on the heads
+        Ulysses.traced(args.tp, cfg.n_heads, cfg.n_kv_heads)
+    except ValueError as err:
+        raise ValueError(str(err).replace("`--sp`", "`--tp`")) from None
+    alpha = 0.5 if args.alpha is None and args.policy == "memo" else args.alpha
+    policy = ActivationPolicy(args.policy, alpha=alpha)  # refuses an `--alpha` given with another policy
     _check_plan_length(cfg, policy, args.seq // args.tp, args.batch)
-    result = plan(cfg, policy, args.seq // args.tp, args.batch, args.time_limit)
+    result = plan(cfg, policy, args.seq // args.tp, args.batch, args.time_limit, args.work)
     report = {
         "load": result.load,
         "dispatch_load": result.dispatch_load,
@@ -663,6 +726,9 @@ def _run_plan(args) -> int:
         "store_bytes": result.store_bytes,
         "solve_seconds": result.forward.seconds + result.backward.seconds + result.iteration.seconds,
         "trace_seconds": result.trace_seconds,
+        "work": result.work,
+        "work_limit": args.work,
+        "clock_cut": result.clock_cut,
     }
     if args.plot:
         plot_plan(result, args.plot, f"{cfg.name}, {format_count(args.seq)} tokens / {args.tp} GPUs, {args.policy}")
@@ -690,6 +756,7 @@ def _run_plan(args) -> int:
         f"(allocated once); bi-level solved in {report['solve_seconds']:.1f}s; traced in "
         f"{report['trace_seconds']:.1f}s"
     )
+    print(f"DSA search: {describe(result.work, args.work, result.clock_cut)}")
     return 0
 
 
@@ -778,8 +845,10 @@ def _run_eval(args) -> int:
         raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
     if args.max_sequences < 1:
         raise ValueError(f"`--max-sequences` must be positive, got {args.max_sequences}")
+    _claim_output(args.plot, "--plot", args, {"PATH": args.path, "`--ppl-file`": args.ppl_file})
     loaded = load(args.path, device, EVAL_DTYPES[args.dtype], args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
+    evaluation.check_lengths(loaded, args.lengths, args.batch_size if args.trials else 1)  # before any work
     limit = model.config.max_position_embeddings
     if limit and max(args.lengths) > limit:
         print(
@@ -791,7 +860,9 @@ def _run_eval(args) -> int:
     longest = max(args.lengths)
     data = None
     if args.ppl_file:
-        data = held_out_sequences(args.ppl_file, loaded.tokenizer_path, longest, model.config.vocab_size)
+        data = held_out_sequences(
+            args.ppl_file, loaded.tokenizer_path, longest, model.config.vocab_size, tokenizer.identity
+        )
     report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
     cells = _measure_eval(args, loaded, data, report)
     if args.plot and cells:
@@ -892,15 +963,19 @@ def build_parser() -> argparse.ArgumentParser:
     _dsa_parser(sub)
     _plan_parser(sub)
     _eval_parser(sub)
+    for name in ("estimate", "calibrate", "dsa", "plan", "eval"):  # export and report word their own
+        sub.choices[name].add_argument(
+            "--overwrite", action="store_true", help="replace an existing output file that memo did not write"
+        )
     for verb in sub.choices.values():
         verb.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its line")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `memo <verb>`; returns the exit code. Expected failures (bad input, a file or device that cannot be
-    used: 2; Ctrl-C: 130) are one line on stderr, with the traceback only under `--debug`; any other exception
-    is a bug: its traceback."""
+    """Runs `memo <verb>`; returns the exit code. Expected failures (bad input, a file, device or memory that
+    cannot be used: 2; a signal: 128 + its number, 130 for Ctrl-C) are one line on stderr, with the traceback only
+    under `--debug`, after the verb removed its temporaries; any other exception is a bug: its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -910,23 +985,47 @@ def main(argv: list[str] | None = None) -> int:
     warnings.setLevel(logging.WARNING if rank0 else logging.CRITICAL + 1)
     logging.getLogger("memo").addHandler(warnings)
     try:
-        return args.run(args)
-    except (ValueError, OSError, KeyboardInterrupt) as err:
-        code = 130 if isinstance(err, KeyboardInterrupt) else 2
-        line = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {_message(err)}"
+        with Stopping():
+            return args.run(args)
+    except BaseException as err:
+        failure = _expected_failure(err)
+        if failure is None:
+            if not isinstance(err, Exception):  # SystemExit and the like pass through
+                raise
+            cause = faults.awaited_failure() if "LOCAL_RANK" in os.environ else None
+            if cause is not None:  # a peer died first (a lost connection here is its echo): end with its code
+                return cause["code"]
+            _first_to_fail(f"error: {type(err).__name__}: {err}", 1)  # a bug: the other ranks end, this one shows
+            raise
+        line, code = failure
         if _first_to_fail(line, code):  # under a distributed launch: once, from the rank that failed first
             print(f"memo {args.verb}: {line}", file=sys.stderr)
             if args.debug:
                 traceback.print_exc()
         return code
-    except Exception as err:
-        cause = faults.awaited_failure() if "LOCAL_RANK" in os.environ else None
-        if cause is not None:  # a peer died first (a lost connection here is its echo): end with its code, quietly
-            return cause["code"]
-        _first_to_fail(f"error: {type(err).__name__}: {err}", 1)  # a bug: the other ranks end, this one shows where
-        raise
     finally:
         logging.getLogger("memo").removeHandler(warnings)
+
+
+def _expected_failure(err: BaseException) -> tuple[str, int] | None:
+    """Returns the line and exit code of a failure that is not a bug: a signal, bad input, a file that cannot be
+    used, memory that runs out, a safetensors file that cannot be read; None for anything else."""
+    if isinstance(err, Terminated):
+        return str(err), err.exit_code
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(err, (ValueError, OSError)):
+        return f"error: {_message(err)}", 2
+    if isinstance(err, torch.OutOfMemoryError):
+        first = str(err).splitlines()[0] if str(err) else "out of memory"
+        return f"error: the device ran out of memory ({first}); lower `--seq-len` or `--batch-size`", 2
+    host = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(err))
+    if isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and host):
+        size = f" ({format_bytes(int(host[1]))} at once)" if host else ""
+        return f"error: the host ran out of memory{size}; lower `--seq-len` or `--batch-size`", 2
+    if isinstance(err, SafetensorError):
+        return f"error: a safetensors file cannot be read: {err}", 2
+    return None
 
 
 def _message(err: Exception) -> str:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
+
+from .units import format_count
 
 Arch = Literal["gpt", "llama"]
 RopeType = Literal["linear", "dynamic", "yarn", "llama3"]
@@ -36,15 +39,19 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.type not in ("linear", "dynamic", "yarn", "llama3"):
             raise ValueError(f"`--rope-scaling` must be linear, dynamic, yarn or llama3, got {self.type!r}")
-        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor >= 1):
+        if not (_is_number(self.factor) and math.isfinite(self.factor) and self.factor >= 1):
             raise ValueError(f"`--rope-factor` must be a finite number >= 1, got {self.factor!r}")
-        if self.type in ("yarn", "llama3") and not (
-            isinstance(self.original_max_positions, int) and self.original_max_positions > 0
-        ):
+        if self.original_max_positions is not None:
+            check_int("original_max_positions", self.original_max_positions)
+        elif self.type in ("yarn", "llama3"):
             raise ValueError(
                 f"`--original-max-positions` (the pretraining length) is required by {self.type} RoPE scaling"
             )
-        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+        for field in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
+            if getattr(self, field) is not None:
+                check_number(field, getattr(self, field))
+        check_bool("truncate", self.truncate)
+        if self.type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"{self.low_freq_factor} and {self.high_freq_factor}"
@@ -92,22 +99,38 @@ class ModelConfig:
             if getattr(self, flag) is None:
                 object.__setattr__(self, flag, self.arch == "gpt")
         if isinstance(self.rope_scaling, dict):  # from a config file
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
+        self._check_fields()
+        self._check_shapes()
+
+    def _check_fields(self) -> None:
+        """Raises for a field of the wrong kind or range: files hand over strings, bools and floats as readily."""
         for field in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size", "vocab_size"):
-            _positive(field, getattr(self, field))
-        for field in ("kv_channels", "max_position_embeddings", "sliding_window"):
+            check_int(field, getattr(self, field), most=MAX_SIZE)
+        if self.kv_channels is not None:
+            check_int("kv_channels", self.kv_channels, most=MAX_SIZE)
+        for field in ("max_position_embeddings", "sliding_window"):
             if getattr(self, field) is not None:
-                _positive(field, getattr(self, field))
+                check_int(field, getattr(self, field))
+        for field in ("norm_eps", "rope_theta"):
+            check_number(field, getattr(self, field))
+        for field in ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "tie_embeddings"):
+            check_bool(field, getattr(self, field))
+        if not isinstance(self.name, str) or not isinstance(self.hf_model_type, (str, type(None))):
+            raise ValueError(f"`name` and `hf_model_type` must be strings, got {self.name!r}, {self.hf_model_type!r}")
+        if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
+            raise ValueError(f"`rope_scaling` must be a mapping of type, factor, ..., got {self.rope_scaling!r}")
+
+    def _check_shapes(self) -> None:
+        """Raises unless the heads split the hidden size and each other as attention and RoPE need."""
         if self.kv_channels is None and self.hidden_size % self.n_heads:
             raise ValueError(f"`n_heads` ({self.n_heads}) must divide `hidden_size` ({self.hidden_size})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"`n_kv_heads` ({self.n_kv_heads}) must divide `n_heads` ({self.n_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"the head dimension must be even for rotary embeddings, got {self.head_dim}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"`norm_eps` must be > 0, got {self.norm_eps}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"`rope_theta` must be a finite number > 0, got {self.rope_theta}")
+            raise ValueError(
+                f"the head dimension (`kv_channels`) must be even for rotary embeddings, got {self.head_dim}"
+            )
         if self.qk_norm and self.arch == "gpt":
             raise ValueError("`qk_norm` is an RMSNorm of the llama family; the gpt arch has none")
         if self.rope_scaling is not None and self.rope_scaling.type == "dynamic" and not self.max_position_embeddings:
@@ -137,9 +160,58 @@ class ModelConfig:
             )
 
 
-def _positive(field: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"`{field}` must be a positive integer, got {value!r}")
+MAX_SIZE = 1 << 24  # of a model dimension: past any published model's (the largest vocabularies are ~256K)
+
+
+def check_int(field: str, value, least: int = 1, most: int | None = None) -> int:
+    """Returns `value` if it is a whole number in [least, most]: a config file's string, bool or float is not."""
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= (most or value):
+        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ValueError(f"`{field}` must be {kind}{f' up to {format_count(most)}' if most else ''}, got {value!r}")
+    return value
+
+
+def check_number(field: str, value) -> float:
+    """Returns `value` if it is a finite number > 0 (JSON's Infinity and NaN, a string or a bool are not)."""
+    if not (_is_number(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"`{field}` must be a finite number > 0, got {value!r}")
+    return value
+
+
+def check_bool(field: str, value) -> bool:
+    """Returns `value` if it is true or false (a config file's "false" is a string, and truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{field}` must be true or false, got {value!r}")
+    return value
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rope_scaling(fields: dict) -> RopeScaling:
+    """Returns the RopeScaling of a config file's `rope_scaling` mapping."""
+    try:
+        return RopeScaling(**fields)
+    except TypeError as err:
+        raise ValueError(f"`rope_scaling`: {err}") from None
+
+
+def model_config_from(values: dict, source: str, names: dict[str, str] | None = None) -> ModelConfig:
+    """Returns the ModelConfig of a file's fields; its error is one line naming `source` and the field as the file
+    spells it (`names`: ModelConfig field -> the file's name, e.g. a Hugging Face config.json's)."""
+    fields = dataclasses.fields(ModelConfig)
+    unknown = sorted(set(values) - {f.name for f in fields})
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in values]
+    try:
+        if unknown or missing:
+            raise ValueError(
+                f"unknown field(s) {unknown}" if unknown else f"lacks required field(s) {', '.join(missing)}"
+            )
+        return ModelConfig(**values)
+    except ValueError as err:
+        spelled = re.sub(r"`(\w+)`", lambda m: f"`{(names or {}).get(m.group(1), m.group(1))}`", str(err))
+        raise ValueError(f"{source}: {spelled}") from None
 
 
 def _param_shapes_numel(c: ModelConfig) -> list[int]:

@@ -27,14 +27,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import device as dev
 from .figures import pyplot, save
 from .hf import CONFIG_NAME, from_hf
-from .loss import IGNORE_INDEX, shift_labels
 from .lora import merge_adapters
+from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
 from .train import checkpoint
+from .train.config import check_inputs
 from .train.data import TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
-from .units import format_count
+from .units import format_bytes, format_count
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_NAME = "tokenizer.json"
@@ -62,6 +64,7 @@ FILLER = (
 )
 NEEDLE = "The pass key is {key}. Remember it."
 QUESTION = "What is the pass key? The pass key is"
+EXTRAPOLATION = 64  # lengths up to this many times the longest a model's positions know: far past what RoPE studies try
 
 Progress = Callable[[int], object]
 
@@ -108,12 +111,13 @@ class Interrupted(KeyboardInterrupt):
 @dataclass
 class Loaded:
     """A model ready to evaluate, the tokenizer that writes its prompts (and its tokenizer.json; None: bytes),
-    and where the model came from."""
+    where the model came from, and the sequence length a run trained at (None: a Hugging Face folder)."""
 
     model: Transformer
     tokenizer: TextTokenizer
     tokenizer_path: str | None
     source: str
+    trained_length: int | None = None
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: str | Path | None = None) -> Loaded:
@@ -121,8 +125,9 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: 
     config and tokenizer), or a Hugging Face Llama folder (config.json + safetensors, its tokenizer.json if
     there is one); `tokenizer` replaces theirs, and without any the byte tokenizer is used."""
     path = Path(path)
+    trained = None
     if (path / "checkpoints").is_dir():
-        model, saved_tokenizer, source = _load_run(path)
+        model, saved_tokenizer, source, trained = _load_run(path, tokenizer is None)
     elif (path / CONFIG_NAME).is_file():
         try:
             model = from_hf(path, dtype=dtype)
@@ -138,14 +143,17 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: 
     model = model.to(device=device, dtype=dtype).eval()
     chosen = tokenizer or saved_tokenizer
     tokenizer_path = str(chosen) if chosen else None
-    return Loaded(model, load_tokenizer(tokenizer_path), tokenizer_path, source)
+    return Loaded(model, load_tokenizer(tokenizer_path), tokenizer_path, source, trained)
 
 
-def _load_run(run_dir: Path) -> tuple[Transformer, str | None, str]:
-    """Returns (model, its tokenizer path, description) of the newest checkpoint: the weights the run computed
-    with (bf16 for a bf16 run; `memo export` writes its fp32 masters), read whole from either layout."""
+def _load_run(run_dir: Path, own_tokenizer: bool) -> tuple[Transformer, str | None, str, int | None]:
+    """Returns (model, its tokenizer path, description, sequence length trained at) of the newest checkpoint: the
+    weights the run computed with (bf16 for a bf16 run; `memo export` writes its fp32 masters), read whole from
+    either layout. With `own_tokenizer`, the files naming the run's tokenizer must be those it trained with."""
     saved = checkpoint.load_latest(run_dir)
     trained = saved.state["config"]
+    if own_tokenizer:
+        check_inputs(trained, ("tokenizer",), f"run {run_dir}", "restore it, or give `--tokenizer`")
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(checkpoint.saved_model_config(saved.state, run_dir))
     lora = checkpoint.saved_lora(saved.state, run_dir)
@@ -154,13 +162,50 @@ def _load_run(run_dir: Path) -> tuple[Transformer, str | None, str]:
         model.load_state_dict(weights, assign=True)
     except RuntimeError as err:
         raise ValueError(f"checkpoint {saved.path} does not fit model {trained['model']!r}: {err}") from None
-    return model, checkpoint.run_tokenizer(trained), f"{run_dir} (step {saved.step})"
+    tokenizer = checkpoint.run_tokenizer(trained)
+    return model, tokenizer, f"{run_dir} (step {saved.step})", trained.get("seq_len")
 
 
 def check_length(model: torch.nn.Module, length: int) -> None:
     """Raises ValueError when the model cannot run `length` tokens at all (a sliding window shorter than it).
     Lengths past `max_position_embeddings` run: measuring how a model fares there is the point of the eval."""
     model.config.check_length(length)
+
+
+def check_lengths(loaded: Loaded, lengths: Sequence[int], batch: int) -> None:
+    """Raises ValueError, before any work, for a length the model cannot run (`check_length`), one past
+    `length_limit`, or one whose activations alone (`activation_lower_bound`, `batch` prompts) exceed the memory
+    free where the model is."""
+    model = loaded.model
+    limit = length_limit(model.config, loaded.trained_length)
+    free = dev.free_memory_bytes(model.head_weight.device)
+    for length in sorted(set(lengths)):
+        check_length(model, length)
+        if limit is not None and length > limit:
+            raise ValueError(
+                f"`--lengths` {format_count(length)} is past {EXTRAPOLATION}x the length the model's positions know "
+                f"(at most {format_count(limit)} here): lower `--lengths`"
+            )
+        need = activation_lower_bound(model.config, batch * length, model.head_weight.dtype.itemsize)
+        if free is not None and need > free:
+            raise ValueError(
+                f"`--lengths` {format_count(length)} needs at least {format_bytes(need)} of activations "
+                f"({batch} prompt(s)), {format_bytes(free)} free on {model.head_weight.device}: lower `--lengths`"
+                f"{' or `--batch-size`' if batch > 1 else ''}"
+            )
+
+
+def length_limit(config, trained: int | None) -> int | None:
+    """Returns the longest prompt worth running: EXTRAPOLATION times the longer of the length a run trained at and
+    `max_position_embeddings`, never below the GPU's default grid; None when neither is known."""
+    known = max((n for n in (trained, config.max_position_embeddings) if n), default=None)
+    return None if known is None else max(EXTRAPOLATION * known, *DEFAULTS["cuda"].lengths)
+
+
+def activation_lower_bound(config, tokens: int, itemsize: int) -> int:
+    """Returns bytes that a forward over `tokens` tokens needs at once however it runs: the residual stream, a
+    layer's output and its MLP's hidden activation (no attention scores, no logits: a lower bound)."""
+    return tokens * (2 * config.hidden_size + config.ffn_hidden_size) * itemsize
 
 
 # ------------------------------------------------------------------------------------------------------ pass key
@@ -387,11 +432,14 @@ def bucket_edges(length: int, size: int | None = None) -> list[int]:
     return edges + [length]
 
 
-def held_out_sequences(path: str | Path, tokenizer_path: str | None, length: int, vocab_size: int) -> TokenDataset:
+def held_out_sequences(
+    path: str | Path, tokenizer_path: str | None, length: int, vocab_size: int, tokenizer: str | None = None
+) -> TokenDataset:
     """Returns a held-out file (.txt, .jsonl, .parquet, a folder of them, or a pre-tokenised .bin/.npy) packed
     the way training packs data: documents concatenated and cut into sequences of `length` tokens, the last one
-    padded; ids beyond `vocab_size` are an error."""
-    data = token_dataset(path, length, tokenizer_path=tokenizer_path, flag="--ppl-file")
+    padded; ids beyond `vocab_size`, and a token file of another tokenizer than `tokenizer` (an identity), are
+    errors."""
+    data = token_dataset(path, length, tokenizer_path=tokenizer_path, flag="--ppl-file", tokenizer=tokenizer)
     check_vocab(data, vocab_size)
     return data
 

@@ -13,17 +13,20 @@ checkpoint cannot run code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig, RopeScaling, check_bool, check_int, check_number, model_config_from
 from .files import atomic_folder, read_json_object
 from .model import Transformer
 from .policy import ActivationPolicy
@@ -81,46 +84,73 @@ def hf_name(name: str) -> str:
     return f"model.layers.{index}.{_LAYER_NAMES[module]}.{kind}"
 
 
+# ModelConfig field -> the config.json field it is read from: errors name the file's
+_HF_FIELDS = {
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_hidden_size": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "kv_channels": "head_dim",
+    "tie_embeddings": "tie_word_embeddings",
+    "qkv_bias": "attention_bias",
+    "out_bias": "attention_bias",
+}
+
+
 def _unsupported(field: str, value, why: str) -> ValueError:
-    return ValueError(f"config.json: `{field}` = {value!r} is not supported: {why}")
+    return ValueError(f"`{field}` = {value!r} is not supported: {why}")
 
 
 # ---- config.json -> ModelConfig -------------------------------------------------------------------------
 
 
-def config_from_hf(cfg: dict, name: str = "custom") -> ModelConfig:
+def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = CONFIG_NAME) -> ModelConfig:
     """Returns the ModelConfig of a Llama, Mistral, Qwen2 or Qwen3 `config.json` dict (either layout); raises a
-    one-line ValueError naming any field memo cannot run."""
+    one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks the shapes, as it does
+    memo's own model files."""
+    try:
+        fields = _model_fields(cfg, name)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    config = model_config_from(fields, str(source), _HF_FIELDS)
+    if config.kv_channels is not None and config.kv_channels * config.n_heads == config.hidden_size:
+        return dataclasses.replace(config, kv_channels=None)  # the head dim HF derives: not a setting of its own
+    return config
+
+
+def _model_fields(cfg: dict, name: str) -> dict:
+    """Returns the ModelConfig fields of a config.json dict, its values as found (ModelConfig checks them)."""
     family = cfg.get("model_type", "llama")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:
         raise _unsupported("model_type", family, f"memo reads {', '.join(FAMILIES)} checkpoints")
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [f for f in required if f not in cfg]
     if missing:
-        raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
+        raise ValueError(f"lacks required field(s): {', '.join(missing)}")
     _check_runnable(cfg)
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim", 128 if family == "qwen3" else None) or hidden // heads  # Qwen3Config's default
+    heads = cfg["num_attention_heads"]
     max_positions = cfg.get("max_position_embeddings") or FAMILIES[family][1]
-    attention_bias = bool(cfg.get("attention_bias", False)) and family in ("llama", "qwen3")
+    attention_bias = check_bool("attention_bias", cfg.get("attention_bias", False)) and family in ("llama", "qwen3")
     theta, scaling = _rope(cfg, max_positions)
-    return ModelConfig(
-        "llama",
+    kv_heads = cfg.get("num_key_value_heads")
+    return dict(
+        arch="llama",
         n_layers=cfg["num_hidden_layers"],
-        hidden_size=hidden,
+        hidden_size=cfg["hidden_size"],
         n_heads=heads,
         ffn_hidden_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
-        n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=heads if kv_heads is None else kv_heads,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         name=name,
-        kv_channels=None if head_dim * heads == hidden else head_dim,
+        kv_channels=cfg.get("head_dim", 128 if family == "qwen3" else None),  # Qwen3Config's default
         qkv_bias=attention_bias or family == "qwen2",
         out_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and family == "llama",
+        mlp_bias=check_bool("mlp_bias", cfg.get("mlp_bias", False)) and family == "llama",
         qk_norm=family == "qwen3",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
         max_position_embeddings=max_positions,
         rope_scaling=scaling,
         sliding_window=_sliding_window(cfg, family),
@@ -150,7 +180,7 @@ def _rope(cfg: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
     `rope_parameters` (5.x); their `rope_theta` over the top-level one; `rope_type` over the older `type`."""
     field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = cfg.get(field) or {}
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise _unsupported(f"{field}.rope_type", kind, f"memo implements {', '.join(ROPE_TYPES)} RoPE")
@@ -162,35 +192,42 @@ def _rope(cfg: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
         cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_positions
     )
     fields = {}
-    if kind == "yarn":
-        factor = max_positions / original if factor is None else factor
-        fields = dict(
-            beta_fast=float(rope.get("beta_fast") or 32.0),
-            beta_slow=float(rope.get("beta_slow") or 1.0),
-            attention_factor=_yarn_attention_factor(rope, factor),
-            truncate=bool(rope.get("truncate", True)),
-        )
-    elif kind == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor"):
-            if key not in rope:
-                raise ValueError(f"config.json: `{field}` lacks `{key}`, which llama3 RoPE scaling needs")
-        fields = dict(low_freq_factor=float(rope["low_freq_factor"]), high_freq_factor=float(rope["high_freq_factor"]))
-    if kind in ("yarn", "llama3"):
-        fields["original_max_positions"] = int(original)
     try:
+        if kind == "yarn":
+            factor = _yarn_factor(max_positions, original) if factor is None else factor
+            fields = dict(
+                beta_fast=rope.get("beta_fast") or 32.0,
+                beta_slow=rope.get("beta_slow") or 1.0,
+                attention_factor=_yarn_attention_factor(rope, factor),
+                truncate=rope.get("truncate", True),
+            )
+        elif kind == "llama3":
+            for key in ("low_freq_factor", "high_freq_factor"):
+                if key not in rope:
+                    raise ValueError(f"it lacks `{key}`, which llama3 RoPE scaling needs")
+            fields = dict(low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"])
+        if kind in ("yarn", "llama3"):
+            fields["original_max_positions"] = original
         return theta, RopeScaling(kind, factor, **fields)
     except ValueError as err:
-        raise ValueError(f"config.json: `{field}` = {rope!r} is not supported: {err}") from None
+        raise ValueError(f"`{field}` = {rope!r} is not supported: {err}") from None
+
+
+def _yarn_factor(max_positions, original) -> float:
+    """Returns YaRN's factor when the config gives none, as transformers derives it: the stretch of the length."""
+    return check_int("max_position_embeddings", max_positions) / check_int("original_max_position_embeddings", original)
 
 
 def _yarn_attention_factor(rope: dict, factor: float) -> float | None:
     """Returns YaRN's attention factor: given, or from `mscale` / `mscale_all_dim` as transformers derives it
     (None: RopeScaling's default, 0.1·ln(factor) + 1)."""
     if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
+        return rope["attention_factor"]
     mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if not (mscale and all_dim):
         return None
+    mscale, all_dim = (check_number(f, rope[f]) for f in ("mscale", "mscale_all_dim"))
+    factor = check_number("factor", factor)
 
     def get_mscale(m: float) -> float:
         return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -205,11 +242,20 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
         return None
     if family == "mistral":  # every layer; MistralConfig's default window is 4096
         return cfg.get("sliding_window", 4096)
-    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+    window = (
+        cfg.get("sliding_window", 4096)
+        if check_bool("use_sliding_window", cfg.get("use_sliding_window", False))
+        else None
+    )
     types = cfg.get("layer_types")
     if types is None:  # the Qwen2/3 rule: layers from max_window_layers on slide
-        sliding = window is not None and cfg["num_hidden_layers"] > cfg.get("max_window_layers", 28)
+        layers, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)
+        sliding = window is not None and check_int("num_hidden_layers", layers) > check_int(
+            "max_window_layers", first, 0
+        )
     else:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise _unsupported("layer_types", types, "it must be a list of each layer's attention type")
         unknown = sorted(set(types) - {"full_attention", "attention", "sliding_attention"})
         if unknown:
             raise _unsupported("layer_types", unknown, "memo runs full (or fitting sliding-window) attention")
@@ -385,7 +431,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """Returns HF tensor name -> the safetensors file holding it (single file preferred, as HF does)."""
     single = path / WEIGHTS_NAME
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _opened(single) as f:
             return {name: single for name in f.keys()}
     index = path / INDEX_NAME
     if not index.is_file():
@@ -393,15 +439,35 @@ def _weight_files(path: Path) -> dict[str, Path]:
     weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: expected a `weight_map` object of tensor name: file")
-    files = {name: path / file for name, file in weight_map.items()}
+    files = {name: _shard(index, file) for name, file in weight_map.items()}
     for file in set(files.values()):
         if not file.is_file():
-            raise FileNotFoundError(f"{INDEX_NAME} names a shard that is missing: {file}")
+            raise ValueError(f"{index} names a shard that is missing: {file}")
     return files
 
 
-def _read_state_dict(path: Path, names: dict[str, str], tied: bool) -> dict[str, torch.Tensor]:
-    """Returns memo name -> tensor read from the checkpoint, checking that the tensor names match exactly."""
+def _shard(index: Path, file) -> Path:
+    """Returns the path of a shard an index names: a file name in the checkpoint's folder, never a path that
+    leads out of it (an index is data from whoever published the checkpoint)."""
+    if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
+        raise ValueError(f"{index}: shard {file!r} is not a file in the checkpoint folder")
+    return index.parent / file
+
+
+@contextmanager
+def _opened(file: Path) -> Iterator:
+    """Yields the safetensors file open for reading; safetensors' own errors (a truncated file, a bad header, a
+    tensor it does not hold) become a ValueError naming the file."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ValueError(f"{file}: safetensors cannot read it: {err}") from None
+
+
+def _read_state_dict(path: Path, names: dict[str, str], shapes: dict, tied: bool) -> dict[str, torch.Tensor]:
+    """Returns memo name -> tensor read from the checkpoint, checking that the tensor names match exactly and
+    that each tensor has the shape `shapes` says and a floating-point dtype."""
     files = _weight_files(path)
     # Old checkpoints stored RoPE's inv_freq buffer; it is recomputed from the config. A tied head is the
     # embedding, whether or not the file also holds a copy.
@@ -409,16 +475,27 @@ def _read_state_dict(path: Path, names: dict[str, str], tied: bool) -> dict[str,
     missing, unexpected = sorted(set(names.values()) - present), sorted(present - set(names.values()))
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint tensors do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"{path}: the tensors do not match {CONFIG_NAME}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     by_file: dict[Path, list[str]] = {}
     for ours, theirs in names.items():
         by_file.setdefault(files[theirs], []).append(ours)
     state = {}
     for file, ours_names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            state.update({ours: f.get_tensor(names[ours]) for ours in ours_names})
+        with _opened(file) as f:
+            state.update(
+                {ours: _checked(f.get_tensor(names[ours]), file, names[ours], shapes[ours]) for ours in ours_names}
+            )
     return state
+
+
+def _checked(tensor: torch.Tensor, file: Path, name: str, shape: torch.Size) -> torch.Tensor:
+    """Returns `tensor` if it is a weight of `shape`: integer or boolean data would be cast to floats silently."""
+    if tensor.shape != shape:
+        raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{file}: {name} has dtype {str(tensor.dtype).removeprefix('torch.')}, not floating point")
+    return tensor
 
 
 def from_hf(
@@ -438,15 +515,12 @@ def from_hf(
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
-    config = config or config_from_hf(read_json_object(config_file), name=path.name or "custom")
+    config = config or config_from_hf(read_json_object(config_file), path.name or "custom", config_file)
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(config, policy)
     shapes = {name: p.shape for name, p in model.state_dict().items()}
     names = {name: hf_name(name) for name in shapes}
-    state = _read_state_dict(path, names, config.tie_embeddings)
-    for name, shape in shapes.items():
-        if state[name].shape != shape:
-            raise ValueError(f"{names[name]} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
+    state = _read_state_dict(path, names, shapes, config.tie_embeddings)
     dtype = dtype or state["embed.weight"].dtype  # one dtype throughout, even if the file mixes them
     model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, assign=True)
     return model
@@ -475,6 +549,7 @@ def save_hf(
     seq_len: int | None = None,
     tokenizer: str | os.PathLike | None = None,
     token_ids: dict[str, int | None] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Writes `weights` (memo names) as a HF checkpoint folder that `AutoModelForCausalLM.from_pretrained`
     loads with no missing or unexpected keys; returns `path`.
@@ -484,8 +559,9 @@ def save_hf(
     special_tokens_map.json, whose bos/eos/pad ids the configs name; without one, `token_ids` (those of the
     checkpoint the model came from, `config_token_ids`) are kept. Files are written in a temporary
     folder beside `path` and renamed in, so a crash never leaves a half-written checkpoint: a new `path`
-    appears whole, an existing one gets each file replaced whole. Modes are those of any new file (0644 and
-    a 0755 folder under the usual umask 022), not safetensors' 0600.
+    appears whole; an existing one (empty, an earlier export, or any with `overwrite`: `memo.files`) is
+    replaced whole. Modes are those of any new file (0644 and a 0755 folder under the usual umask 022), not
+    safetensors' 0600.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -497,7 +573,7 @@ def save_hf(
     tokens = ("bos_token_id", "eos_token_id", "pad_token_id")
     generation = {"_from_model_config": True, **{k: hf_config[k] for k in tokens}}
     state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in weights.items()}
-    with atomic_folder(path) as tmp:
+    with atomic_folder(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
@@ -515,7 +591,9 @@ def to_hf(
     path: str | os.PathLike,
     seq_len: int | None = None,
     tokenizer: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Writes `model` as a HF checkpoint folder (`save_hf`): `seq_len` is the length it was trained at,
-    `tokenizer` the HF tokenizer.json (or its folder) it was trained with; returns `path`."""
-    return save_hf(model.config, model.state_dict(), path, seq_len, tokenizer)
+    `tokenizer` the HF tokenizer.json (or its folder) it was trained with; returns `path`. An existing folder
+    memo did not write is replaced only with `overwrite`."""
+    return save_hf(model.config, model.state_dict(), path, seq_len, tokenizer, overwrite=overwrite)

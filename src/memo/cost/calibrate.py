@@ -3,13 +3,15 @@ run: the layer's GEMMs, causal attention forward and backward apart, memory band
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .. import device as dev
 from ..attention import attention_backward, attention_forward
-from ..config import ModelConfig
+from ..config import ModelConfig, check_int
 from ..swap import measure_copy_bandwidth
 
 GEMM_ROWS = {"cuda": 16384, "cpu": 1024}  # token rows of the GEMMs timed: speed no longer grows past these
@@ -32,7 +34,7 @@ class Shape:
 
     @classmethod
     def of(cls, c: ModelConfig, seq: int, sp: int = 1) -> Shape:
-        if seq <= 0 or seq % sp or c.n_heads % sp:
+        if check_int("--seq", seq) % check_int("--sp", sp) or c.n_heads % sp:
             raise ValueError(f"`--seq` ({seq}) and the {c.n_heads} heads of {c.name} must split over `--sp` {sp}")
         kv = max(c.n_kv_heads // sp, 1)
         return cls(seq // sp, seq, c.n_heads // sp, kv, c.head_dim, c.hidden_size, c.ffn_hidden_size)
@@ -76,6 +78,15 @@ def measure_hbm_bandwidth(device: torch.device, nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / dev.timed(lambda: dst.copy_(src), device, repeats=5)
+
+
+def is_calibration(path: str | Path) -> bool:
+    """Returns whether `path` holds measurements `memo calibrate --out` wrote (memo's own, to replace)."""
+    try:
+        measured = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(measured, dict) and {"matmul_flops_per_s", "host_copy_bytes_per_s"} <= measured.keys()
 
 
 def calibrate(device: torch.device, shape: Shape | None = None) -> dict:

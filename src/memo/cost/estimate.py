@@ -41,7 +41,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..attention import CHOICES
-from ..config import ModelConfig
+from ..config import ModelConfig, check_int
 from ..lora import LoraConfig
 from ..policy import plan_costs, solve_plan
 from ..swap import plan_problem
@@ -99,6 +99,7 @@ ALLOCATOR_NAMES = {
 ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
 ZERO3_REDUCE_BUCKET_BYTES = 2 * 5 * 10**8
 HOST_FRACTION = 0.9  # of a node's host memory that offload may use
+MAX_GPUS = 1 << 20  # ten times the largest published training clusters (~100K GPUs); layouts search its divisors
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
 MAX_SEQ_RANGE = (
     "low at the slow end of the efficiency band, high at the fast end with memory at LOAD (no caching-allocator "
@@ -173,11 +174,10 @@ def _check(seq: int, gpus: int, system: str, sp: int | None, states=States(), at
             f"`--lora-rank` and `--offload-states` are estimated for {' and '.join(STATES)}, not for {system} "
             "(estimated as it ships)"
         )
-    if gpus <= 0:
-        raise ValueError(f"`--gpus` must be positive, got {gpus}")
-    if sp is not None and (sp <= 0 or gpus % sp):
+    check_int("--gpus", gpus, most=MAX_GPUS)
+    if sp is not None and (check_int("--sp", sp) > gpus or gpus % sp):
         raise ValueError(f"`--sp` ({sp}) must divide `--gpus` ({gpus})")
-    if seq <= 0 or seq % (sp or 1):
+    if check_int("--seq", seq) % (sp or 1):
         raise ValueError(f"`--seq` ({seq}) must be a positive multiple of `--sp` ({sp})")
 
 
@@ -245,6 +245,9 @@ def estimate(
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"`--host-memory` must be positive, got {host_memory} bytes")
     _check(seq, gpus, system, sp, states, attention)
+    width = min(c.hidden_size, c.ffn_hidden_size)
+    if states.lora and states.lora.rank > width:
+        raise ValueError(f"`--lora-rank` ({states.lora.rank}) must be at most {width}, {c.name}'s narrowest projection")
     kernel = attention_kernel(gpu, attention)
     candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
     if not candidates:
@@ -293,7 +296,18 @@ def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str,
 
 
 def _evaluate(
-    c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, fragmentation, batch, host_memory,
+    c,
+    seq,
+    gpus,
+    gpu: GPUSpec,
+    system,
+    states: States,
+    layout: Layout,
+    band,
+    point,
+    fragmentation,
+    batch,
+    host_memory,
     kernel: str,
 ):
     """Returns the estimate of one layout, `batch` sequences per micro-batch, attention timed as `kernel`'s."""
@@ -405,7 +419,15 @@ def _plan(c, seq, tokens, gpus, gpu, eff, layout: Layout, host_budget: int, stat
 
 
 def _plan_problem(
-    c, seq, tokens, gpu: GPUSpec, eff: Efficiency, host_budget: int, device_budget: int, tile=None, states=States(),
+    c,
+    seq,
+    tokens,
+    gpu: GPUSpec,
+    eff: Efficiency,
+    host_budget: int,
+    device_budget: int,
+    tile=None,
+    states=States(),
     gpus: int = 1,
 ):
     """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds. Offloaded model states
@@ -651,12 +673,24 @@ def max_seq(
     """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
     0 if none does, with what stops the next length."""
     step = 1024 * (gpus if sp is None else sp)
+    _check(step, gpus, system, sp, states, attention)
     why = {}
 
     def fits(seq: int) -> bool:
         e = estimate(
-            c, seq, gpus, gpu, system, sp, eff, point=point, fragmentation=fragmentation, host_memory=host_memory,
-            arena=arena, states=states, attention=attention,
+            c,
+            seq,
+            gpus,
+            gpu,
+            system,
+            sp,
+            eff,
+            point=point,
+            fragmentation=fragmentation,
+            host_memory=host_memory,
+            arena=arena,
+            states=states,
+            attention=attention,
         )
         why[seq] = e.why
         return e.fits
@@ -674,8 +708,16 @@ def max_seq(
 
 
 def max_seq_range(
-    c: ModelConfig, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None, eff=None, host_memory=None,
-    arena: bool = False, states: States = States(), attention: str = "auto",
+    c: ModelConfig,
+    gpus: int,
+    gpu: GPUSpec,
+    system: str,
+    sp: int | None = None,
+    eff=None,
+    host_memory=None,
+    arena: bool = False,
+    states: States = States(),
+    attention: str = "auto",
 ) -> dict:
     """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
     and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import check_int, check_number
 from ..files import read_json_object
 
 GB, TB = 10**9, 10**12
@@ -35,8 +36,16 @@ class GPUSpec:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("name", "source") and not value > 0:
-                raise ValueError(f"GPU {self.name!r}: `{f.name}` must be positive, got {value}")
+            if f.type == "int" and isinstance(value, float) and value.is_integer():
+                value = int(value)  # JSON users write 80e9 bytes: a whole number all the same
+                object.__setattr__(self, f.name, value)
+            try:
+                if f.type == "int":
+                    check_int(f.name, value)
+                elif f.type == "float":
+                    check_number(f.name, value)
+            except ValueError as err:
+                raise ValueError(f"GPU {self.name!r}: {err}") from None
 
 
 _PCIE4, _PCIE5 = 32 * GB, 64 * GB
@@ -137,7 +146,9 @@ def load_gpus(path: str | Path) -> dict[str, GPUSpec]:
         try:
             gpus[name] = GPUSpec(**{"name": name, "source": f"user file {path}", **spec})
         except TypeError as err:
-            raise ValueError(f"GPU {name!r} in {path}: {err}") from None
+            raise ValueError(f"{path}: GPU {name!r}: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     return gpus
 
 

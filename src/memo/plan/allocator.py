@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import device as dev
+from .budget import ALLOCATOR_WORK
 from .problem import Problem, max_load
 
 ALIGN = {"cpu": 64, "device": 512}  # bytes each planned tensor starts on: the CPU allocator's, the CUDA caching one's
@@ -146,13 +147,13 @@ class PlannedAllocator:
     def __init__(
         self,
         device: torch.device = torch.device("cpu"),
-        time_limit: float | None = 5.0,
+        time_limit: float | None = 30.0,
         install: bool = True,
-        work_limit: int | None = None,
+        work_limit: int = ALLOCATOR_WORK,
     ):
         self.core = "cpu" if device.type == "cpu" else "device"
         self.device = device
-        self.time_limit, self.work_limit = time_limit, work_limit  # the plan's DSA budget (`dsa.solve`)
+        self.time_limit, self.work_limit = time_limit, work_limit  # the plan's DSA safety net and budget (`dsa.solve`)
         self.plan: Plan | None = None
         self._ext = extension()
         self._recorded: list[int] | None = None  # the sorted sizes of the last recorded step

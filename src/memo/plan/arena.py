@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..attention import choose
 from ..device import meta_kernels
+from .budget import ARENA_WORK
 from .dsa import Solution, solve
 from .problem import Problem
 from .trace import Output, trace
@@ -89,8 +90,9 @@ class ArenaPlan:
         return self.solution.peak * ALIGN if self.solution else 0
 
 
-def plan_phase(phase_trace, time_limit: float = 2.0) -> ArenaPlan:
-    """Returns the arena plan of a traced phase: a DSA over its plannable transient tensors, in ALIGN units."""
+def plan_phase(phase_trace, time_limit: float = 2.0, work_limit: int = ARENA_WORK) -> ArenaPlan:
+    """Returns the arena plan of a traced phase: a DSA over its plannable transient tensors, in ALIGN units, solved
+    within `work_limit` (`time_limit` seconds a safety net: `dsa.solve`)."""
     frees = {e.tensor: i for i, e in enumerate(phase_trace.events) if e.kind == "free"}
     by_call: dict[int, list] = {}
     for i, e in enumerate(phase_trace.events):
@@ -110,7 +112,7 @@ def plan_phase(phase_trace, time_limit: float = 2.0) -> ArenaPlan:
             else:
                 unplanned.append((str(func), e.nbytes, "outlives the phase"))
     problem = Problem.from_rows(rows)
-    solution = solve(problem, time_limit) if rows else None
+    solution = solve(problem, time_limit, work_limit=work_limit) if rows else None
     offsets = dict(zip((r[0] for r in rows), solution.offsets.tolist())) if rows else {}
     slots = {
         call: [
@@ -157,8 +159,9 @@ def _signature(args) -> tuple:
 class Arena:
     """One device buffer shared by every layer phase, and the plan of each phase signature met so far."""
 
-    time_limit: float = 2.0
+    time_limit: float = 2.0  # the safety net of each phase's DSA solve; `work_limit` is its budget
     debug: bool = False
+    work_limit: int = ARENA_WORK
     buffer: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
     unplanned: dict = field(default_factory=dict)  # phase signature -> why it runs with ordinary allocation
@@ -199,7 +202,7 @@ class Arena:
             first_line = str(err).partition("\n")[0]
             self._unplan(key, f"its trace on meta failed: {type(err).__name__}: {first_line}")
             return
-        self.plans[key] = plan_phase(phase_trace, self.time_limit)
+        self.plans[key] = plan_phase(phase_trace, self.time_limit, self.work_limit)
 
     def _unplan(self, key, why: str) -> None:
         """Runs the phase with ordinary allocation from now on, and says why once (not once per layer shape)."""

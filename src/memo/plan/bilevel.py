@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from ..device import meta_kernels
 from ..model import Transformer
 from ..policy import ActivationPolicy
+from .budget import PLAN_WORK, SAFETY_SECONDS
 from .caching_sim import SimResult, replay
 from .dsa import Solution, solve
 from .problem import Problem
@@ -42,6 +43,8 @@ class Plan:
     store_bytes: int  # rounding buffers / scratch allocated once, outside the step
     trace: Trace
     trace_seconds: float
+    work: int  # search work all the solves spent
+    clock_cut: bool  # the safety time limit ended one of them before its work: not reproducible
 
 
 def meta_model(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, dtype=torch.bfloat16):
@@ -88,12 +91,9 @@ def _solve_phases(phases: dict[tuple[str, int], Problem], limits: dict) -> dict[
     return solved
 
 
-def _share(time_limit: float | None, work_limit: int | None, parts: int) -> dict:
+def _share(time_limit: float | None, work_limit: int, parts: int) -> dict:
     """Returns one of `parts` equal shares of the limits, as `solve`'s keyword arguments."""
-    return {
-        "time_limit": None if time_limit is None else time_limit / parts,
-        "work_limit": None if work_limit is None else work_limit // parts,
-    }
+    return {"time_limit": None if time_limit is None else time_limit / parts, "work_limit": max(work_limit // parts, 1)}
 
 
 def _lifetimes(t: Trace) -> list[tuple]:
@@ -106,12 +106,12 @@ def plan(
     policy: ActivationPolicy,
     tokens: int,
     batch: int = 1,
-    time_limit: float | None = 20.0,
-    work_limit: int | None = None,
+    time_limit: float | None = SAFETY_SECONDS,
+    work_limit: int = PLAN_WORK,
 ) -> Plan:
     """Returns the flat and the bi-level plan of one training step of `config` at `tokens` tokens per GPU.
 
-    The solves share `time_limit` seconds and `work_limit` units of search work (see `dsa.solve`).
+    The solves share `work_limit` units of search work and, as a safety net, `time_limit` seconds (`dsa.solve`).
     """
     start = time.perf_counter()
     with meta_kernels("cuda"):  # plan what a GPU step allocates, CUDA attention kernels included
@@ -129,16 +129,21 @@ def plan(
     events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
     fwd = max((level1[k] for k in level1 if k[0] == "fwd"), key=lambda s: s.peak)
     bwd = max((level1[k] for k in level1 if k[0] == "bwd"), key=lambda s: s.peak)
+    iteration = solve(level2, **_share(time_limit, work_limit, 4))
+    flat = solve(step.to_problem(), **_share(time_limit, work_limit, 4))
+    solved = list({id(s): s for s in level1.values()}.values()) + [iteration, flat]  # phases may share a solve
     return Plan(
         fwd,
         bwd,
-        solve(level2, **_share(time_limit, work_limit, 4)),
+        iteration,
         level2,
-        solve(step.to_problem(), **_share(time_limit, work_limit, 4)),
+        flat,
         step.peak,
         step.dispatch_peak,
         replay(events),
         model.swap_stats().device_skeletal_bytes,
         step,
         traced,
+        sum(s.work for s in solved),
+        any(s.clock_cut for s in solved),
     )

@@ -16,11 +16,14 @@ import numpy as np
 from .problem import Problem, check_placement, max_load, peak
 
 
-def solve_mip(p: Problem, start: np.ndarray, time_limit: float | None) -> tuple[np.ndarray, bool, int]:
+def solve_mip(
+    p: Problem, start: np.ndarray, time_limit: float | None, nodes: int | None = None
+) -> tuple[np.ndarray, bool, int]:
     """Returns (offsets, proven optimal, proven lower bound) starting from `start`; never worse than `start`.
 
-    `time_limit` None runs to optimality (small instances: the tests' reference, whatever the machine's speed).
-    The offsets are checked before they are returned (rounding a near-integral solution could overlap).
+    `nodes` bounds HiGHS's branch and bound by a count, which (single-threaded) gives the same answer on any
+    machine; `time_limit` seconds is a safety net. Both None run to optimality (small instances: the tests'
+    reference). The offsets are checked before they are returned (rounding a near-integral solution could overlap).
     """
     import highspy  # here, not at `import memo`: the planner works without the MIP where highspy is missing
 
@@ -34,6 +37,8 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float | None) -> tuple[
     h.silent()
     if time_limit is not None:
         h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
+    if nodes is not None:
+        h.setOptionValue("mip_max_nodes", nodes)
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", 0.0)  # the default 1e-4 would call a peak optimal while units remain
     h.setOptionValue("mip_abs_gap", 0.999)  # peaks are whole units
@@ -60,7 +65,8 @@ def solve_mip(p: Problem, start: np.ndarray, time_limit: float | None) -> tuple[
     h.run()
     load = max_load(p)
     status = h.getModelStatus()
-    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+    stopped = (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kSolutionLimit)  # nodes: "solution"
+    if status != highspy.HighsModelStatus.kOptimal and status not in stopped:
         return start, False, load
     bound = max(load, math.ceil(h.getInfo().mip_dual_bound - 1e-6) * unit)
     values = np.asarray(h.getSolution().col_value)

@@ -15,6 +15,10 @@ import numpy as np
 
 from ..files import atomic_output
 
+# The most a size, a time or the sum of the sizes may be: offsets and peaks then stay below 2^62 in int64 (the
+# search kernel's "infinity"), and a larger arena than 4 EiB is no machine's.
+MAX_BYTES = (1 << 62) - 1
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -73,11 +77,33 @@ def read_csv(path: str | Path) -> Problem:
         fields = set(reader.fieldnames or ())
         if not {"id", "lower", "upper", "size"} <= fields:
             raise ValueError(f"{path}: header must have id,lower,upper,size; got {sorted(fields)}")
-        try:
-            rows = [(r["id"], int(r["lower"]), int(r["upper"]), int(r["size"])) for r in reader]
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}: line {reader.line_num}: {err}") from None
+        rows = [_row(r, f"{path}: line {reader.line_num}") for r in reader]
+    total = sum(r[3] for r in rows)
+    if total > MAX_BYTES:
+        raise ValueError(f"{path}: the sizes add up to {total}, too large for the planner (at most 2^62 - 1)")
     return Problem.from_rows(rows)
+
+
+def _row(r: dict, where: str) -> tuple:
+    """Returns one CSV row as (id, lower, upper, size); a ValueError naming `where` and the field when it is not
+    an integer the solvers can hold (int64), or not a positive size or a non-empty lifetime."""
+    values = []
+    for name in ("lower", "upper", "size"):
+        if r[name] is None:
+            raise ValueError(f"{where}: the row has no {name}")
+        try:
+            value = int(r[name])
+        except ValueError:
+            raise ValueError(f"{where}: {name} {r[name]!r} is not an integer") from None
+        if abs(value) > MAX_BYTES:
+            raise ValueError(f"{where}: {name} {value} is too large for the planner (at most 2^62 - 1)")
+        values.append(value)
+    lower, upper, size = values
+    if size <= 0:
+        raise ValueError(f"{where}: size must be positive, got {size}")
+    if upper <= lower:
+        raise ValueError(f"{where}: upper ({upper}) must be above lower ({lower}): lifetimes are [lower, upper)")
+    return (r["id"], lower, upper, size)
 
 
 def write_csv(problem: Problem, path: str | Path, offsets: np.ndarray | None = None) -> None:
@@ -88,6 +114,15 @@ def write_csv(problem: Problem, path: str | Path, offsets: np.ndarray | None = N
         for i, name in enumerate(problem.ids):
             row = [name, int(problem.lower[i]), int(problem.upper[i]), int(problem.size[i])]
             w.writerow(row + ([int(offsets[i])] if offsets is not None else []))
+
+
+def is_placement(path: str | Path) -> bool:
+    """Returns whether `path` is a placement `write_csv` wrote (its header has the offset column): memo's own."""
+    try:
+        with open(path, newline="") as f:
+            return f.readline().strip() == "id,lower,upper,size,offset"
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def max_load(problem: Problem) -> int:

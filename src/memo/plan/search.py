@@ -38,7 +38,7 @@ from .problem import Problem
 HEURISTICS = ("WAT", "TAW", "TWA", "AWT", "WTA", "ATW")  # static orders: W lifetime, A area, T section total
 _KEY = {"W": 0, "A": 1, "T": 2}
 FOUND, NOT_FOUND = 1, 0  # kernel results; -1: stopped by the node budget
-ASSUMED_WORK_PER_S = 150_000_000  # kernel loop iterations per second, until a run measures the rate
+ASSUMED_WORK_PER_S = 400_000_000  # kernel loop iterations per second (0.47-0.8G measured), until a run measures it
 UNLIMITED = 1 << 62
 
 
@@ -58,6 +58,7 @@ class SearchStats:
     nodes: int = 0  # nodes entered plus placements tried
     work: int = 0  # the kernel's loop iterations: what `work_limit` counts
     exhausted: bool = False  # the search space was covered: a None result proves that nothing fits
+    clock_cut: bool = False  # the time limit, not the work limit, stopped it: the answer depends on the machine
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,9 @@ def search(
 ):
     """Returns offsets with peak <= capacity, or None: proven impossible if `stats.exhausted`, else out of budget.
 
-    The budget is `time_limit` seconds, `work_limit` units of kernel work (`SearchStats.work`), or both, whichever
-    ends first; None is no limit. A work budget gives the same answer on any machine at any load (tests use it).
-    `orders` are the static orders the restarts take turns with (only the first without restarts).
+    The budget is `work_limit` units of kernel work (`SearchStats.work`): the same answer on any machine at any
+    load. `time_limit` seconds is a safety net; when it ends the search first, `stats.clock_cut` says so. None is no
+    limit. `orders` are the static orders the restarts take turns with (only the first without restarts).
     """
     stats = stats if stats is not None else SearchStats()
     n = len(p)
@@ -148,17 +149,19 @@ def search(
     budget, rate = 2 * n, None
     while True:
         for name in heuristics:
+            if work_left <= 0:
+                return None
             by_time = UNLIMITED
             if deadline is not None:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
+                    stats.clock_cut = True
                     return None
-                # never start a run that cannot end before the deadline (the kernel cannot read the clock, so it
-                # counts work: loop iterations, which track time far better than nodes on large instances)
+                # the kernel cannot read the clock: the safety net turns the seconds left into work at the rate
+                # measured so far (loop iterations track time far better than nodes on large instances)
                 by_time = max(int((rate or ASSUMED_WORK_PER_S) * remaining), 10_000)
-            if work_left <= 0:
-                return None
             limit = budget if techniques.restarts else UNLIMITED
+            clock_binds = by_time < work_left
             counters = np.array([0, limit, 0, min(by_time, work_left)], dtype=np.int64)
             solution = np.full(n, -1, dtype=np.int64)
             started = time.perf_counter()
@@ -188,6 +191,9 @@ def search(
                 return solution
             if result == NOT_FOUND:
                 stats.exhausted = True
+                return None
+            if clock_binds and counters[2] > counters[3]:
+                stats.clock_cut = True
                 return None
             if not techniques.restarts:
                 return None  # the single run used up its budget

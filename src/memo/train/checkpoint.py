@@ -44,10 +44,10 @@ from safetensors.torch import load_file, save_file
 
 from ..adapter import save_adapter
 from ..config import ModelConfig
-from ..files import atomic_output, fsync
+from ..files import EXPORT, atomic_output, claim_file, claim_folder, disk_errors, fsync, read_json_object
 from ..hf import config_token_ids, save_hf
 from ..lora import LoraConfig, merge_adapters
-from .config import TrainConfig, model_config
+from .config import TrainConfig, check_inputs, model_config
 
 PREFIX = "step-"
 PARTS = ("model", "optimizer")
@@ -121,7 +121,8 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, keep: int) -> Path:
-    """Writes the checkpoint of `step` atomically and deletes all but the newest `keep`; returns its folder."""
+    """Writes the checkpoint of `step` atomically and deletes all but the newest `keep`; returns its folder. A
+    failed save (a full disk, Ctrl-C, a signal) leaves no partial folder and the previous checkpoint as it was."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:07d}"
@@ -129,17 +130,22 @@ def save(run_dir: Path, step: int, model: dict, optimizer: dict, state: dict, ke
     _remove_leftovers(root)
     try:
         tmp.mkdir()
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "model.safetensors"))
-        save_file({k: v.detach().contiguous().cpu() for k, v in optimizer.items()}, str(tmp / "optimizer.safetensors"))
+        for part, tensors in zip(PARTS, (model, optimizer)):
+            _save_tensors(tensors, tmp / f"{part}.safetensors")
         _write_state(tmp, state, step)
+        _publish(tmp, final)
     except OSError as err:
-        raise _save_failed(run_dir, final, tmp, err) from None
-    except BaseException:  # a second Ctrl-C stops the save at once: no partial folder is left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, final)
+        raise _save_failed(run_dir, final, err) from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once published
     _prune(run_dir, keep)
     return final
+
+
+def _save_tensors(tensors: dict, path: Path) -> None:
+    """Writes `tensors` to `path`; a failed write is an OSError naming it (safetensors' error names no file)."""
+    with disk_errors(path, path):
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
 
 
 def _write_state(tmp: Path, state: dict, step: int) -> None:
@@ -149,13 +155,13 @@ def _write_state(tmp: Path, state: dict, step: int) -> None:
     _fsync_tree(tmp)
 
 
-def _save_failed(run_dir: Path, final: Path, tmp: Path, err: OSError) -> OSError:
-    """Returns the one-line error of a save that failed (a full disk, say), after deleting its partial files."""
-    shutil.rmtree(tmp, ignore_errors=True)
+def _save_failed(run_dir: Path, final: Path, err: OSError) -> OSError:
+    """Returns the one-line error of a save that failed (a full disk, say), naming the file it was writing."""
     found = list_checkpoints(run_dir)
     kept = f"{found[-1].name} is intact" if found else "no earlier checkpoint"
     reason = os.strerror(err.errno) if err.errno else str(err)
-    return OSError(f"cannot save checkpoint {final.name} in {final.parent}: {reason} ({kept})")
+    file = f"{Path(os.fsdecode(err.filename)).name}: " if err.filename else ""
+    return OSError(f"cannot save checkpoint {final.name} in {final.parent}: {file}{reason} ({kept})")
 
 
 def _remove_leftovers(root: Path) -> None:
@@ -170,7 +176,12 @@ def _publish(tmp: Path, final: Path) -> None:
     aside = final.with_name(f".tmp-old-{final.name}")
     if final.exists():
         os.replace(final, aside)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if aside.exists():
+            os.replace(aside, final)
+        raise
     fsync(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
 
@@ -200,12 +211,12 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
             _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
         if rank0:  # DCP's save ends once every rank's files are written
             _write_state(tmp, state, step)
-    except OSError as err:  # rank 0's own writes (DCP reports a rank's failure as a CheckpointException)
-        raise _save_failed(run_dir, final, tmp, err) from None
-    except BaseException as err:  # a second Ctrl-C mid-save: each rank deletes the folder once its writes stopped
+    except BaseException as err:  # a full disk, a second Ctrl-C: each rank deletes the folder once its writes stopped
         shutil.rmtree(tmp, ignore_errors=True)
         if _interrupted(err):
             raise KeyboardInterrupt from None
+        if isinstance(err, OSError):  # rank 0's own writes (DCP reports a rank's failure as a CheckpointException)
+            raise _save_failed(run_dir, final, err) from err
         raise
     if rank0:
         _publish(tmp, final)
@@ -352,39 +363,78 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(f, CHECKSUM).hexdigest()
 
 
-def export(run_dir: Path, out: Path | None = None, hf: Path | None = None, adapter: Path | None = None) -> Path:
+def export(
+    run_dir: Path,
+    out: Path | None = None,
+    hf: Path | None = None,
+    adapter: Path | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Writes the weights of the newest checkpoint of `run_dir` (fp32 masters replace bf16 weights) and returns
     where: as whole tensors with memo's names in one safetensors file (default `RUN_DIR/export/model.safetensors`),
     or, given `hf`, as a Hugging Face checkpoint folder there (`memo.hf.save_hf`) with the run's model config,
     trained length and tokenizer; a LoRA run's adapters are merged into its weights for either. Given `adapter`,
     a LoRA run's adapters alone as a PEFT adapter folder (`memo.adapter.save_adapter`). Each is written
-    atomically."""
+    atomically, where memo's ownership rule lets it (`memo.files`; `overwrite` replaces what memo did not write)."""
     if not list_checkpoints(run_dir):
         raise ValueError(f"run {run_dir} has no checkpoint to export yet (looked in {checkpoint_dir(run_dir)})")
+    run_config = Path(run_dir) / "config.json"  # enough to check where the export may go, before reading weights
+    config = read_json_object(run_config) if run_config.is_file() else {}
+    out = _claim_export(Path(run_dir), config, out, hf, adapter, overwrite)
     saved = load_latest(run_dir)
+    config = saved.state.get("config", {})
+    if hf is not None:  # the export copies the run's tokenizer: the file it trained with, or none
+        check_inputs(config, ("tokenizer",), f"run {run_dir}", "restore it: the export copies the run's tokenizer")
     weights = saved.model
     masters = {name[: -len(".master")]: t for name, t in saved.optimizer.items() if name.endswith(".master")}
     weights = {name: masters.get(name, t) for name, t in weights.items()}
-    config = saved.state.get("config", {})
     lora = saved_lora(saved.state, run_dir)
     if adapter is not None:
         if lora is None:
             raise ValueError(f"run {run_dir} trained every weight (no `--lora-rank`): it has no adapter; use `--hf`")
-        return save_adapter(saved_model_config(saved.state, run_dir), weights, lora, Path(adapter), base_of(config))
+        model = saved_model_config(saved.state, run_dir)
+        return save_adapter(model, weights, lora, Path(adapter), base_of(config), overwrite)
     if lora is not None:
         weights = merge_adapters(weights, lora.scaling)
     if hf is not None:  # a run from a Hugging Face folder keeps its token ids unless its tokenizer names others
         model = saved_model_config(saved.state, run_dir)
         source = config_token_ids(config.get("model", ""))
-        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config), source)
-    if out is None:
-        out = Path(run_dir) / "export" / "model.safetensors"
-        out.parent.mkdir(exist_ok=True)
-    metadata = {"step": str(saved.step), "model": str(config.get("model", ""))}
+        return save_hf(model, weights, Path(hf), config.get("seq_len"), run_tokenizer(config), source, overwrite)
+    metadata = {"step": str(saved.step), "model": str(config.get("model", ""))}  # `_exported` knows it by these
     with atomic_output(out) as tmp:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
         _chmod_as_new(tmp)
-    return Path(out)
+    return out
+
+
+def _claim_export(
+    run_dir: Path, config: dict, out: Path | None, hf: Path | None, adapter: Path | None, overwrite: bool
+) -> Path | None:
+    """Checks that the export may write where it is told (`memo.files.claim_folder`, `claim_file`: never the run,
+    its checkpoints or what it reads) and returns the file of a one-file export (None for a folder)."""
+    inputs = {"RUN_DIR": run_dir, "the run's `--model`": config.get("model")}
+    if hf is not None:
+        inputs["the run's tokenizer"] = run_tokenizer(config)
+        claim_folder(hf, "--hf", EXPORT, inputs, overwrite)
+    elif adapter is not None:
+        claim_folder(adapter, "--adapter", EXPORT, inputs, overwrite)
+    else:
+        default = run_dir / "export" / "model.safetensors"
+        out = Path(out) if out is not None else default
+        claim_file(out, "--out", inputs, overwrite, ours=out.resolve() == default.resolve() or _exported(out))
+        return out
+    return None
+
+
+def _exported(path: Path) -> bool:
+    """Returns whether `path` is a safetensors file `export` wrote: its metadata names the step and the model."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            metadata = json.loads(f.read(min(length, 1 << 24))).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return {"step", "model"} <= set(metadata)
 
 
 def saved_lora(state: dict, run_dir: Path) -> LoraConfig | None:

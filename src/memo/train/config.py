@@ -7,26 +7,39 @@ its help text lives here, next to the field, so `memo train --help` documents ev
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
+import logging
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import yaml
 
 from ..attention import CHOICES as ATTENTION_CHOICES
-from ..config import PRESETS, ModelConfig, RopeScaling
+from ..config import PRESETS, ModelConfig, RopeScaling, model_config_from
 from ..files import read_json_object
 from ..lora import ALL_TARGETS, LoraConfig, targets_value
 from ..policy import STRATEGIES, ActivationPolicy
 from ..units import parse_size
+from .data import TEXT_SUFFIXES, TOKEN_SUFFIXES, HFTokenizer, check_tokenizer, token_file_tokenizer, tokenizer_identity
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 ROPE_SCALINGS = ("linear", "yarn", "llama3", "dynamic")
 RENAMED = {"text_key": "text_field"}  # old field names, so that runs saved before a rename still resume
 LAUNCH = ("nnodes", "node_rank", "master_addr", "master_port")  # where a run ran, not what: not kept on resume
+PATHS = ("model", "data", "eval_data", "tokenizer", "out")  # fields that name files: stored absolute
+INPUTS = ("model", "data", "eval_data", "tokenizer")  # files a run reads, fingerprinted in its config
+SMALL_FILE = 16 << 20  # bytes up to which a file's fingerprint hashes all of it (a tokenizer.json, a config)
+END_BYTES = 1 << 20  # bytes hashed at each end of a larger file: reads two MiB of a corpus of any size
+SHAPE = ("arch", "n_layers", "hidden_size", "n_heads", "n_kv_heads", "kv_channels", "ffn_hidden_size", "vocab_size")
+SHAPE += ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "tie_embeddings")  # fields that decide the weights' shapes
+log = logging.getLogger(__name__)
 
 
 def _f(default, help: str, **kwargs):
@@ -74,8 +87,9 @@ class TrainConfig:
     lora_rank: int = _f(0, "LoRA rank r of the adapters (0: full fine-tuning, every parameter trains)")
     lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha)")
     lora_dropout: float = _f(
-        0.0, "LoRA dropout on the adapters' input; its mask is a function of step, token and feature, so the "
-        "token-wise recompute drops what the forward dropped"
+        0.0,
+        "LoRA dropout on the adapters' input; its mask is a function of step, token and feature, so the "
+        "token-wise recompute drops what the forward dropped",
     )
     lora_targets: tuple[str, ...] = _f(
         ALL_TARGETS, f"projections that get adapters, some of {','.join(ALL_TARGETS)} (default: all of them)"
@@ -127,7 +141,10 @@ class TrainConfig:
         None, "node 0's rendezvous port (default: 29500 with --nnodes > 1, else any free port)", kind=int
     )
     # run directory
-    out: str | None = _f(None, "run directory (default: runs/<date-time>)")
+    out: str | None = _f(
+        None,
+        "run directory: a new or empty folder, or memo's own run folder; never replaced (default: runs/<date-time>)",
+    )
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
     save_final: bool = _f(True, "write a checkpoint at the last step (--no-save-final: benchmarks keep no weights)")
     keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted)")
@@ -262,7 +279,17 @@ class TrainConfig:
         return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Returns the fields, paths absolute (`absolute_paths`: a run's own files wherever it is resumed, evaluated
+        or exported from), and under `inputs` the fingerprints of the files they name."""
+        return {**absolute_paths(dataclasses.asdict(self)), "inputs": self.inputs}
+
+    @functools.cached_property
+    def inputs(self) -> dict[str, dict]:
+        """Returns {field: fingerprint} of the input files (`input_fingerprint`), taken once, when the run first
+        records its config, after reading them: resume, eval and export check that they are still those files."""
+        named = {name: getattr(self, name) for name in INPUTS if getattr(self, name)}
+        found = {name: fp for name, value in named.items() if (fp := input_fingerprint(name, value)) is not None}
+        return {**found, "tokens": {"tokenizer": run_tokenizer_id(self)}}  # whose ids the checkpoints learned
 
     @classmethod
     def from_dict(cls, values: dict, origin: str = "config") -> "TrainConfig":
@@ -270,6 +297,8 @@ class TrainConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         clean = {}
         for key, value in values.items():
+            if key == "inputs":  # recorded fingerprints, checked by `check_inputs`, taken again by a new config
+                continue
             name = str(key).replace("-", "_")
             name = RENAMED.get(name, name)
             if name not in known:
@@ -294,12 +323,9 @@ def named_model_config(model: str) -> ModelConfig:
     if path.is_dir():
         if not (path / CONFIG_NAME).is_file():
             raise ValueError(f"`--model` folder {model!r} has no {CONFIG_NAME} (a Hugging Face checkpoint folder)")
-        return config_from_hf(read_json_object(path / CONFIG_NAME), name=path.name)
+        return config_from_hf(read_json_object(path / CONFIG_NAME), name=path.name, source=path / CONFIG_NAME)
     if path.is_file():
-        try:
-            return ModelConfig(**read_config_file(path))
-        except TypeError as err:
-            raise ValueError(f"model config {path}: {err}") from None
+        return model_config_from(read_config_file(path), str(path))
     raise ValueError(f"`--model` {model!r} is neither a preset ({', '.join(PRESETS)}) nor a file or folder")
 
 
@@ -345,6 +371,173 @@ def replaced_rope(base: ModelConfig, cfg: TrainConfig) -> str | None:
 def _rope_text(r: RopeScaling) -> str:
     original = f", original {r.original_max_positions}" if r.original_max_positions else ""
     return f"{r.type} (factor {r.factor:g}{original})"
+
+
+def absolute_paths(values: dict) -> dict:
+    """Returns `values` (fields, keys with - or _) with every path made absolute against the current folder, the
+    one the run reads them from (a config file's paths too); a `--model` that names a preset stays a name."""
+    return {key: os.path.abspath(value) if _is_path(str(key), value) else value for key, value in values.items()}
+
+
+def _is_path(key: str, value) -> bool:
+    name = key.replace("-", "_")
+    preset = name == "model" and value in PRESETS
+    return name in PATHS and isinstance(value, str) and bool(value.strip()) and not preset
+
+
+def with_model_tokenizer(cfg: TrainConfig) -> TrainConfig:
+    """Returns `cfg` tokenizing its text `--data` with the tokenizer.json of its `--model` folder when no
+    `--tokenizer` is given: a checkpoint's ids are its own tokenizer's, not bytes. Says so on the `memo` log."""
+    found = model_tokenizer(cfg.model)
+    if cfg.tokenizer or found is None or cfg.data is None or Path(cfg.data).suffix in TOKEN_SUFFIXES:
+        return cfg
+    HFTokenizer(found, f"`--model` {cfg.model}'s tokenizer (it tokenizes `--data` without `--tokenizer`)")
+    log.warning("no `--tokenizer`: tokenizing `--data` with %s, the tokenizer of `--model`", found)
+    return dataclasses.replace(cfg, tokenizer=str(found))
+
+
+def model_tokenizer(model: str) -> Path | None:
+    """Returns the tokenizer.json of a `--model` Hugging Face folder; None for a preset, a file or a folder
+    without one."""
+    path = Path(model) / "tokenizer.json"
+    return path if model not in PRESETS and path.is_file() else None
+
+
+def run_tokenizer_id(cfg: TrainConfig) -> str | None:
+    """Returns the identity (`tokenizer_identity`) of the tokenizer whose ids the run trains on: its
+    `--tokenizer`'s, bytes for text or generated data, else for token files its `--model` folder's tokenizer or
+    the one `--data`'s sidecar names (None: not recorded, nothing to check against)."""
+    if cfg.tokenizer:
+        return tokenizer_identity(cfg.tokenizer)
+    if cfg.data is None or Path(cfg.data).suffix not in TOKEN_SUFFIXES:
+        return tokenizer_identity(None)
+    found = model_tokenizer(cfg.model)
+    return tokenizer_identity(found) if found else token_file_tokenizer(cfg.data)
+
+
+def input_fingerprint(name: str, value: str) -> dict | None:
+    """Returns what identifies the content of the file that field `name` names now; None for a preset or a
+    path that is not there. A `--model` folder is its config.json (the shapes; weights come from checkpoints);
+    a token file adds its sidecar's hash (tokenizer, counts); a data folder is its listing (`folder_fingerprint`)."""
+    from ..hf import CONFIG_NAME
+
+    path = Path(value)
+    if name == "model" and value in PRESETS:
+        return None
+    if name == "model" and path.is_dir():
+        path = path / CONFIG_NAME
+    if path.is_dir():
+        return folder_fingerprint(path)
+    if not path.is_file():
+        return None
+    found = file_fingerprint(path)
+    sidecar = path.with_suffix(".json")
+    if path.suffix == ".bin" and sidecar.is_file():
+        found["sidecar_sha256"] = _sha256(sidecar, sidecar.stat().st_size)
+    return found
+
+
+def file_fingerprint(path: Path) -> dict:
+    """Returns {size, sha256} of a file up to SMALL_FILE bytes; of a larger one {size, ends_sha256 (its first and
+    last END_BYTES), mtime_ns}: a corpus is not read whole at every start, and an edit that keeps the size and
+    both ends shows in its mtime (a warning, not a refusal: a copy changes the mtime alone)."""
+    stat = path.stat()
+    if stat.st_size <= SMALL_FILE:
+        return {"size": stat.st_size, "sha256": _sha256(path, stat.st_size)}
+    return {"size": stat.st_size, "ends_sha256": _sha256(path, END_BYTES), "mtime_ns": stat.st_mtime_ns}
+
+
+def folder_fingerprint(path: Path) -> dict:
+    """Returns {files, size, listing_sha256 (each file's relative name and size), mtime_ns (the newest)} of the
+    files a data folder trains on (`text_files`: a README beside them is no change): files added, removed or
+    resized show; contents are not read (a folder may hold terabytes)."""
+    files = [p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()]
+    files.sort()
+    stats = [p.stat() for p in files]
+    listing = "\n".join(f"{p.relative_to(path)}\t{s.st_size}" for p, s in zip(files, stats))
+    return {
+        "files": len(files),
+        "size": sum(s.st_size for s in stats),
+        "listing_sha256": hashlib.sha256(listing.encode()).hexdigest(),
+        "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
+    }
+
+
+def _sha256(path: Path, ends: int) -> str:
+    """Returns the sha256 of the first and last `ends` bytes of `path` (all of it when it is no longer)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(ends))
+        if f.seek(0, os.SEEK_END) > ends:
+            f.seek(max(ends, f.tell() - ends))
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def check_inputs(config: dict, fields: Iterable[str] = INPUTS, run: str = "the run", remedy: str | None = None) -> None:
+    """Raises ValueError, one line naming the flag and the file, when an input file that `config` (a run's saved
+    config) recorded under `inputs` is missing or changed; a run saved without fingerprints passes unchecked.
+    `remedy` says what to do (default: a resume's: restore it, or give its flag again)."""
+    recorded = config.get("inputs") or {}
+    for name in fields:
+        if name not in recorded or not config.get(name):
+            continue
+        was, now = recorded[name], input_fingerprint(name, config[name])
+        where, flag = f"`--{_flag(name)}` {config[name]}", f"`--{_flag(name)}`"
+        if now is None:
+            again = remedy or f"put it back, or give {flag} with its new place"
+            raise ValueError(f"{where} of {run} is missing: {again}")
+        changed = _changed(was, now)
+        if changed:
+            again = remedy or f"restore it, or give {flag} to use another"
+            raise ValueError(f"{where} changed since {run} started ({_change(changed[0], was, now)}): {again}")
+        if was.get("mtime_ns") != now.get("mtime_ns"):
+            log.warning("%s was modified since %s started (same size and ends): reading it as it is now", where, run)
+
+
+def _changed(was: dict, now: dict | None) -> list[str]:
+    """Returns the keys of fingerprint `was` that `now` does not match (a mtime alone is not a change)."""
+    return [key for key in was if key != "mtime_ns" and was[key] != (now or {}).get(key)]
+
+
+def check_same_tokenizer(tokenizer: str, config: dict, run: str) -> None:
+    """Raises ValueError when `--tokenizer` given with `--resume` is not the file the run recorded (moved is
+    fine): the checkpoint's ids are that tokenizer's."""
+    was = (config.get("inputs") or {}).get("tokenizer")
+    if was and _changed(was, input_fingerprint("tokenizer", tokenizer)):
+        raise ValueError(
+            f"`--tokenizer` {tokenizer} is not the tokenizer {run} trained with ({config.get('tokenizer')}): resume "
+            "without `--tokenizer`, or give a copy of that file"
+        )
+
+
+def _change(key: str, was: dict, now: dict) -> str:
+    if key in ("size", "files"):
+        return f"{key} {was[key]} -> {now.get(key)}"
+    return "other content" if key != "sidecar_sha256" else "another sidecar"
+
+
+def check_token_files(overrides: dict, config: dict) -> None:
+    """Raises ValueError when a token file given with `--resume` (`--data`, `--eval-data`) was made by another
+    tokenizer than the one whose ids the run (`config`, saved) trained on."""
+    expected = ((config.get("inputs") or {}).get("tokens") or {}).get("tokenizer")
+    for name in ("data", "eval_data"):
+        if overrides.get(name):
+            given = token_file_tokenizer(overrides[name])
+            check_tokenizer(overrides[name], given, expected, f"--{_flag(name)}")
+
+
+def check_same_model(model: str, saved: ModelConfig, run: str) -> None:
+    """Raises ValueError when `--model` given with `--resume` is not shaped like the model the checkpoint holds
+    (another folder or file of the same model is fine: a moved checkpoint)."""
+    given = named_model_config(model)
+    diff = [name for name in SHAPE if getattr(given, name) != getattr(saved, name)]
+    if diff:
+        name = diff[0]
+        raise ValueError(
+            f"`--model {model}` is not the model {run} trained ({name} {getattr(given, name)} vs "
+            f"{getattr(saved, name)}): resume without `--model`, or give the same model"
+        )
 
 
 def _flag(name: str) -> str:

@@ -8,6 +8,7 @@ labels[t + 1], and IGNORE (-100) marks targets the loss skips.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 TOKEN_FILE_FORMAT = "memo-tokens-v1"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TOKEN_SUFFIXES = (".bin", ".npy")
 PARQUET_BATCH_ROWS = 256  # rows decoded at a time: a Parquet corpus is streamed, never read whole
 
 
@@ -169,7 +171,7 @@ def answer_counts(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tens
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0-255: no file to load, and it fits the 256-id vocab of the `tiny` presets."""
 
-    name = "bytes"
+    name = identity = "bytes"
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
@@ -182,17 +184,18 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizer.json`; special tokens are not added (documents are separated by boundaries)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, flag: str = "`--tokenizer`"):
         from tokenizers import Tokenizer
 
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"`--tokenizer` file {str(path)!r} does not exist")
+            raise ValueError(f"{flag} file {str(path)!r} does not exist")
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises its own exception type
-            raise ValueError(f"`--tokenizer` {str(path)!r} is not a Hugging Face tokenizer.json: {e}") from e
+            raise ValueError(f"{flag} {str(path)!r} is not a Hugging Face tokenizer.json: {e}") from e
         self.name = str(path)
+        self.identity = tokenizer_identity(path)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -210,6 +213,33 @@ def load_tokenizer(path: str | Path | None) -> TextTokenizer:
     return ByteTokenizer() if path is None else HFTokenizer(path)
 
 
+def tokenizer_identity(path: str | Path | None) -> str:
+    """Returns what names a tokenizer's ids whatever its file is called: "bytes", or the sha256 of its
+    tokenizer.json (two files with the same content tokenize alike)."""
+    if path is None:
+        return ByteTokenizer.identity
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"`--tokenizer` file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _shown(identity: str) -> str:
+    return identity[:19] + "..." if identity.startswith("sha256:") else identity
+
+
+def check_tokenizer(path: str | Path, identity: str | None, expected: str | None, flag: str) -> None:
+    """Raises ValueError when the tokens of `path` (`identity`) come from another tokenizer than the run's
+    (`expected`): their ids would mean other text. Either unknown (files written before memo recorded it) passes."""
+    if identity is None or expected is None or identity == expected:
+        return
+    raise ValueError(
+        f"`{flag}` {str(path)!r} is tokenized by {_shown(identity)}, not by the run's tokenizer "
+        f"{_shown(expected)}: tokenize it with the run's tokenizer (`write_token_file`)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- text files
 
 
@@ -218,15 +248,25 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
     names the option in errors."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and not p.is_dir())
+        for p in files:
+            check_regular(p, flag)
         if not files:
             raise ValueError(f"`{flag}` directory {str(path)!r} holds no .txt, .jsonl or .parquet files")
         return files
-    if not path.exists():
-        raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
+    check_regular(path, flag)
     if path.suffix not in TEXT_SUFFIXES:
         raise ValueError(f"`{flag}` {str(path)!r}: expected .txt, .jsonl, .parquet, .bin (with .json sidecar) or .npy")
     return [path]
+
+
+def check_regular(path: Path, flag: str) -> None:
+    """Raises ValueError unless `path` is a regular file: reading a named pipe, a device or a socket would block
+    or never end."""
+    if not path.exists():
+        raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"`{flag}` {str(path)!r} is not a regular file (a pipe, device or socket): give a file")
 
 
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
@@ -345,7 +385,8 @@ def write_token_file(
 
     Writes three files, streaming tokens so a corpus need not fit in memory:
     `out` raw uint16 (uint32 for vocabularies over 65536) token ids, `out.with_suffix('.json')` the sidecar
-    {format, dtype, num_tokens, num_documents, max_token_id, vocab_size, tokenizer}, and
+    {format, dtype, num_tokens, num_documents, max_token_id, vocab_size, tokenizer (its absolute path, or bytes),
+    tokenizer_id (`tokenizer_identity`: which ids these are)}, and
     `out.with_suffix('.docs.npy')` the int64 offset where each document starts.
     """
     out = Path(out)
@@ -373,22 +414,25 @@ def write_token_file(
         "num_documents": len(starts),
         "max_token_id": max_id,
         "vocab_size": tokenizer.vocab_size,
-        "tokenizer": tokenizer.name,
+        "tokenizer": str(Path(tokenizer_path).absolute()) if tokenizer_path is not None else tokenizer.name,
+        "tokenizer_id": tokenizer.identity,
     }
     write_text(_sidecar(out), json.dumps(sidecar, indent=2) + "\n")
     log.info("wrote %d tokens in %d documents to %s", num_tokens, len(starts), out)
     return sidecar
 
 
-def read_token_file(path: str | Path, flag: str = "--data") -> tuple[np.ndarray, np.ndarray, int]:
+def read_token_file(
+    path: str | Path, flag: str = "--data", tokenizer: str | None = None
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Returns (tokens, doc_starts, max_token_id) of a .bin token file or a 1-D .npy, memory-mapped.
 
-    A .npy has no sidecar: it is one document unless `<stem>.docs.npy` lists document starts. `flag` names
-    the option in errors.
+    A .npy has no sidecar: it is one document unless `<stem>.docs.npy` lists document starts. A .bin whose
+    sidecar names another tokenizer than `tokenizer` (an identity, `tokenizer_identity`) is an error. `flag`
+    names the option in errors.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
+    check_regular(path, flag)
     docs_path = _doc_starts_path(path)
     if path.suffix == ".npy":
         tokens = _load_npy(path)
@@ -397,6 +441,7 @@ def read_token_file(path: str | Path, flag: str = "--data") -> tuple[np.ndarray,
     else:
         sidecar_path = _sidecar(path)
         sidecar = _read_sidecar(sidecar_path)
+        check_tokenizer(path, sidecar.get("tokenizer_id"), tokenizer, flag)
         if path.stat().st_size != sidecar["num_tokens"] * np.dtype(sidecar["dtype"]).itemsize:
             raise ValueError(
                 f"{path}: size does not match `num_tokens` {sidecar['num_tokens']} x `dtype` {sidecar['dtype']} of "
@@ -422,6 +467,15 @@ def _load_npy(path: Path) -> np.ndarray:
         return np.load(path, mmap_mode="r")
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: not a readable .npy array ({err})") from None
+
+
+def token_file_tokenizer(path: str | Path) -> str | None:
+    """Returns the identity of the tokenizer that wrote a .bin token file, as its sidecar records it; None for a
+    .npy, a missing sidecar or one written before memo recorded it."""
+    sidecar = _sidecar(Path(path))
+    if Path(path).suffix != ".bin" or not sidecar.is_file():
+        return None
+    return _read_sidecar(sidecar).get("tokenizer_id")
 
 
 def _read_sidecar(path: Path) -> dict:
@@ -581,16 +635,17 @@ def make_source(
     seed: int = 0,
     tokenizer_path: str | Path | None = None,
     text_field: str = "text",
+    tokenizer: str | None = None,
 ) -> Source:
     """Returns what `memo train` trains on: the retrieval task without `data_path`, else its packed tokens
-    (see `token_dataset`)."""
+    (see `token_dataset`), checked to come from the run's `tokenizer` (an identity; None: not known)."""
     if data_path is None:
         if tokenizer_path is not None:
             raise ValueError("`--tokenizer` applies only with `--data`")
         return RetrievalTask(seq_len, seed)
-    if Path(data_path).suffix in (".bin", ".npy") and tokenizer_path is not None:
+    if Path(data_path).suffix in TOKEN_SUFFIXES and tokenizer_path is not None:
         raise ValueError(f"`--tokenizer` does not apply to the pre-tokenized {str(data_path)!r}")
-    return token_dataset(data_path, seq_len, seed, tokenizer_path, text_field)
+    return token_dataset(data_path, seq_len, seed, tokenizer_path, text_field, tokenizer=tokenizer)
 
 
 def token_dataset(
@@ -600,17 +655,20 @@ def token_dataset(
     tokenizer_path: str | Path | None = None,
     text_field: str = "text",
     flag: str = "--data",
+    tokenizer: str | None = None,
 ) -> TokenDataset:
     """Returns the packed tokens of `path`: a .bin token file (with sidecar) or a .npy, memory-mapped, or a
     .txt/.jsonl/.parquet file or a directory of them, tokenized in memory with `tokenizer_path` (bytes by
-    default; unused by token files). `flag` names the option in errors."""
+    default; unused by token files). Tokens of another tokenizer than `tokenizer` (the identity of the one the
+    model reads; None: not known) are an error. `flag` names the option in errors."""
     path = Path(path)
-    if path.suffix in (".bin", ".npy"):
-        tokens, starts, max_id = read_token_file(path, flag)
+    if path.suffix in TOKEN_SUFFIXES:
+        tokens, starts, max_id = read_token_file(path, flag, tokenizer)
         return TokenDataset(tokens, starts, seq_len, seed, max_id)
-    tokenizer = load_tokenizer(tokenizer_path)
+    text_tokenizer = load_tokenizer(tokenizer_path)
+    check_tokenizer(path, text_tokenizer.identity, tokenizer, flag)
     starts, chunks, total = [], [], 0
-    for ids in tokenize_documents(text_files(path, flag), tokenizer, text_field):
+    for ids in tokenize_documents(text_files(path, flag), text_tokenizer, text_field):
         starts.append(total)
         chunks.append(np.asarray(ids, dtype=np.int64))
         total += len(ids)

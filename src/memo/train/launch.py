@@ -4,9 +4,10 @@ Why not torchrun's agent: it starts each rank in a session of its own, passes a 
 ranks 30 s later (a long-context step and its checkpoint can take longer), and buries the failing rank's
 one-line message under a launcher traceback. Here the ranks stay in the terminal's process group, so Ctrl-C
 reaches each of them once (they finish the step and save together; a second Ctrl-C stops them at once); the
-launcher passes SIGTERM on (preemption), hosts the rendezvous store on node 0 as torchrun's agent does (the
-ranks join it through torch's TORCHELASTIC_USE_AGENT_STORE protocol), so that the store outlives any rank, and
-exits with the failing rank's code. Plain torchrun works as well: nothing in the ranks depends on this launcher.
+launcher passes SIGTERM and SIGHUP on (preemption, a closed session), hosts the rendezvous store on node 0 as
+torchrun's agent does (the ranks join it through torch's TORCHELASTIC_USE_AGENT_STORE protocol), so that the
+store outlives any rank, and exits with the failing rank's code. Plain torchrun works as well: nothing in the
+ranks depends on this launcher.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..parallel import faults
 from .config import TrainConfig, model_config
 
 GRACE_SECONDS = 5.0  # after a rank fails, how long this node's other ranks get to end on their own (then SIGKILL)
-STOPPED = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)  # a finished run, or one that saved on a signal
+FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # preemption, a closed session: passed on to every rank
+STOPPED = (0, 128 + signal.SIGINT, *(128 + s for s in FORWARDED))  # a finished run, or one that saved on a signal
 
 
 def launch(cfg: TrainConfig, argv: list[str]) -> int:
@@ -36,13 +38,15 @@ def launch(cfg: TrainConfig, argv: list[str]) -> int:
     command = [sys.executable, "-m", "memo", *argv]
     ranks = [subprocess.Popen(command, env=_rank_env(cfg, i, port)) for i in range(cfg.nproc)]
     # Ctrl-C reaches every rank from the terminal; this process only waits (and passes SIGTERM on)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    forward = signal.signal(signal.SIGTERM, lambda signum, frame: [r.send_signal(signum) for r in ranks])
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    for signum in FORWARDED:  # a rank that gets the same signal twice stops once; an ignored one (`nohup`) stays
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, lambda signum, frame: [r.send_signal(signum) for r in ranks])
     try:
         return _wait(cfg, port, ranks)
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGTERM, forward)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()

@@ -38,7 +38,7 @@ from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
 from ..cost.predict import compare, host_pool_bytes, predict_run
 from ..cost.states import States
-from ..files import write_text
+from ..files import RUN, claim_folder, mark, write_text
 from ..lora import apply_lora
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
@@ -47,7 +47,16 @@ from ..plan.allocator import PlannedAllocator, pool_high_water, reset_pool_high_
 from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
-from .config import LAUNCH, TrainConfig, model_config
+from .config import (
+    LAUNCH,
+    TrainConfig,
+    check_inputs,
+    check_same_model,
+    check_same_tokenizer,
+    check_token_files,
+    model_config,
+    run_tokenizer_id,
+)
 from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
 from .lock import RunLock
 from .metrics import MetricsLog
@@ -97,6 +106,9 @@ class Trainer:
             cfg = _record_launch(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.out) if cfg.out else self._agreed(_new_run_dir())
+        if self.rank == 0 and not resume:  # a new or empty folder, or memo's run: before the lock or any work
+            inputs = {"`--model`": cfg.model, "`--data`": cfg.data, "`--eval-data`": cfg.eval_data}
+            claim_folder(self.run_dir, "--out", RUN, {**inputs, "`--tokenizer`": cfg.tokenizer}, overwrite=None)
         # one trainer per folder: rank 0 locks an existing one before reading its checkpoints, a new one once made
         self.lock = RunLock(self.run_dir) if self.rank == 0 and self.run_dir.is_dir() else None
         self.log = None
@@ -144,7 +156,9 @@ class Trainer:
             self.created = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.lock = self.lock or RunLock(self.run_dir)
-            write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+            mark(self.run_dir, RUN)
+            if self.step < cfg.steps:  # a finished run resumed again (a requeued job) changes nothing
+                write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
             self.log = MetricsLog(self.run_dir, cfg.tensorboard, resume_after=self.step)
 
     def _device(self) -> torch.device:
@@ -188,11 +202,14 @@ class Trainer:
         """Returns (training data, held-out data or None): the generated task holds out a stream of its own,
         and file data `--eval-data` or a `--eval-split` of its documents."""
         cfg = self.cfg
-        source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field)
+        tokenizer = run_tokenizer_id(cfg)  # every token source must hold this tokenizer's ids
+        source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, tokenizer)
         if isinstance(source, RetrievalTask):
             return source, source
         if cfg.eval_data is not None:
-            held_out = token_dataset(cfg.eval_data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, "--eval-data")
+            held_out = token_dataset(
+                cfg.eval_data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, "--eval-data", tokenizer
+            )
             return source, held_out
         if cfg.eval_split:
             return split_documents(source, cfg.eval_split, cfg.seed)
@@ -526,6 +543,9 @@ def _arena_record(arena: PlannedAllocator, before: dict) -> dict:
     }
 
 
+BATCH_BYTES_PER_TOKEN = 16  # a batch's int64 token ids and labels
+
+
 def sequences_per_rank(cfg: TrainConfig, world: int) -> int:
     """Returns the sequences one rank runs at once: its data-parallel share of a micro-batch, at least one."""
     return max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1)
@@ -533,7 +553,9 @@ def sequences_per_rank(cfg: TrainConfig, world: int) -> int:
 
 def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None) -> None:
     """Raises ValueError when the run cannot fit: a lower bound of the memory one rank needs (model states,
-    the strategy's skeletal activations, memo's host pool; no tracing) against what `device` has free, and the
+    the strategy's skeletal activations, memo's host pool, the token ids of a step's batch and of an
+    evaluation; no tracing)
+    against what `device` (and for a GPU's batch, the host) has free, and the
     host pool (with `--offload-states` beside the states) against the host budget. Seconds at any length,
     before any folder, model or progress bar."""
     config, dtype = model_config(cfg), DTYPES[cfg.dtype]
@@ -544,8 +566,13 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
     )
     if cfg.offload_states:
         need["states"] = _offloaded_states(cfg, device, world, need["host_pool"])
+    # every rank builds the global batch, and an evaluation its batches all at once
+    evaluates = cfg.data is None or cfg.eval_data is not None or bool(cfg.eval_split)
+    held = cfg.batch_size + (cfg.eval_batches * (cfg.batch_size // cfg.grad_accum) if evaluates else 0)
+    need["batch"] = BATCH_BYTES_PER_TOKEN * held * cfg.seq_len
     free = dev.free_memory_bytes(device)
-    on_device = need["states"] + need["activations"] + (need["host_pool"] if device.type == "cpu" else 0)
+    on_host = need["host_pool"] + need["batch"]
+    on_device = need["states"] + need["activations"] + (on_host if device.type == "cpu" else 0)
     ranks = parallel.local_ranks() if mesh and device.type == "cpu" else 1  # ranks on one host share its memory
     what = f"`--seq-len` {format_count(cfg.seq_len)} with `--batch-size` {cfg.batch_size} (model {config.name})"
     if free is not None and on_device * ranks > free:
@@ -553,7 +580,13 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
         raise ValueError(
             f"{what} needs at least {format_bytes(on_device * ranks)} on {device} ({parts}"
             f"{f' per rank, x{ranks}' if ranks > 1 else ''}), {format_bytes(free)} available; "
-            "lower `--seq-len` or `--batch-size`"
+            f"lower `--seq-len` or `--batch-size`{_eval_hint(cfg)}"
+        )
+    if device.type != "cpu" and need["batch"] > dev.available_host_bytes():
+        host = format_bytes(dev.available_host_bytes())
+        raise ValueError(
+            f"{what}: the batch's token ids take {format_bytes(need['batch'])} of host memory, {host} available; "
+            f"lower `--batch-size` or `--seq-len`{_eval_hint(cfg)}"
         )
     if mesh is None and need["host_pool"]:
         budget = parse_size(cfg.host_budget) if cfg.host_budget else int(0.8 * dev.available_host_bytes())
@@ -562,6 +595,11 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
                 f"{what}: memo's host pool needs at least {format_bytes(need['host_pool'])}, the host budget is "
                 f"{format_bytes(budget)}; lower `--alpha` or `--seq-len`, or raise `--host-budget`"
             )
+
+
+def _eval_hint(cfg: TrainConfig) -> str:
+    """Names `--eval-batches` where an evaluation's batches outweigh the step's."""
+    return ", or `--eval-batches`" if cfg.eval_batches * (cfg.batch_size // cfg.grad_accum) > cfg.batch_size else ""
 
 
 def _offloaded_states(cfg: TrainConfig, device: torch.device, world: int, host_pool: int) -> int:
@@ -614,16 +652,26 @@ def _record_launch(cfg: TrainConfig) -> TrainConfig:
     """Returns `cfg` with `nproc` and `nnodes` set to the ranks started on this node and the nodes, as the run
     really ran (under plain torchrun too)."""
     ranks = parallel.local_ranks()
-    return TrainConfig.from_dict({**cfg.to_dict(), "nproc": ranks, "nnodes": world_size() // ranks})
+    return dataclasses.replace(cfg, nproc=ranks, nnodes=world_size() // ranks)  # no to_dict: no fingerprints
 
 
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied; an error when
-    its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing)."""
+    its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing), when a file it
+    recorded (at an absolute path) and is not given again is missing or changed, or when a `--model` given is
+    shaped unlike the checkpoint's."""
     if Path(run_dir).is_dir() and os.environ.get("RANK", "0") == "0":  # rank 0 alone locks, so alone probes
         RunLock(Path(run_dir)).release()  # a run still in progress is the error, not its missing checkpoint
     saved = checkpoint.load_latest(Path(run_dir))
-    kept = {k: v for k, v in saved.state["config"].items() if k not in LAUNCH}  # a 2-node run resumes on one
+    recorded = saved.state["config"]
+    run = f"run {run_dir}"
+    check_inputs(recorded, [name for name in ("model", "data", "eval_data", "tokenizer") if name not in overrides], run)
+    if "tokenizer" in overrides:
+        check_same_tokenizer(overrides["tokenizer"], recorded, run)
+    check_token_files(overrides, recorded)
+    if "model" in overrides:
+        check_same_model(overrides["model"], checkpoint.saved_model_config(saved.state, Path(run_dir)), run)
+    kept = {k: v for k, v in recorded.items() if k not in LAUNCH}  # a 2-node run resumes on one
     cfg = TrainConfig.from_dict({**kept, **overrides, "out": str(run_dir)}, f"{run_dir}")
     if cfg.steps < saved.step:  # a target behind the checkpoint: most likely meant as steps to add
         raise ValueError(

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..figures import pyplot, save
+from ..figures import drawn_by_memo, pyplot, save
+from ..files import claim_file
 from .metrics import read_metrics
 
 GIB = 1 << 30
 
 
-def plot_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Writes the run's report picture (default RUN_DIR/report.png) and returns its path."""
+def plot_report(run_dir: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Writes the run's report picture (default RUN_DIR/report.png) and returns its path; an existing `out` that
+    memo did not draw is replaced only with `overwrite` (`memo.files.claim_file`)."""
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / "metrics.jsonl")
+    default = run_dir / "report.png"
+    out = Path(out) if out else default
+    metrics = run_dir / "metrics.jsonl"
+    ours = out.resolve() == default.resolve() or drawn_by_memo(out)
+    claim_file(out, "--out", {"RUN_DIR's metrics.jsonl": metrics}, overwrite, ours=ours)
+    records = read_metrics(metrics)
     steps = [r for r in records if "loss" in r]
     if not steps:
         raise ValueError(f"{run_dir}: no training records in metrics.jsonl")
@@ -36,7 +43,6 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     _memory(ax_mem, x, steps)
     fig.suptitle(f"{run_dir.name}")
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "report.png"
     save(fig, out)
     return out
 

@@ -1,10 +1,15 @@
-"""Ctrl-C and preemption: SIGINT or SIGTERM ends a run after its current step with a checkpoint, not a loss.
+"""Signals: SIGINT, SIGTERM or SIGHUP end every verb cleanly, and end a training run after its step with a checkpoint.
 
-A long-context step can take minutes and a run days; a cluster's job limit or a requeue sends SIGTERM, a
-person presses Ctrl-C. The first signal only asks the trainer to stop: it finishes the step, saves (every
-rank together under torchrun) and the CLI exits 128 + the signal's number (130, 143) saying how to resume.
-A second Ctrl-C stops at once: checkpoints are written to a temporary folder and renamed, so the last one
-stays whole.
+A long-context step can take minutes and a run days; a cluster's job limit or a requeue sends SIGTERM, a closed
+terminal SIGHUP, a person presses Ctrl-C. Python's default for SIGTERM and SIGHUP is to die on the spot, skipping
+every `finally`: a temporary export file, a half-made run folder or a checkpoint's temporary folder would stay.
+`Stopping` turns each into an exception (`Terminated`, a BaseException like KeyboardInterrupt, so that no
+`except Exception` swallows it) in every verb: cleanups run, the CLI exits 128 + the signal's number.
+
+While a run trains, `StopRequest` takes over: the first signal only asks the trainer to stop; it finishes the
+step, saves (every rank together under torchrun) and the CLI exits 128 + the signal's number (130, 143, 129)
+saying how to resume. A second Ctrl-C stops at once: checkpoints are written to a temporary folder and renamed,
+so the last one stays whole.
 """
 
 from __future__ import annotations
@@ -14,24 +19,57 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class StopRequest:
-    """While entered (main thread only), records the first SIGINT/SIGTERM in `signum` instead of dying."""
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while a verb worked (SIGINT stays Python's KeyboardInterrupt)."""
 
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+class _Handlers:
+    """While entered (main thread only), `handle` receives SIGINT, SIGTERM and SIGHUP; the previous handlers
+    come back on exit."""
+
+    def __enter__(self):
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # an ignored one (`nohup`) stays ignored
+            kept = [s for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+            self._previous = {s: signal.signal(s, self._handle) for s in kept}
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        raise NotImplementedError
+
+
+class Stopping(_Handlers):
+    """Every verb runs inside: SIGTERM and SIGHUP raise `Terminated` where the work is, SIGINT KeyboardInterrupt."""
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+
+class StopRequest(_Handlers):
+    """While entered, records the first signal in `signum` instead of stopping (a second Ctrl-C stops at once)."""
+
+    def __init__(self):
+        self.signum: int | None = None
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:
