@@ -578,10 +578,9 @@ def run_case(case: Case, fixtures: Path) -> Result:
 def run_command(case: Case, folder: Path) -> tuple[int | None, str, str, bool]:
     """Runs the case's command in its own session (sending its signal when due); returns (exit code or None
     when it did not answer in time, stdout, stderr, whether a process of its session outlived it)."""
+    command = memo_command(case.args)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            memo_command(case.args), cwd=folder, env=memo_env(), stdout=out, stderr=err, start_new_session=True
-        )
+        proc = subprocess.Popen(command, cwd=folder, env=memo_env(), stdout=out, stderr=err, start_new_session=True)
         if case.signal:
             wait_for(case.when, folder, proc)
             proc.send_signal(case.signum)
@@ -600,14 +599,15 @@ def run_command(case: Case, folder: Path) -> tuple[int | None, str, str, bool]:
 
 @contextlib.contextmanager
 def busy():
-    """Keeps every core busy with other work while the block runs (a loaded machine)."""
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    """Keeps every core busy with a spinning process while the block runs: a machine under someone else's load
+    (the tests' too). The spinners are this process's children, ended and reaped after."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
         yield
     finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def wait_for(when: str, folder: Path, proc: subprocess.Popen) -> None:

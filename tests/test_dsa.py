@@ -3,10 +3,8 @@
 import itertools
 import json
 import logging
-import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +16,9 @@ from memo.plan.greedy import ORDERS, greedy, order_by, place_greedy
 from memo.plan.mip import solve_mip
 from memo.plan.problem import Problem, check_placement, max_load, peak, read_csv
 from memo.plan.search import SearchStats, Techniques, search
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bad_inputs import busy as busy_cpus  # noqa: E402  (the benchmark's loaded machine, one place)
 
 INSTANCES = Path(__file__).resolve().parents[1] / "benchmarks" / "dsa-instances"
 # Budgets are kernel work, not seconds, so no answer depends on the machine's speed or load; this one is about
@@ -167,18 +168,6 @@ def test_a_work_budget_stops_the_search_without_claiming_a_proof():
     assert solve(p, time_limit=None, work_limit=full.work // 2).peak >= best
     with pytest.raises(ValueError, match="positive work limit"):
         solve(p, time_limit=None, work_limit=0)
-
-
-@contextmanager
-def busy_cpus():
-    """Keeps every core busy with a spinning process while the block runs: a machine under someone else's load."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def test_a_solve_gives_the_same_placement_on_a_busy_machine_and_reports_its_work():

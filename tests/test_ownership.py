@@ -284,6 +284,22 @@ def test_the_library_replaces_only_folders_it_may(tmp_path):
     assert not (folder / "notes.txt").exists()
 
 
-def test_figures_in_other_formats_are_written(done, tmp_path):
-    for suffix in (".svg", ".pdf"):
-        assert main(["report", str(done), "--out", str(tmp_path / f"r{suffix}")]) == 0
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".pdf", ".eps"])
+def test_figures_in_every_format_are_memos_own_to_replace(done, tmp_path, suffix):
+    from memo.figures import drawn_by_memo
+
+    picture = tmp_path / f"r{suffix}"
+    assert main(["report", str(done), "--out", str(picture)]) == 0 and drawn_by_memo(picture)
+    assert main(["report", str(done), "--out", str(picture)]) == 0  # its own: replaced without `--overwrite`
+    picture.write_bytes(picture.read_bytes().replace(b"memo", b"user"))
+    assert not drawn_by_memo(picture) and main(["report", str(done), "--out", str(picture)]) == 2
+
+
+def test_an_export_never_replaces_a_run_placed_inside_it(done, tmp_path, capsys):
+    export = tmp_path / "export"
+    assert main(["export", str(done), "--hf", str(export)]) == 0
+    shutil.copytree(done, export / "a" / "b" / "c" / "fine-tuned")  # a run trained from the export, deep inside
+    before = _tree(export)
+    for overwrite in ([], ["--overwrite"]):
+        assert main(["export", str(done), "--hf", str(export), *overwrite]) == 2
+        assert "holds run " in _error(capsys, "export") and _tree(export) == before

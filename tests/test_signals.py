@@ -120,12 +120,20 @@ def test_a_signal_while_a_verb_writes_its_output_leaves_neither_the_output_nor_a
     assert sorted(p.name for p in finished_run.rglob("*")) == before  # the run read from is untouched
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-def test_a_signal_before_the_first_step_leaves_no_run_folder(tmp_path, capsys, monkeypatch, signum):
+@pytest.mark.parametrize(
+    "signum, when",
+    [
+        (signal.SIGTERM, "MetricsLog"),  # the run folder and its config.json are written, the metrics log opens
+        (signal.SIGHUP, "MetricsLog"),
+        (signal.SIGINT, "MetricsLog"),
+        (signal.SIGTERM, "Trainer._predict"),  # then the cost model traces the step it predicts
+    ],
+)
+def test_a_signal_before_the_first_step_leaves_no_run_folder(tmp_path, capsys, monkeypatch, signum, when):
     from memo.train import loop
 
-    # the run folder and its config.json are written: the metrics log opens next, then the first step
-    _signal_once(monkeypatch, signum, (loop, "MetricsLog"))
+    owner, _, name = when.rpartition(".")
+    _signal_once(monkeypatch, signum, (getattr(loop, owner) if owner else loop, name))
     run = tmp_path / "runs" / "new"
     assert main([*TRAIN, "--steps", "3", "--out", str(run)]) == 128 + signum
     err = capsys.readouterr().err.strip()

@@ -437,7 +437,8 @@ def _run_estimate(args) -> int:
         check_calibration_device(calibration, spec)
         eff = efficiency_from_calibration(calibration, spec)
     cfg = named_model_config(args.model)
-    _claim_output(args.plot, "--plot", args, {"`--gpu-file`": args.gpu_file, "`--calibration`": args.calibration})
+    inputs = {"`--model`": args.model, "`--gpu-file`": args.gpu_file, "`--calibration`": args.calibration}
+    _claim_output(args.plot, "--plot", args, inputs)
     states = _estimated_states(args)
     systems = args.system or (["memo"] if states != States() else list(SYSTEMS))
     if args.plot and not args.sweep:
@@ -576,7 +577,7 @@ def _run_calibrate(args) -> int:
     if args.sp is not None and args.model is None:
         raise ValueError("`--sp` splits the shape of `--model` and `--seq`: give them too")
     device = check_device(args.device)
-    _claim_output(args.out, "--out", args, ours=is_calibration)
+    _claim_output(args.out, "--out", args, {"`--model`": args.model}, ours=is_calibration)
     sp = 1 if args.sp is None else args.sp
     shape = Shape.of(named_model_config(args.model), args.seq, sp) if args.model else None
     result = calibrate(device, shape)

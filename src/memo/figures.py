@@ -1,6 +1,7 @@
 """Figures are drawn off-screen (Agg), and matplotlib is imported only when one is drawn: importing it costs
-a fifth of a second of every command's start. Each PNG carries memo's name (its Software text field), so that a
-later command may replace it without `--overwrite` (`memo.files.claim_file`)."""
+a fifth of a second of every command's start. Each figure carries memo's name (PNG's Software field, the
+Creator of SVG, PDF and PostScript), so that a later command may replace it without `--overwrite`
+(`memo.files.claim_file`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from pathlib import Path
 
 from .files import atomic_output
 
-SOFTWARE = "memo"
+# how each format names the program that drew it (matplotlib's metadata keys), and the bytes that then say memo
+MARKS = {
+    ".png": ({"Software": "memo"}, b"Software\x00memo"),
+    ".svg": ({"Creator": "memo"}, b"<dc:title>memo</dc:title>"),
+    ".pdf": ({"Creator": "memo"}, b"/Creator (memo)"),
+    ".ps": ({"Creator": "memo"}, b"%%Creator: memo"),
+    ".eps": ({"Creator": "memo"}, b"%%Creator: memo"),
+}
+READ_BYTES = 1 << 16  # the marks lie in a file's first (PNG, SVG, PS) or last (PDF) bytes
 
 
 def pyplot():
@@ -22,21 +31,24 @@ def pyplot():
 
 
 def save(fig, path: str | Path, dpi: int = 110) -> None:
-    """Writes `fig` to `path` atomically (a failed save leaves no half picture) and frees it."""
+    """Writes `fig` to `path` atomically (a failed save leaves no half picture), marked as memo's, and frees it."""
+    metadata, _ = MARKS.get(Path(path).suffix.lower(), (None, b""))
     try:
         with atomic_output(path) as tmp:
-            png = Path(path).suffix.lower() in ("", ".png")  # matplotlib's default format; others lack the field
-            fig.savefig(tmp, dpi=dpi, metadata={"Software": SOFTWARE} if png else None)
+            fig.savefig(tmp, dpi=dpi, metadata=metadata)
     finally:
         pyplot().close(fig)
 
 
 def drawn_by_memo(path: str | Path) -> bool:
-    """Returns whether `path` is a PNG that `save` wrote (one memo may replace)."""
-    from PIL import Image, UnidentifiedImageError
-
+    """Returns whether `path` is a figure that `save` wrote (one memo may replace without `--overwrite`)."""
+    _, mark = MARKS.get(Path(path).suffix.lower(), (None, None))
+    if mark is None:
+        return False
     try:
-        with Image.open(path) as image:
-            return image.format == "PNG" and image.info.get("Software") == SOFTWARE
-    except (OSError, UnidentifiedImageError, ValueError):
+        with open(path, "rb") as f:
+            head = f.read(READ_BYTES)
+            f.seek(max(f.seek(0, 2) - READ_BYTES, 0))
+            return mark in head or mark in f.read()
+    except OSError:
         return False

@@ -59,12 +59,12 @@ def claim_folder(
     found = folder_purpose(real)
     if found == RUN and purpose != RUN:
         raise ValueError(f"{shown} is a run folder (`memo train` writes it): give another folder")
-    if not real.is_dir() or found == purpose or not any(real.iterdir()):
+    if not real.is_dir() or not any(real.iterdir()):
         return
-    run = next(_runs_in(real), None)
+    run = next(_runs_in(real), None) if found != RUN else None
     if run is not None:  # replacing the folder whole would delete it
         raise ValueError(f"{shown} holds run {run}: give another folder")
-    if overwrite:
+    if found == purpose or overwrite:
         return
     names = sorted(p.name for p in real.iterdir())
     listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -92,14 +92,12 @@ def claim_file(
         raise ValueError(f"{shown} exists and memo did not write it: give a new path, or `--overwrite` to replace it")
 
 
-def _runs_in(folder: Path, depth: int = 2) -> Iterator[Path]:
-    """Yields the run folders up to `depth` levels below `folder`."""
-    for child in folder.iterdir() if depth else ():
-        if child.is_dir() and not child.is_symlink():
-            if folder_purpose(child) == RUN:
-                yield child
-            else:
-                yield from _runs_in(child, depth - 1)
+def _runs_in(folder: Path) -> Iterator[Path]:
+    """Yields the run folders anywhere below `folder` (links not followed; a run's own folders not searched)."""
+    for parent, children, _ in os.walk(folder):
+        runs = [c for c in children if folder_purpose(Path(parent, c)) == RUN]
+        children[:] = [c for c in children if c not in runs]
+        yield from (Path(parent, c) for c in runs)
 
 
 def folder_purpose(folder: str | Path) -> str | None:
@@ -197,7 +195,10 @@ def _replace_folder(new: Path, path: Path) -> None:
     except BaseException:
         old.rename(path)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        shutil.rmtree(old, ignore_errors=True)
+    finally:  # a signal in the middle: the new folder is in place, the old one still goes
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

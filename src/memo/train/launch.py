@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..parallel import faults
 from .config import TrainConfig, model_config
+from .signals import nohup
 
 GRACE_SECONDS = 5.0  # after a rank fails, how long this node's other ranks get to end on their own (then SIGKILL)
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # preemption, a closed session: passed on to every rank
@@ -39,8 +40,8 @@ def launch(cfg: TrainConfig, argv: list[str]) -> int:
     ranks = [subprocess.Popen(command, env=_rank_env(cfg, i, port)) for i in range(cfg.nproc)]
     # Ctrl-C reaches every rank from the terminal; this process only waits (and passes SIGTERM on)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
-    for signum in FORWARDED:  # a rank that gets the same signal twice stops once; an ignored one (`nohup`) stays
-        if signal.getsignal(signum) is not signal.SIG_IGN:
+    for signum in FORWARDED:  # a rank that gets the same signal twice stops once; `nohup`'s hangup stays ignored
+        if not nohup(signum):
             previous[signum] = signal.signal(signum, lambda signum, frame: [r.send_signal(signum) for r in ranks])
     try:
         return _wait(cfg, port, ranks)

@@ -113,16 +113,16 @@ class Trainer:
         self.lock = RunLock(self.run_dir) if self.rank == 0 and self.run_dir.is_dir() else None
         self.log = None
         self.created = []  # directories this run made, deepest first: a start that fails removes them
-        try:
+        try:  # a start that fails (or is signalled) before the first step leaves nothing behind
             self._start(resume)
+            # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL)
+            self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, lora=cfg.lora())
+            self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, False, cfg.lora())
+            self.peak_flops = _peak_flops(self.device)
+            self.prediction = self._predict() if self.rank == 0 and self.step < cfg.steps else None  # a run to go
         except BaseException:
             self.discard()
             raise
-        # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL)
-        self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, lora=cfg.lora())
-        self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, False, cfg.lora())
-        self.peak_flops = _peak_flops(self.device)
-        self.prediction = self._predict() if self.rank == 0 and self.step < cfg.steps else None  # a run to go
         self.steady: list[dict] = []  # the records of this run's steps after its first (warm-up, sizing)
         self.comparison: dict | None = None  # measured against predicted, once the run is done
 

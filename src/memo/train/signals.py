@@ -37,14 +37,20 @@ class Terminated(BaseException):
         return f"stopped by {signal.Signals(self.signum).name}"
 
 
+def nohup(signum: int) -> bool:
+    """Returns whether `signum` is a hangup this process was started to ignore (`nohup`): it stays ignored. (A
+    shell's background job ignores SIGINT too, yet `kill -INT` to it still means stop.)"""
+    return signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN
+
+
 class _Handlers:
     """While entered (main thread only), `handle` receives SIGINT, SIGTERM and SIGHUP; the previous handlers
     come back on exit."""
 
     def __enter__(self):
         self._previous = {}
-        if threading.current_thread() is threading.main_thread():  # an ignored one (`nohup`) stays ignored
-            kept = [s for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+        if threading.current_thread() is threading.main_thread():
+            kept = [s for s in SIGNALS if not nohup(s)]
             self._previous = {s: signal.signal(s, self._handle) for s in kept}
         return self
 
