@@ -844,3 +844,9 @@ def test_a_broken_shard_is_one_line_from_memo_train(tiny_ckpt, tmp_path, capsys)
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "model.safetensors: safetensors cannot read it" in err
+
+
+def test_export_copies_a_tokenizer_file_of_any_name_as_tokenizer_json(tmp_path):
+    trained = _tokenizer(tmp_path / "tok", with_config=False).rename(tmp_path / "tok" / "my-words.json")
+    out = to_hf(Transformer(ModelConfig.preset("tiny")), tmp_path / "ckpt", tokenizer=trained)
+    assert (out / "tokenizer.json").read_bytes() == trained.read_bytes()

@@ -578,11 +578,12 @@ def save_hf(
         (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         shutil.copymode(tmp / CONFIG_NAME, tmp / WEIGHTS_NAME)
-        if tokenizer is not None:
-            source = tokenizer_file(tokenizer).parent
-            for name in TOKENIZER_NAMES:
-                if (source / name).is_file():
-                    shutil.copyfile(source / name, tmp / name)  # contents only: the mode is a new file's
+        if tokenizer is not None:  # the file the run trained with, whatever its name, and its folder's companions
+            trained = tokenizer_file(tokenizer)
+            shutil.copyfile(trained, tmp / TOKENIZER_NAMES[0])  # contents only: the mode is a new file's
+            for name in TOKENIZER_NAMES[1:]:
+                if (trained.parent / name).is_file():
+                    shutil.copyfile(trained.parent / name, tmp / name)
     return path
 
 
