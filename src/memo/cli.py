@@ -353,7 +353,6 @@ def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="plot a run's loss, throughput and memory to PNG")
     p.add_argument("run_dir", type=PATH, help="a run directory written by `memo train`")
     p.add_argument("--out", type=PATH, help="PNG path (default: RUN_DIR/report.png; missing folders are made)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (memo cannot tell its own)")
     p.set_defaults(run=_run_report)
 
 
@@ -964,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
     _dsa_parser(sub)
     _plan_parser(sub)
     _eval_parser(sub)
-    for name in ("estimate", "calibrate", "dsa", "plan", "eval"):  # export and report word their own
+    for name in ("report", "estimate", "calibrate", "dsa", "plan", "eval"):  # export words its own
         sub.choices[name].add_argument(
             "--overwrite", action="store_true", help="replace an existing output file that memo did not write"
         )

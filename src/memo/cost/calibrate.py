@@ -3,7 +3,6 @@ run: the layer's GEMMs, causal attention forward and backward apart, memory band
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from .. import device as dev
 from ..attention import attention_backward, attention_forward
 from ..config import ModelConfig, check_int
+from ..files import read_json
 from ..swap import measure_copy_bandwidth
 
 GEMM_ROWS = {"cuda": 16384, "cpu": 1024}  # token rows of the GEMMs timed: speed no longer grows past these
@@ -83,8 +83,8 @@ def measure_hbm_bandwidth(device: torch.device, nbytes: int) -> float:
 def is_calibration(path: str | Path) -> bool:
     """Returns whether `path` holds measurements `memo calibrate --out` wrote (memo's own, to replace)."""
     try:
-        measured = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        measured = read_json(path)
+    except ValueError:  # unreadable, or not JSON
         return False
     return isinstance(measured, dict) and {"matmul_flops_per_s", "host_copy_bytes_per_s"} <= measured.keys()
 

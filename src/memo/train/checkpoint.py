@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..adapter import save_adapter
@@ -429,10 +430,9 @@ def _claim_export(
 def _exported(path: Path) -> bool:
     """Returns whether `path` is a safetensors file `export` wrote: its metadata names the step and the model."""
     try:
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            metadata = json.loads(f.read(min(length, 1 << 24))).get("__metadata__") or {}
-    except (OSError, ValueError, AttributeError):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (OSError, SafetensorError):
         return False
     return {"step", "model"} <= set(metadata)
 

@@ -48,6 +48,7 @@ from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
 from .config import (
+    INPUTS,
     LAUNCH,
     TrainConfig,
     check_inputs,
@@ -566,10 +567,9 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
     )
     if cfg.offload_states:
         need["states"] = _offloaded_states(cfg, device, world, need["host_pool"])
-    # every rank builds the global batch, and an evaluation its batches all at once
-    evaluates = cfg.data is None or cfg.eval_data is not None or bool(cfg.eval_split)
-    held = cfg.batch_size + (cfg.eval_batches * (cfg.batch_size // cfg.grad_accum) if evaluates else 0)
-    need["batch"] = BATCH_BYTES_PER_TOKEN * held * cfg.seq_len
+    step_rows, eval_rows = _held_sequences(cfg)
+    need["batch"] = BATCH_BYTES_PER_TOKEN * (step_rows + eval_rows) * cfg.seq_len
+    hint = ", or `--eval-batches`" if eval_rows > step_rows else ""  # an evaluation's batches outweigh the step's
     free = dev.free_memory_bytes(device)
     on_host = need["host_pool"] + need["batch"]
     on_device = need["states"] + need["activations"] + (on_host if device.type == "cpu" else 0)
@@ -580,13 +580,13 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
         raise ValueError(
             f"{what} needs at least {format_bytes(on_device * ranks)} on {device} ({parts}"
             f"{f' per rank, x{ranks}' if ranks > 1 else ''}), {format_bytes(free)} available; "
-            f"lower `--seq-len` or `--batch-size`{_eval_hint(cfg)}"
+            f"lower `--seq-len` or `--batch-size`{hint}"
         )
-    if device.type != "cpu" and need["batch"] > dev.available_host_bytes():
-        host = format_bytes(dev.available_host_bytes())
+    host = dev.available_host_bytes() if device.type != "cpu" else None
+    if host is not None and need["batch"] > host:
         raise ValueError(
-            f"{what}: the batch's token ids take {format_bytes(need['batch'])} of host memory, {host} available; "
-            f"lower `--batch-size` or `--seq-len`{_eval_hint(cfg)}"
+            f"{what}: the batch's token ids take {format_bytes(need['batch'])} of host memory, "
+            f"{format_bytes(host)} available; lower `--batch-size` or `--seq-len`{hint}"
         )
     if mesh is None and need["host_pool"]:
         budget = parse_size(cfg.host_budget) if cfg.host_budget else int(0.8 * dev.available_host_bytes())
@@ -597,9 +597,11 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
             )
 
 
-def _eval_hint(cfg: TrainConfig) -> str:
-    """Names `--eval-batches` where an evaluation's batches outweigh the step's."""
-    return ", or `--eval-batches`" if cfg.eval_batches * (cfg.batch_size // cfg.grad_accum) > cfg.batch_size else ""
+def _held_sequences(cfg: TrainConfig) -> tuple[int, int]:
+    """Returns the sequences of token ids every rank holds at once: the step's global batch, and an evaluation's
+    batches (built all at once; none without held-out data)."""
+    evaluates = cfg.data is None or cfg.eval_data is not None or bool(cfg.eval_split)
+    return cfg.batch_size, cfg.eval_batches * (cfg.batch_size // cfg.grad_accum) if evaluates else 0
 
 
 def _offloaded_states(cfg: TrainConfig, device: torch.device, world: int, host_pool: int) -> int:
@@ -665,7 +667,7 @@ def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     saved = checkpoint.load_latest(Path(run_dir))
     recorded = saved.state["config"]
     run = f"run {run_dir}"
-    check_inputs(recorded, [name for name in ("model", "data", "eval_data", "tokenizer") if name not in overrides], run)
+    check_inputs(recorded, [name for name in INPUTS if name not in overrides], run)
     if "tokenizer" in overrides:
         check_same_tokenizer(overrides["tokenizer"], recorded, run)
     check_token_files(overrides, recorded)
