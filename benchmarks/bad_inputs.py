@@ -222,6 +222,13 @@ CASES = [
     Case(f"train {BLOW_UP} --skip-nonfinite 1 --out skipped", expect="success", may_change=("skipped",)),
     Case(f"train {TINY} --data tokens.bin"),
     Case(f"train {TINY} --data tokens-dtype.bin"),
+    # packed documents (issue 26)
+    Case(f"train {TINY} --pack-documents mask"),  # the generated task has no documents
+    Case(f"train {TINY} --pack-documents masked --data notes.txt"),
+    Case(f"train {TINY} --data notes.txt --max-documents-per-sequence 0"),
+    Case(f"train {TINY} --data notes.txt --max-documents-per-sequence 1.5"),
+    Case(f"train {TINY} --data notes.txt --document-separator bos"),  # the byte tokenizer has none
+    Case(f"train {TINY} --document-separator eos"),
     Case("train --model tiny --seq-len 96 --batch-size 4 --steps 2 --nproc 4 --sp 3"),
     Case(f"train {TINY} --nproc 4"),
     # train: model, config, data, tokenizer
@@ -291,6 +298,11 @@ CASES = [
     Case(f"estimate {EST} --seq 1M --plot x.png"),
     Case(f"estimate {EST} --sweep --plot notes.txt/sweep.png", within_s=30),
     Case(f"estimate {EST} --seq 1M --calibration missing.json"),
+    Case(f"estimate {EST} --seq 1M --mean-document-tokens 0"),
+    Case(f"estimate {EST} --seq 1M --mean-document-tokens abc"),
+    Case(f"estimate {EST} --seq 1M --document-lengths missing.bin"),
+    Case(f"estimate {EST} --seq 1M --document-lengths notes.txt"),
+    Case(f"estimate {EST} --seq 1M --mean-document-tokens 4K --document-lengths tokens.bin"),
     Case(f"estimate {EST} --seq 1M --calibration calibration-empty.json"),
     Case(f"estimate {EST} --seq 1M --calibration calibration-cpu.json"),
     Case("estimate --model gpt-7b --gpus 8 --gpu L40S --seq 1M --gpu-file missing.json"),
@@ -340,6 +352,9 @@ CASES = [
     Case("eval done --lengths 128 --batch-size 0"),
     Case("eval done --lengths 128 --trials 0 --ppl-file notes.txt --max-sequences 0"),
     Case("eval done --lengths 128 --ppl-file missing.txt"),
+    Case("eval done --lengths 128 --passkey-pack 0"),
+    Case("eval done --lengths 128 --passkey-pack 100000000"),  # memory, not positions, bounds it
+    Case("eval done --lengths 128 --pack-documents mask"),  # no --ppl-file to pack
     Case("eval done --lengths 128 --tokenizer missing.json"),
     Case("eval done --lengths 128 --trials 1 --plot notes.txt/passkey.png"),
     Case("eval trunc --lengths 128 --depths 0.5 --trials 1", expect="success"),

@@ -96,8 +96,10 @@ POLL_S = 0.5
 # the test files that honour MEMO_TEST_DEVICE or need CUDA: streams, swap, the arena, layer gradients, attention
 STEP_PEAKS = ("device_peak_reserved", "device_peak_allocated")  # a caching-allocator step's, in its record
 # (test_offload_states and the rest of test_host_memory run CPU ranks only: minutes of a 100 s box for nothing)
-CUDA_TESTS = ("tests/test_layer_gradients.py", "tests/test_arena.py", "tests/test_attention.py")
-CUDA_TESTS += ("tests/test_host_memory.py", "-k", "not test_ranks_copy_together and not cgroup")
+CUDA_TESTS = ("tests/test_layer_gradients.py", "tests/test_documents.py", "tests/test_arena.py")
+CUDA_TESTS += ("tests/test_attention.py",)
+CUDA_TESTS += ("tests/test_host_memory.py", "-k")
+CUDA_TESTS += ("not test_ranks_copy_together and not cgroup and not transformers",)  # transformers runs on CPU
 
 
 @dataclass(frozen=True)

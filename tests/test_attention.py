@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memo import ActivationPolicy, ModelConfig, Transformer, attention
 from memo.device import meta_kernels
+from memo.documents import Documents
 from memo.reference import ReferenceTransformer
 
 aten = torch.ops.aten
@@ -125,6 +126,38 @@ def _flash_backward(
     return _grads_like(dout, q, k, v, scale)
 
 
+def _documents(cu: torch.Tensor, tokens: torch.Tensor):
+    """Yields each document's tokens (1, h, d_i, d) of a variable-length kernel's (total, h, d) tensors."""
+    bounds = cu.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        yield start, stop, [t[start:stop].transpose(0, 1)[None] for t in tokens]
+
+
+def _flash_varlen(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None, **_):
+    assert (dropout_p, is_causal, return_debug_mask) == (0.0, True, False) and isinstance(scale, float)
+    assert q.dim() == k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[1] % k.shape[1] == 0
+    assert cum_q.dtype == torch.int32 and torch.equal(cum_q, cum_k) and max_q == max_k == int(cum_q.diff().max())
+    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])  # the varlen kernel's LSE: (h, total)
+    for start, stop, (qd, kd, vd) in _documents(cum_q, (q, k, v)):
+        doc_out, doc_lse = _reference(qd, kd, vd, scale)
+        out[start:stop], lse[:, start:stop] = doc_out[0].transpose(0, 1).to(q.dtype), doc_lse[0]
+    rng = torch.zeros(2, dtype=torch.uint64)
+    return out, lse, rng, torch.zeros((), dtype=torch.uint64), q.new_empty(0)
+
+
+def _flash_varlen_backward(
+    dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None, **_
+):
+    assert (dropout_p, is_causal) == (0.0, True) and isinstance(scale, float) and seed.dtype == torch.uint64
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for start, stop, (dd, qd, kd, vd, od) in _documents(cum_q, (dout, q, k, v, out)):
+        _check_saved(qd, kd, vd, od, lse[None, :, start:stop], scale)
+        for g, got in zip(grads, _grads_like(dd, qd, kd, vd, scale)):
+            g[start:stop] = got[0].transpose(0, 1)
+    return tuple(grads)
+
+
 REFUSED_LENGTHS: list[int] = []  # sequence lengths the cuDNN stand-in refuses, as cuDNN refuses a graph
 CUDNN_CALLS: list[int] = []
 
@@ -201,6 +234,8 @@ def cuda_like_attention(monkeypatch):
         "_scaled_dot_product_cudnn_attention_backward": _cudnn_backward,
         "_scaled_dot_product_efficient_attention": _efficient,
         "_scaled_dot_product_efficient_attention_backward": _efficient_backward,
+        "_flash_attention_forward": _flash_varlen,  # packed documents: one variable-length call
+        "_flash_attention_backward": _flash_varlen_backward,
     }.items():
         lib.impl(name, fn, "CPU")
     memo_lib = torch.library.Library("memo", "IMPL")
@@ -324,3 +359,71 @@ def test_the_arena_plans_and_replays_a_step_on_every_kernel(cuda_like_attention,
     assert planned.attention_report() == kernel
     for (name, p), q in zip(plain.named_parameters(), planned.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+# ---- packed documents: every kernel, one variable-length call (CUDA flash) or one call per document ----------
+def _packed(heads: int, kv_heads: int):
+    """Returns q, k, v of two 45-token sequences and their documents (one-token ones among them)."""
+    lengths = [(7, 1, 20, 1, 16), (30, 15)]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    return _qkv(heads, kv_heads), Documents.of(positions, 2, 45, "cpu"), lengths
+
+
+def _packed_reference(q, k, v, dout, lengths):
+    """Returns out, lse, dq, dk, dv in float64, each document computed alone by the textbook formulas."""
+    found = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, q[..., 0], q, k, v)]
+    for row, doc_lengths in enumerate(lengths):
+        at = 0
+        for n in doc_lengths:
+            part = [t[row : row + 1, :, at : at + n] for t in (q, k, v, dout)]
+            results = (*_reference(*part[:3], SCALE), *_reference_grads(part[3], *part[:3], SCALE))
+            for whole, got in zip(found, results):
+                whole[row : row + 1, :, at : at + n] = got
+            at += n
+    return found
+
+
+@pytest.mark.parametrize("stand_ins", [True, False], ids=["cuda-stand-ins", "cpu-kernels"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
+def test_every_kernel_over_packed_documents_gives_the_masked_reference(request, stand_ins, heads, kv_heads):
+    if stand_ins:
+        request.getfixturevalue("cuda_like_attention")
+    (q, k, v), documents, lengths = _packed(heads, kv_heads)
+    dout = torch.randn_like(q)
+    want = _packed_reference(q, k, v, dout, lengths)
+    for kernel in attention.available(q.device, q.dtype):
+        out, lse, aux = attention.attention_forward(q, k, v, SCALE, kernel, documents)
+        assert aux[0] == kernel and aux[1] == ("varlen" if stand_ins and kernel == "flash" else "per document")
+        grads = attention.attention_backward(dout, q, k, v, out, lse, aux, SCALE, documents)
+        for name, got, expected in zip(("out", "lse", "dq", "dk", "dv"), (out, lse[..., :45], *grads), want):
+            where = f"{kernel} {name}"
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("kernel", attention.KERNELS)
+def test_models_over_packed_documents_on_every_kernel_match_the_masked_reference(cuda_like_attention, kernel):
+    config = ModelConfig.preset("tiny")
+    ref = ReferenceTransformer(config)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1)
+    policy = ActivationPolicy("memo", alpha=0.37, tile_tokens=8, attention_heads=1, attention=kernel)
+    model = Transformer(config, policy)
+    model.load_state_dict(ref.state_dict())
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in [(3, 1, 25), (12, 17)]])
+    ids = torch.randint(0, 256, (2, 29))
+    ref(ids, labels=ids, positions=positions).backward()
+    model(ids, labels=ids, positions=positions).backward()
+    how = "varlen" if kernel == "flash" else "per document"  # the stand-ins offer flash's variable-length call
+    assert model.attention_report() == f"{kernel}, {how} over packed documents"
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_auto_runs_packed_documents_in_one_variable_length_call_where_there_is_one(cuda_like_attention, monkeypatch):
+    monkeypatch.setattr(attention, "_preference", lambda device: ("fa4", "cudnn", "flash", "efficient"))
+    (q, k, v), documents, _ = _packed(4, 2)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    assert attention.attention_forward(q, k, v, SCALE, "auto")[2][0] == "fa4"  # one document per sequence
+    assert attention.attention_forward(q, k, v, SCALE, "auto", documents)[2][:2] == ("flash", "varlen")
+    assert attention.attention_forward(q, k, v, SCALE, "cudnn", documents)[2][:2] == ("cudnn", "per document")

@@ -181,3 +181,15 @@ def test_cpu_adam_benchmark_times_every_implementation(capsys):
     result = json.loads(capsys.readouterr().out)
     assert set(result["kinds"]) == set(cpu_adam.KINDS)
     assert all(row["seconds_per_billion"] > 0 for row in result["kinds"].values())
+
+
+def test_packing_benchmark_prints_one_document_and_packed_step_times(capsys):
+    import packing
+    import torch
+
+    threads = torch.get_num_threads()
+    assert packing.main(["--presets", "tiny", "--seq", "256", "--doc", "64", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("tiny "))
+    assert row.split()[1:3] == ["256", "64"] and float(row.split()[5]) > 0
+    assert torch.get_num_threads() == threads  # the benchmark's one thread does not outlive it

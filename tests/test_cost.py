@@ -29,7 +29,7 @@ from memo.cost.estimate import (
     max_seq,
     max_seq_range,
 )
-from memo.cost.flops import model_flops_per_token
+from memo.cost.flops import MFU_PACKED, DocumentLengths, model_flops_per_token
 from memo.cost.hardware import GPUS, gpu, load_gpus
 from memo.cost.memory import (
     Traced,
@@ -46,6 +46,8 @@ from memo.device import meta_kernels
 from memo.lora import LoraConfig, apply_lora, module_shapes
 from memo.plan.caching_sim import replay
 from memo.plan.trace import SCRATCH, Tracer, trace, trace_iteration
+from memo.train.data import write_token_file
+from memo.units import format_count
 
 A800 = GPUS["A800-80GB"]
 GPT7B = ModelConfig.preset("gpt-7b")
@@ -290,6 +292,101 @@ def test_estimate_cli_sweep_writes_a_plot(tmp_path, capsys):
     )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 1M |" in capsys.readouterr().out
+
+
+# ---- packed documents: attention over Σ d_i², not s² --------------------------------------------------------
+
+H100 = GPUS["H100-SXM"]
+
+
+def test_shorter_documents_shorten_attention_not_matmuls_nor_memory():
+    tiny, seq, layout = ModelConfig.preset("tiny"), 16384, Layout(recompute="full")
+    eff = published_band(H100, tiny, seq, tiny.n_heads)  # one efficiency for all: seconds scale with FLOPs
+    runs = [None, 4096, 1024, 256, 1]
+    packed = [n and DocumentLengths(n) for n in runs]
+    es = [estimate(tiny, seq, 1, H100, "deepspeed", eff=eff, layout=layout, documents=d) for d in packed]
+    whole = es[0]
+    for n, e in zip(runs[1:], es[1:]):
+        fraction = DocumentLengths(n).squares(seq) / seq**2
+        assert e.attention_fraction == fraction and e.documents == f"packed documents of {format_count(n)} tokens"
+        assert e.seconds["attention"] == pytest.approx(fraction * whole.seconds["attention"], rel=1e-12)
+        assert e.attention_flops == pytest.approx(fraction * whole.attention_flops, rel=1e-12)
+        assert (e.seconds["matmul"], e.device_bytes) == (whole.seconds["matmul"], whole.device_bytes)
+    assert [e.step_seconds for e in es] == sorted((e.step_seconds for e in es), reverse=True)
+    # model attention FLOPs of a step: 3 passes x layers x 4·heads·head_dim·E[Σd²] / 2 (causal)
+    assert es[2].attention_flops == 3 * tiny.n_layers * 4 * tiny.n_heads * tiny.head_dim * (16 * 1024**2) / 2
+    assert es[2].mfu * es[2].step_seconds * H100.peak_flops == pytest.approx(
+        model_flops_per_token(tiny, 1024) * seq, rel=1e-12
+    )
+
+
+def test_packed_attention_runs_at_the_published_speed_of_the_documents_length():
+    tiny, seq = ModelConfig.preset("tiny"), 16384
+    layout = Layout(recompute="full")
+    for n, length in [(None, seq), (1024, 1024), (2048, 2048), (100, 512)]:  # below 512: the shortest published
+        e = estimate(tiny, seq, 1, H100, "deepspeed", layout=layout, documents=n and DocumentLengths(n))
+        kernel = "flash" if n else "cudnn"  # "auto" on H100: cuDNN, but flash's one call over packed documents
+        assert e.attention_kernel == kernel
+        band = published_band(H100, tiny, seq, tiny.n_heads, kernel, rows=seq, length=length)
+        assert e.efficiency["attention_forward"] == band.mid.attention_forward
+        assert e.efficiency["attention_backward"] == band.mid.attention_backward
+    short, long = (published_band(H100, tiny, seq, tiny.n_heads, "cudnn", length=n).mid for n in (1024, seq))
+    assert short.attention_forward < long.attention_forward and short.matmul == long.matmul
+
+
+def test_estimate_cli_packs_documents_of_a_mean_length(capsys):
+    argv = ["estimate", "--model", "tiny", "--seq", "8K", "--gpus", "1", "--gpu", "h100", "--system", "memo"]
+    assert main([*argv, "--mean-document-tokens", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny, 8K tokens, 1x H100-SXM, full fine-tuning, packed documents of 1K tokens\n")
+    assert "MFU full Σd²" in out and "E[Σd²]/s² = 12.500% of whole 8K-token sequences" in out
+    assert "| memo | packed documents, Σd² |" in out and "| memo | whole sequences, s² |" in out
+    assert f"MFU convention: {MFU_PACKED}" in out and "memory: the same per token packed or not" in out
+    assert main([*argv, "--mean-document-tokens", "1K", "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["attention_fraction"] == 1 / 8 and record["unpacked"]["attention_fraction"] == 1
+    assert record["conventions"]["mfu"] == MFU_PACKED and record["unpacked"]["conventions"]["mfu"] != MFU_PACKED
+    assert record["attention_flops"] == pytest.approx(record["unpacked"]["attention_flops"] / 8, rel=1e-12)
+    assert record["step_seconds"] < record["unpacked"]["step_seconds"]
+
+
+def test_estimate_cli_reads_document_lengths_from_a_token_file(tmp_path, capsys):
+    texts = ["x" * 1000, "y" * 3000, "z" * 200]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    write_token_file(tmp_path / "d.jsonl", tmp_path / "c.bin")
+    argv = ["estimate", "--model", "tiny", "--seq", "8K", "--gpus", "1", "--gpu", "h100", "--system", "memo"]
+    assert main([*argv, "--document-lengths", str(tmp_path / "c.bin"), "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    expected = DocumentLengths.of_lengths([1000, 3000, 200]).squares(8192) / 8192**2
+    assert record["attention_fraction"] == pytest.approx(expected, rel=1e-12)
+    assert "mean 1,400 tokens" in record["documents"]
+
+
+def test_estimate_takes_one_way_of_giving_document_lengths(capsys):
+    argv = [*EST, "--seq", "1M", "--mean-document-tokens", "1K", "--document-lengths", "c.bin"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1
+    assert "argument --document-lengths: not allowed with argument --mean-document-tokens" in err
+
+
+def test_estimate_cli_sweeps_and_searches_lengths_of_packed_documents(capsys, monkeypatch):
+    argv = ["estimate", "--model", "tiny", "--gpus", "1", "--gpu", "h100", "--system", "memo"]
+    monkeypatch.setattr("memo.cli.default_lengths", lambda: [32 * 1024])
+    assert main([*argv, "--sweep", "--mean-document-tokens", "1K"]) == 0
+    out = capsys.readouterr().out
+    assert "| seq | E[Σd²]/s² | memo MFU |" in out and "| 32K | 3.125% |" in out and f"MFU: {MFU_PACKED}" in out
+    asked = {}
+
+    def longest(*args, **kwargs):
+        asked.update(kwargs)
+        return {"low": 1024, "mid": 2048, "high": 4096, "why_not": "device memory", "attention_kernel": "cudnn"}
+
+    monkeypatch.setattr("memo.cli.max_seq_range", longest)
+    assert main([*argv, "--max-seq", "--mean-document-tokens", "2K"]) == 0
+    assert asked["documents"] == DocumentLengths(2048)
+    assert "packed documents of 2K tokens: memory per token as unpacked" in capsys.readouterr().out
 
 
 def test_estimate_cli_bad_input_is_one_line(capsys):
@@ -794,6 +891,13 @@ def test_a_gpu_file_may_write_whole_numbers_as_floats(tmp_path):
         (["--seq", "1M", "--sp", "16"], "`--sp` (16) must divide `--gpus` (8)"),
         (["--gpus", "6", "--sp", "6", "--sweep"], "powers of two from 32K: `--sp` must divide them"),
         (["--seq", "1M", "--lora-rank", "100000"], "`--lora-rank` (100000) must be at most 4096"),
+        (["--seq", "1M", "--mean-document-tokens", "0"], "`--mean-document-tokens` must be a positive number of"),
+        (["--seq", "1M", "--mean-document-tokens", "1.5"], "`--mean-document-tokens` '1.5' is not a whole number"),
+        (["--seq", "1M", "--mean-document-tokens", "x"], "`--mean-document-tokens` cannot read size 'x'"),
+        (["--seq", "1M", "--document-lengths", "no.bin"], "`--document-lengths` file 'no.bin' does not exist"),
+        (["--seq", "1M", "--document-lengths", "README.md"], "`--document-lengths` takes a memo token file"),
+        (["--max-seq", "--document-lengths", "no.npy"], "`--document-lengths` file 'no.npy' does not exist"),
+        (["--sweep", "--mean-document-tokens", "-1"], "`--mean-document-tokens` cannot read size '-1'"),
     ],
 )
 def test_estimate_bounds_are_one_line_before_any_layout_is_searched(capsys, monkeypatch, flags, message):

@@ -13,15 +13,18 @@ from memo.train.data import (
     ByteTokenizer,
     HFTokenizer,
     RetrievalTask,
+    Separator,
     TokenDataset,
     check_vocab,
     make_source,
     read_token_file,
     retrieval_accuracy,
     retrieval_batch,
+    separator_kind,
     split_documents,
     text_files,
     token_dataset,
+    token_file_separator,
     token_file_tokenizer,
     tokenizer_identity,
     write_token_file,
@@ -48,6 +51,11 @@ def _stream(source: TokenDataset) -> tuple[list[int], list[int]]:
     return ids.tolist(), labels.tolist()
 
 
+def _same(a: tuple, b: tuple) -> bool:
+    """Returns whether two batches (ids, labels, positions or None) are equal."""
+    return all(x is y is None or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
+
 def _word_level_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -68,22 +76,153 @@ def test_packing_masks_labels_that_cross_document_boundaries():
     tokens = np.array([10, 11, 12, 20, 21, 30, 31, 32, 33, 34])
     data = TokenDataset(tokens, np.array([0, 3, 5]), seq_len=4)
     assert data.num_sequences == 3
-    ids, labels = data.sequence(0)
+    ids, labels, positions = data.sequence(0)
+    assert positions is None  # concat packing: attention crosses documents
     assert ids.tolist() == [10, 11, 12, 20]
     assert labels.tolist() == [10, 11, 12, IGNORE]  # 12 -> 20 crosses into document 2
-    ids, labels = data.sequence(1)
+    ids, labels, _ = data.sequence(1)
     assert ids.tolist() == [21, 30, 31, 32]
     assert labels.tolist() == [21, IGNORE, 31, 32]  # 21 -> 30 crosses into document 3
-    ids, labels = data.sequence(2)
+    ids, labels, _ = data.sequence(2)
     assert ids.tolist() == [33, 34, 0, 0]
     assert labels.tolist() == [33, 34, IGNORE, IGNORE]  # padding is never a target
 
 
 def test_packed_loss_equals_per_document_loss_on_boundary_free_targets():
     tokens = np.array([1, 2, 3, 4, 5, 6])
-    ids, labels = TokenDataset(tokens, np.array([0, 2]), seq_len=6).sequence(0)
+    ids, labels, _ = TokenDataset(tokens, np.array([0, 2]), seq_len=6).sequence(0)
     targets = [(t, int(labels[t + 1])) for t in range(5) if labels[t + 1] != IGNORE]
     assert targets == [(0, 2), (2, 4), (3, 5), (4, 6)]  # never predicts 3 from 2
+
+
+def _chunk_positions(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Returns the positions of each chunk under mask packing, worked out from the document lengths alone: a token
+    at offset j of its chunk, p tokens into its document, is at min(p, j); padding is one more document."""
+    total = sum(lengths)
+    padded = -(-total // seq_len) * seq_len
+    within = [p for n in lengths + ([padded - total] if padded > total else []) for p in range(n)]
+    return [[min(within[c + j], j) for j in range(seq_len)] for c in range(0, padded, seq_len)]
+
+
+def test_mask_packing_restarts_positions_at_each_document_each_chunk_and_the_padding():
+    # Documents [10 11 12] [20 21] [30 31 32 33 34], seq_len 4: document 3 is cut by a chunk boundary.
+    tokens, starts = np.array([10, 11, 12, 20, 21, 30, 31, 32, 33, 34]), np.array([0, 3, 5])
+    mask = TokenDataset(tokens, starts, seq_len=4, pack_documents="mask")
+    concat = TokenDataset(tokens, starts, seq_len=4)
+    assert [mask.sequence(i)[2].tolist() for i in range(3)] == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 0, 1]]
+    assert [mask.sequence(i)[2].tolist() for i in range(3)] == _chunk_positions([3, 2, 5], 4)
+    for i in range(3):  # the same ids and labels: a document's first label is IGNORE in both
+        assert _same(mask.sequence(i)[:2], concat.sequence(i)[:2]) and concat.sequence(i)[2] is None
+    ids, labels, positions = mask.batch(1, 3)
+    assert positions.shape == ids.shape == (3, 4) and positions.dtype == torch.long
+    assert concat.batch(1, 3)[2] is None
+    padding = mask.eval_batches(1, 4)[0]  # three chunks and a row of padding: one document of its own
+    assert padding[2][3].tolist() == [0, 1, 2, 3] and (padding[1][3] == IGNORE).all()
+
+
+def test_mask_packing_of_a_held_out_split_restarts_at_the_documents_of_each_part():
+    documents = _numbered_documents(40)
+    source = _packed(documents, seq_len=7)
+    masked = TokenDataset(source.tokens, source.doc_starts, 7, pack_documents="mask")
+    for part in split_documents(masked, 0.2, seed=5):
+        chosen = sorted(set(_stream(part)[0]))
+        expected = _chunk_positions([len(documents[i]) for i in chosen], 7)
+        assert [part.sequence(i)[2].tolist() for i in range(part.num_sequences)] == expected
+        assert part.pack_documents == "mask"
+
+
+def test_max_documents_per_sequence_joins_later_documents_to_the_last_kept_one():
+    # Eight documents of 2 tokens, seq_len 8: four per chunk; at most 2 kept apart, the rest join the second.
+    tokens = np.arange(16)
+    data = TokenDataset(tokens, np.arange(0, 16, 2), seq_len=8, pack_documents="mask", max_documents=2)
+    ids, labels, positions = data.sequence(0)
+    assert positions.tolist() == [0, 1, 0, 1, 2, 3, 4, 5]
+    assert labels.tolist() == [0, 1, IGNORE, 3, IGNORE, 5, IGNORE, 7]  # still no target across a boundary
+    assert ids.tolist() == list(range(8))
+    assert data.joined_documents() == (4, 2)  # two of the four documents of each of the two chunks
+    cut = TokenDataset(tokens, np.array([0, 5, 6]), seq_len=4, pack_documents="mask", max_documents=2)
+    assert cut.sequence(1)[2].tolist() == [0, 0, 1, 2]  # chunk 1 starts mid-document: that one counts too
+    assert cut.joined_documents() == (1, 1)
+    assert TokenDataset(tokens, np.array([0]), seq_len=4, max_documents=1).joined_documents() == (0, 0)
+    with pytest.raises(ValueError, match=r"`--max-documents-per-sequence` must be a positive integer, got 0"):
+        TokenDataset(tokens, np.array([0]), seq_len=4, pack_documents="mask", max_documents=0)
+    with pytest.raises(ValueError, match=r"`--pack-documents` must be one of mask, concat, got 'none'"):
+        TokenDataset(tokens, np.array([0]), seq_len=4, pack_documents="none")
+
+
+def test_mask_packed_batches_with_positions_are_a_function_of_seed_and_step(tmp_path):
+    data = _write_jsonl(tmp_path / "d.jsonl", [f"document {i} " * (1 + i % 3) for i in range(30)])
+    run = make_source(data, seq_len=16, seed=3, pack_documents="mask", max_documents=3)
+    first = {step: run.batch(step, 4) for step in range(1, 9)}
+    resumed = make_source(data, seq_len=16, seed=3, pack_documents="mask", max_documents=3)
+    for step in (7, 2, 5):
+        assert _same(resumed.batch(step, 4), first[step]) and first[step][2] is not None
+
+
+# ------------------------------------------------------------------------------------------ document separators
+
+
+def _special_tokenizer(path, style: str):
+    """Writes a word-level tokenizer.json with special tokens as published ones have them: "llama" prepends <s>
+    by its post-processor (and has </s>), "gpt" declares <|endoftext|> and adds nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["<unk>", "<s>", "</s>"] if style == "llama" else ["<unk>", "<|endoftext|>"]
+    vocab = {t: i for i, t in enumerate([*specials, "the", "cat", "dog", "sat"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(specials)
+    if style == "llama":
+        single, pair = "<s> $A", "<s> $A <s> $B"
+        tokenizer.post_processor = processors.TemplateProcessing(single, pair, special_tokens=[("<s>", 1)])
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.save(str(path))
+    return path
+
+
+def test_the_byte_tokenizer_separates_documents_by_nothing():
+    assert ByteTokenizer().separator("auto") == Separator() and ByteTokenizer().separator("none").ids == ()
+    with pytest.raises(ValueError, match=r"`--document-separator eos`: the byte tokenizer has no special tokens"):
+        ByteTokenizer().separator("eos")
+
+
+def test_hf_separators_bos_from_the_template_else_end_of_text(tmp_path):
+    llama = HFTokenizer(_special_tokenizer(tmp_path / "llama.json", "llama"))
+    gpt = HFTokenizer(_special_tokenizer(tmp_path / "gpt.json", "gpt"))
+    assert llama.separator("auto") == llama.separator("bos") == Separator("bos", (1,))
+    assert llama.separator("eos") == Separator("eos", (2,))  # </s>, declared but not added by its template
+    assert gpt.separator("auto") == gpt.separator("eos") == Separator("eos", (1,))
+    assert gpt.separator("none") == Separator()
+    with pytest.raises(ValueError, match=r"`--document-separator bos`: tokenizer .*gpt.json has no BOS token"):
+        gpt.separator("bos")
+    data = _write_jsonl(tmp_path / "d.jsonl", ["the cat", "dog sat"])
+    expected = {"llama": [1, 3, 4, 1, 5, 6], "gpt": [2, 3, 1, 4, 5, 1]}
+    for style, tokens in expected.items():
+        source = make_source(data, seq_len=6, tokenizer_path=tmp_path / f"{style}.json", pack_documents="mask")
+        ids, labels, positions = source.sequence(0)
+        assert ids.tolist() == tokens and source.doc_starts.tolist() == [0, 3]
+        assert labels[3] == IGNORE and positions.tolist() == [0, 1, 2, 0, 1, 2]
+    plain = make_source(data, seq_len=4, tokenizer_path=tmp_path / "gpt.json", separator="none")
+    assert plain.sequence(0)[0].tolist() == [2, 3, 4, 5]
+
+
+def test_a_token_file_records_its_separator_and_a_run_with_another_is_refused(tmp_path):
+    path = _special_tokenizer(tmp_path / "tokenizer.json", "gpt")
+    _write_jsonl(tmp_path / "d.jsonl", ["the cat", "dog sat"])
+    assert write_token_file(tmp_path / "d.jsonl", tmp_path / "d.bin", path)["document_separator"] == "eos"
+    assert read_token_file(tmp_path / "d.bin")[0].tolist() == [2, 3, 1, 4, 5, 1]
+    assert token_file_separator(tmp_path / "d.bin") == separator_kind(tmp_path / "d.jsonl", path) == "eos"
+    for separator in ("auto", "eos"):
+        make_source(tmp_path / "d.bin", seq_len=4, separator=separator)
+    with pytest.raises(ValueError, match=r"`--eval-data` '.*d.bin' was written with document separator eos, not"):
+        token_dataset(tmp_path / "d.bin", 4, flag="--eval-data", separator="none")
+    sidecar = json.loads((tmp_path / "d.json").read_text())
+    del sidecar["document_separator"]  # written before separators: it has none
+    (tmp_path / "d.json").write_text(json.dumps(sidecar))
+    assert token_file_separator(tmp_path / "d.bin") == "none"
+    np.save(tmp_path / "t.npy", np.arange(4))
+    assert token_file_separator(tmp_path / "t.npy") is None  # does not say: any run may read it
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -118,7 +257,7 @@ def test_txt_file_is_one_document_and_a_directory_is_many(tmp_path):
     (tmp_path / "a.txt").write_text("ab\n\ncd")  # blank lines do not split a .txt document
     (tmp_path / "b.txt").write_text("ef")
     source = make_source(tmp_path, seq_len=8)
-    ids, labels = source.sequence(0)
+    ids, labels, _ = source.sequence(0)
     assert ids.tolist() == list(b"ab\n\ncdef")
     assert labels.tolist() == list(b"ab\n\ncd") + [IGNORE, ord("f")]
 
@@ -146,7 +285,7 @@ def test_parquet_and_jsonl_with_a_custom_text_field_give_the_token_stream_of_txt
         assert _stream(source) == _stream(reference), data
         assert source.doc_starts.tolist() == reference.doc_starts.tolist()
         for step in (1, 2, 5):
-            assert all(torch.equal(a, b) for a, b in zip(source.batch(step, 2), reference.batch(step, 2)))
+            assert _same(source.batch(step, 2), reference.batch(step, 2))
 
 
 def test_parquet_text_column_streams_in_record_batches_and_tokenizes_to_a_token_file(tmp_path, monkeypatch):
@@ -240,7 +379,7 @@ def test_eval_batches_are_the_first_chunks_in_order_padded_to_full_batches():
     source = TokenDataset(np.arange(20), np.array([0]), seq_len=4)  # 5 chunks
     batches = source.eval_batches(n_batches=4, batch_size=2)
     assert len(batches) == 3  # the stream runs out during the third batch
-    assert [row[0] for ids, _ in batches for row in ids.tolist()] == [0, 4, 8, 12, 16, 0]
+    assert [row[0] for ids, _, _ in batches for row in ids.tolist()] == [0, 4, 8, 12, 16, 0]
     assert (batches[-1][1][1] == IGNORE).all()  # the padding row is never a target
     again = source.eval_batches(n_batches=4, batch_size=2)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
@@ -261,8 +400,7 @@ def test_token_file_round_trip_is_memory_mapped_and_matches_in_memory_packing(tm
     from_file = make_source(tmp_path / "corpus.bin", seq_len=4, seed=3)
     in_memory = make_source(data, seq_len=4, seed=3)
     for step in range(1, 6):
-        for a, b in zip(from_file.batch(step, 2), in_memory.batch(step, 2)):
-            assert torch.equal(a, b)
+        assert _same(from_file.batch(step, 2), in_memory.batch(step, 2))
 
 
 def test_token_file_with_a_large_vocabulary_uses_uint32(tmp_path):
@@ -293,7 +431,7 @@ def test_batches_are_a_function_of_seed_and_step_so_resume_replays_them(tmp_path
     first = {step: run.batch(step, 3) for step in range(1, 13)}  # several epochs of 23 chunks
     resumed = make_source(data, seq_len=16, seed=7)
     for step in (11, 4, 9):
-        assert all(torch.equal(a, b) for a, b in zip(resumed.batch(step, 3), first[step]))
+        assert _same(resumed.batch(step, 3), first[step])
     other = make_source(data, seq_len=16, seed=8)
     assert not torch.equal(other.batch(1, 3)[0], first[1][0])
 
@@ -307,10 +445,9 @@ def test_each_epoch_visits_every_chunk_once(tmp_path):
 def test_retrieval_task_is_resumable_and_held_out_differs():
     task = RetrievalTask(seq_len=128, seed=5)
     again = RetrievalTask(seq_len=128, seed=5)
-    for a, b in zip(task.batch(3, 4), again.batch(3, 4)):
-        assert torch.equal(a, b)
+    assert _same(task.batch(3, 4), again.batch(3, 4)) and task.batch(3, 4)[2] is None
     assert not torch.equal(task.batch(3, 4)[0], task.batch(4, 4)[0])
-    held_out = torch.cat([ids for ids, _ in task.eval_batches(2, 4)])
+    held_out = torch.cat([ids for ids, _, _ in task.eval_batches(2, 4)])
     train = torch.cat([task.batch(s, 4)[0] for s in range(2)])
     assert not torch.equal(held_out, train)
 
@@ -411,11 +548,11 @@ def test_retrieval_labels_sit_only_on_answers_and_answers_match_their_facts():
 def test_retrieval_curriculum_keeps_early_tasks_in_a_short_span_and_evaluates_full_length():
     task = RetrievalTask(seq_len=1024, start_span=256, ramp_start=10, ramp_end=20)
     assert [task.span(s) for s in (0, 10, 15, 20, 99)] == [256, 256, 640, 1024, 1024]
-    ids, labels = task.batch(0, 2)
+    ids, labels, _ = task.batch(0, 2)
     assert ids.shape == (2, 1024)
     assert (labels[:, 256:] == IGNORE).all() and (labels[:, 256 - 32 + 1 : 256 : 2] != IGNORE).all()
     assert (ids[:, 256:] == task.vocab_size_needed - 1).all()  # filler after the queries
-    ids, labels = task.eval_batches(1, 2)[0]
+    ids, labels, _ = task.eval_batches(1, 2)[0]
     assert (labels[:, 1024 - 32 + 1 :: 2] != IGNORE).all()
 
 
@@ -467,7 +604,7 @@ def test_tiny_model_learns_retrieval_well_below_chance():
     for step in range(400):
         for group in optimizer.param_groups:
             group["lr"] = 3e-3 * min(1.0, (step + 1) / 20)
-        ids, labels = task.batch(step, 16)
+        ids, labels, _ = task.batch(step, 16)
         loss = model(ids, labels=labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

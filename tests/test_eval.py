@@ -1,5 +1,6 @@
-"""memo.eval and `memo eval`: pass-key prompts, one-row greedy decoding, oracle and random scores, loss by
-position against full-logits cross-entropy, and the verb on a run directory and a Hugging Face folder."""
+"""memo.eval and `memo eval`: pass-key prompts, one-row greedy decoding, oracle and random scores, packed pass-key
+prompts against one at a time, loss by position against full-logits cross-entropy (within documents against each
+document run alone), and the verb on a run directory and a Hugging Face folder."""
 
 import dataclasses
 import json
@@ -25,10 +26,14 @@ from memo.eval import (
     defaults,
     greedy_decode,
     held_out_sequences,
+    packed_greedy_decode,
     passkey_accuracy,
+    passkey_verdicts,
     perplexity_by_position,
+    position_losses,
     spread,
 )
+from memo.loss import IGNORE_INDEX, shift_labels
 from memo.train.data import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -126,32 +131,85 @@ def test_greedy_decoding_multiplies_one_row_per_step_by_the_head_and_matches_ful
     assert torch.equal(out, expected[:, 40:])
 
 
-class _Oracle(torch.nn.Module):
-    """Bytes model whose last hidden row is the one-hot of the next byte of the right answer (or of one digit
-    off): with the identity as head, greedy decoding must read it back."""
+def _off_by_one(key: str) -> str:
+    return key[:-1] + str((int(key[-1]) + 1) % 10)
 
-    def __init__(self, wrong: bool = False):
+
+ANSWERS = {  # what an oracle answers to a key, and whether the first run of digits of its answer is the key
+    "right": (lambda key: f" {key}.", True),
+    "one digit off": (lambda key: f" {_off_by_one(key)}.", False),
+    "no space": (lambda key: f"{key}.", True),  # not the tokens expected, but the key: right unpacked, so packed
+    "late": (lambda key: f" x{key}", False),  # six bytes: the key's last digit is never written
+    "odd keys only": (lambda key: f" {key if int(key) % 2 else _off_by_one(key)}.", None),
+}
+
+
+class _Oracle(torch.nn.Module):
+    """Bytes model that answers each prompt with `answer(key)`: the hidden row of every token from the question's
+    last one on is the one-hot of the answer's next byte after those written since the question ("?" once they
+    leave it), in each document of a packed sequence. With the identity as head, greedy decoding reads it back."""
+
+    def __init__(self, answer=ANSWERS["right"][0]):
         super().__init__()
         self.config = ModelConfig.preset("tiny")  # bytes: vocabulary 256
         self.head_weight = torch.eye(256)
-        self.wrong = wrong
+        self.answer = answer
 
-    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         hidden = torch.zeros(*ids.shape, 256)
         for row, seq in enumerate(ids.tolist()):
-            text = BYTES.decode(seq)
-            key = re.search(r"pass key is (\d+)\. Remember", text).group(1)
-            key = key[:-1] + str((int(key[-1]) + 1) % 10) if self.wrong else key
-            answer, written = " " + key + ".", text.rsplit(QUESTION, 1)[1]
-            hidden[row, -1, ord(answer[len(written)])] = 1.0
+            starts = [0] if positions is None else (positions[row] == 0).nonzero().flatten().tolist()
+            for lo, hi in zip(starts, [*starts[1:], len(seq)]):
+                text = BYTES.decode(seq[lo:hi])  # ASCII: a character is a byte
+                answer = self.answer(re.search(r"pass key is (\d+)\. Remember", text).group(1))
+                asked = lo + text.index(QUESTION) + len(QUESTION)
+                for t in range(asked - 1, hi):
+                    written = BYTES.decode(seq[asked : t + 1])
+                    follows = answer.startswith(written) and len(written) < len(answer)
+                    hidden[row, t, ord(answer[len(written)] if follows else "?")] = 1.0
         return hidden
 
 
-@pytest.mark.parametrize("wrong", [False, True])
-def test_an_oracle_scores_100_percent_and_one_digit_off_scores_0(wrong):
-    cells = passkey_accuracy(_Oracle(wrong), BYTES, [128, 300], [0, 0.5, 1], trials=3, seed=5, batch_size=2)
+@pytest.mark.parametrize("kind", ["right", "one digit off"])
+def test_an_oracle_scores_100_percent_and_one_digit_off_scores_0(kind):
+    oracle = _Oracle(ANSWERS[kind][0])
+    cells = passkey_accuracy(oracle, BYTES, [128, 300], [0, 0.5, 1], trials=3, seed=5, batch_size=2)
     assert [(c.length, c.depth, c.trials) for c in cells][:2] == [(128, 0, 3), (128, 0.5, 3)] and len(cells) == 6
-    assert {c.accuracy for c in cells} == ({0.0} if wrong else {1.0})
+    assert {c.accuracy for c in cells} == ({1.0} if ANSWERS[kind][1] else {0.0})
+    assert passkey_accuracy(oracle, BYTES, [128, 300], [0, 0.5, 1], trials=3, seed=5, pack=2) == cells
+
+
+@pytest.mark.parametrize("kind", list(ANSWERS))
+def test_packed_pass_key_verdicts_equal_one_prompt_at_a_time(kind):
+    answer, right = ANSWERS[kind]
+    task, oracle = PasskeyTask(BYTES), _Oracle(answer)
+    prompts = [task.prompt(n, d, seed=5, trial=t) for n in (128, 300) for d in (0, 1) for t in range(3)]
+    alone = [passkey_verdicts(oracle, task, [p])[0] for p in prompts]
+    expected = [bool(int(p.key) % 2) if right is None else right for p in prompts]
+    assert alone == expected and (right is not None or 0 < sum(expected) < len(prompts))  # some right, some wrong
+    assert passkey_verdicts(oracle, task, prompts, packed=True) == alone  # 12 prompts of two lengths, one sequence
+
+
+def _counting_forwards(model, monkeypatch) -> list:
+    calls, real = [], model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_packed_greedy_decoding_gives_each_prompt_its_own_greedy_continuation_whatever_the_draft(monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny")).eval()
+    prompts = [torch.randint(0, 256, (n,)) for n in (40, 17, 33)]
+    alone = [greedy_decode(model, p[None], 5)[0].tolist() for p in prompts]  # unpacked, positions None
+    left_at_2 = [*alone[1][:2], (alone[1][2] + 1) % 256, *alone[1][3:]]
+    drafts = [alone[0], left_at_2, [(alone[2][0] + 1) % 256] * 5]  # followed; left at token 2; left at once
+    forwards = _counting_forwards(model, monkeypatch)
+    assert packed_greedy_decode(model, prompts, [5, 5, 5], drafts) == alone
+    assert len(forwards) == 5  # the draft left at once is decoded a token a forward
+    for prompt, draft, expected, taken in zip(prompts, drafts, alone, (1, 3, 5)):
+        forwards.clear()
+        assert packed_greedy_decode(model, [prompt], [5], [draft]) == [expected]
+        assert len(forwards) == taken  # a draft followed takes one forward, one left at token j, 5 - j more
 
 
 def test_a_random_model_scores_chance():
@@ -206,6 +264,50 @@ def test_loss_by_position_equals_full_logits_cross_entropy(tmp_path):
         assert b.perplexity == pytest.approx(math.exp(b.loss))
 
 
+def _held_out_documents(tmp_path, docs: list[str]):
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def test_loss_by_position_within_documents_equals_each_document_run_alone(tmp_path):
+    docs = ["The grass is green.", "Here we go, there and back again.", "A cat sleeps. " * 2, "Rain.", "The sun."]
+    path = _held_out_documents(tmp_path, docs)  # 93 bytes: two sequences of 48, the second document cut by the bound
+    model = Transformer(ModelConfig.preset("tiny")).eval()
+    model.loss_chunk_tokens = 5
+    data = held_out_sequences(path, None, 48, vocab_size=256, pack_documents="mask")
+
+    tokens = [b for d in docs for b in d.encode()]
+    starts = set(np.cumsum([0] + [len(d.encode()) for d in docs[:-1]]).tolist())
+    alone = {}  # stream index of a predicted token -> (its position in its piece of document, loss)
+    for first in range(0, len(tokens), 48):  # a document cut by a sequence bound starts again after it
+        cuts = sorted({first, *(s for s in starts if first < s < first + 48), min(first + 48, len(tokens))})
+        for lo, hi in zip(cuts, cuts[1:]):
+            ids = torch.tensor(tokens[lo:hi])
+            with torch.no_grad():  # the piece alone, no positions: full s x V logits
+                per_token = F.cross_entropy(model(ids[None])[0, :-1], ids[1:], reduction="none")
+            alone.update({lo + j: (j, loss) for j, loss in enumerate(per_token.tolist(), start=1)})
+
+    for i in range(data.num_sequences):  # the masked packed forward gives each token its loss alone
+        ids, labels, positions = data.sequence(i)
+        targets = shift_labels(labels[None])
+        losses = position_losses(model, ids[None], targets, positions[None])[0]
+        scored = (targets[0] != IGNORE_INDEX).nonzero().flatten().tolist()
+        assert [48 * i + t + 1 for t in scored] == [k for k in sorted(alone) if 48 * i < k <= 48 * i + 47]
+        assert losses[scored].tolist() == pytest.approx([alone[48 * i + t + 1][1] for t in scored], abs=1e-5)
+
+    buckets = perplexity_by_position(model, data, bucket_size=8)
+    by_bucket = {}
+    for j, loss in alone.values():
+        by_bucket.setdefault(j // 8, []).append(loss)
+    assert max(j for j, _ in alone.values()) == 28  # the longest piece: buckets past 32 hold nothing, left out
+    assert [(b.start, b.end, b.tokens) for b in buckets] == [(8 * k, 8 * k + 8, len(by_bucket[k])) for k in range(4)]
+    for b, v in zip(buckets, (by_bucket[k] for k in range(4))):
+        assert b.loss == pytest.approx(sum(v) / len(v), rel=1e-5)
+    concat = perplexity_by_position(model, held_out_sequences(path, None, 48, vocab_size=256), bucket_size=8)
+    assert len(concat) == 6 and sum(b.tokens for b in concat) == sum(b.tokens for b in buckets)  # the same tokens
+
+
 # --------------------------------------------------------------------------------------------------------- CLI
 
 
@@ -228,6 +330,7 @@ def test_eval_of_a_run_directory_prints_passkey_and_loss_json(run_dir, tmp_path,
     assert all(0 <= c["accuracy"] <= 1 for c in report["passkey"])
     ppl = report["perplexity"]
     assert ppl["sequences"] == 3 and [b["end"] for b in ppl["buckets"]] == [128, 256]
+    assert ppl["pack_documents"] == "concat"  # the run's: the generated task is one document per sequence
     assert sum(b["tokens"] for b in ppl["buckets"]) == 22 * 30 - 3  # every token but each sequence's first
 
 
@@ -247,6 +350,29 @@ def test_eval_of_a_hugging_face_folder_reads_its_tokenizer_and_draws_the_heatmap
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_eval_masks_documents_by_default_for_a_hugging_face_folder_and_packs_prompts(tmp_path, capsys):
+    to_hf(Transformer(ModelConfig.preset("tiny")), tmp_path / "hf")
+    held = _held_out_documents(tmp_path, ["There and back again. " * 3, "Here we go."] * 4)  # 66 and 11 bytes
+    argv = ["eval", str(tmp_path / "hf"), "--lengths", "128", "--depths", "0,1", "--json"]
+    loss = ["--trials", "0", "--ppl-file", str(held), "--bucket-size", "16"]
+    assert main([*argv, "--trials", "2", "--passkey-pack", "2"]) == 0  # two prompts a forward
+    cells = json.loads(capsys.readouterr().out)["passkey"]
+    assert [(c["length"], c["depth"], c["trials"], c["correct"]) for c in cells] == [(128, 0, 2, 0), (128, 1, 2, 0)]
+
+    assert main([*argv, *loss]) == 0
+    ppl = json.loads(capsys.readouterr().out)["perplexity"]
+    assert ppl["pack_documents"] == "mask" and [b["end"] for b in ppl["buckets"]] == [16, 32, 48, 64, 80]  # 66 long
+    assert main([*argv, *loss, "--pack-documents", "concat"]) == 0
+    concat = json.loads(capsys.readouterr().out)["perplexity"]
+    assert concat["pack_documents"] == "concat" and [b["end"] for b in concat["buckets"]][-1] == 128
+    tokens = 4 * 77 - 8 - 2  # every token but each document's first and each sequence's first
+    assert sum(b["tokens"] for b in concat["buckets"]) == sum(b["tokens"] for b in ppl["buckets"]) == tokens
+    assert main(argv[:-1] + loss) == 0
+    out = capsys.readouterr().out
+    assert "by position within document, 3 sequence(s) of 128" in out and "| position within document | tokens |" in out
+    assert "| [64, 80) |" in out and "[80, 96)" not in out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -261,6 +387,36 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):
     to_hf(Transformer(ModelConfig.preset("tiny")), tmp_path / "hf")
     assert main(["eval", str(tmp_path / "hf"), "--lengths", "128", *argv]) == 2
     err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--passkey-pack", "0"], "`--passkey-pack` must be a positive integer, got 0"),
+        (["--passkey-pack", "two"], "argument --passkey-pack: invalid int value: 'two'"),
+        (["--passkey-pack", "2", "--batch-size", "2"], "`--passkey-pack` 2 packs prompts into one sequence: leave"),
+        (["--passkey-pack", "2", "--trials", "0", "--ppl-file", "held.txt"], "`--passkey-pack` packs pass-key"),
+        (["--pack-documents", "mask"], "`--pack-documents` packs the documents of `--ppl-file`: give one"),
+        (["--pack-documents", "diagonal", "--ppl-file", "held.txt"], "argument --pack-documents: invalid choice"),
+        (  # each prompt's positions stay within its 128 tokens: only memory bounds the packed sequence
+            ["--passkey-pack", "100000000"],
+            r"`--passkey-pack` 100000000 x `--lengths` 128 \(.+ tokens in one sequence\) needs at least .+ of "
+            r"activations .+: lower `--lengths` or `--passkey-pack`$",
+        ),
+    ],
+)
+def test_bad_packing_flags_exit_2_with_one_line_before_any_work(run_dir, tmp_path, monkeypatch, capsys, argv, message):
+    (tmp_path / "held.txt").write_text("There and back again. " * 30)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(evaluation, "passkey_verdicts", None)  # any scoring would fail loudly
+    capsys.readouterr()
+    try:
+        code = main(["eval", str(run_dir), "--lengths", "128", "--trials", "1", *argv])
+    except SystemExit as stop:  # argparse's own errors
+        code = stop.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
     assert re.search(message, err) and len(err.splitlines()) == 1
 
 
@@ -336,7 +492,7 @@ def _interrupt_after(monkeypatch, name: str, calls: int) -> None:
 def test_ctrl_c_during_the_pass_key_prints_and_draws_the_cells_finished_and_exits_130(
     run_dir, tmp_path, monkeypatch, capsys
 ):
-    _interrupt_after(monkeypatch, "_score", 5)  # 2 trials per cell, one per batch: cells 1 and 2 are whole
+    _interrupt_after(monkeypatch, "passkey_verdicts", 5)  # 2 trials per cell, one per batch: cells 1, 2 whole
     plot = tmp_path / "passkey.png"
     argv = ["eval", str(run_dir), "--lengths", "128,200", "--depths", "0,1", "--trials", "2", "--plot", str(plot)]
     capsys.readouterr()
@@ -347,14 +503,14 @@ def test_ctrl_c_during_the_pass_key_prints_and_draws_the_cells_finished_and_exit
     assert err.strip().splitlines()[-1] == "memo eval: interrupted"
     assert plot.read_bytes()[:4] == b"\x89PNG"
     monkeypatch.undo()
-    _interrupt_after(monkeypatch, "_score", 5)
+    _interrupt_after(monkeypatch, "passkey_verdicts", 5)
     assert main(argv) == 130
     out = capsys.readouterr().out
     assert (
         "interrupted: the results finished before Ctrl-C" in out and "| 0.00 | " in out and "| 128 | 200 |" not in out
     )
     monkeypatch.undo()
-    _interrupt_after(monkeypatch, "_score", 0)
+    _interrupt_after(monkeypatch, "passkey_verdicts", 0)
     assert main(argv) == 130
     assert "interrupted: nothing was finished before Ctrl-C" in capsys.readouterr().out
 
@@ -408,3 +564,6 @@ def test_lengths_whose_activations_cannot_fit_are_refused(monkeypatch):
     evaluation.check_lengths(loaded, [256], batch=1)  # 256 x (2 x 64 + 176) x 4 B = 304 KiB
     with pytest.raises(ValueError, match=r"`--lengths` 1K needs at least 4.75MiB of activations \(4 prompt\(s\)\)"):
         evaluation.check_lengths(loaded, [1024], batch=4)
+    packed = r"`--passkey-pack` 16 x `--lengths` 256 \(4K tokens in one sequence\) needs at least 4.75MiB"
+    with pytest.raises(ValueError, match=packed + r" of activations \(16 prompt\(s\)\).*or `--passkey-pack`$"):
+        evaluation.check_lengths(loaded, [256], batch=1, pack=16)

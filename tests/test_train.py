@@ -3,10 +3,14 @@
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import HANG
 
 from memo import ModelConfig, Transformer, to_hf
 from memo.cli import main
@@ -270,11 +274,12 @@ def test_file_run_with_eval_data_writes_eval_loss_and_prints_it_in_the_summary(t
     assert f"held-out loss {evals[-1]['eval_loss']:.4f}  (step 2)" in summary
 
 
-def test_eval_loss_is_the_token_mean_over_the_held_out_batches(tmp_path):
+@pytest.mark.parametrize("packing", ["concat", "mask"])
+def test_eval_loss_is_the_token_mean_over_the_held_out_batches(tmp_path, packing):
     train, held_out, texts = _documents(tmp_path)
     cfg = TrainConfig.from_dict(
         {"data": str(train), "eval_data": str(held_out), "text_field": "body", "seq_len": 32, "batch_size": 2,
-         "eval_batches": 3, "steps": 1, "out": str(tmp_path / "r")}
+         "eval_batches": 3, "steps": 1, "pack_documents": packing, "out": str(tmp_path / "r")}
     )  # fmt: skip
     trainer = Trainer(cfg)
     evaluated = [r for r in trainer.records() if "eval_loss" in r][0]["eval_loss"]
@@ -282,17 +287,25 @@ def test_eval_loss_is_the_token_mean_over_the_held_out_batches(tmp_path):
     stream = b"".join(t.encode() for t in texts)
     starts = {sum(len(t.encode()) for t in texts[:i]) for i in range(len(texts))}
     rows = -(-len(stream) // 32)
-    ids = torch.zeros(rows, 32, dtype=torch.long)
-    ids.view(-1)[: len(stream)] = torch.tensor(list(stream))
-    targets = torch.full((rows, 32), IGNORE_INDEX)
-    for p in range(1, len(stream)):
-        if p not in starts:
-            targets.view(-1)[p - 1] = stream[p]
-    targets[:, -1] = IGNORE_INDEX  # a row's last position predicts nothing
-    with torch.no_grad():
-        logits = trainer.model(ids).float()
-    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-    assert rows == 5 and evaluated == pytest.approx(expected.item(), rel=1e-5)
+    assert rows == 5
+    if packing == "concat":  # a row attends across documents
+        ids = torch.zeros(rows, 32, dtype=torch.long)
+        ids.view(-1)[: len(stream)] = torch.tensor(list(stream))
+        targets = torch.full((rows, 32), IGNORE_INDEX)
+        for p in range(1, len(stream)):
+            if p not in starts:
+                targets.view(-1)[p - 1] = stream[p]
+        targets[:, -1] = IGNORE_INDEX  # a row's last position predicts nothing
+        with torch.no_grad():
+            logits = trainer.model(ids).float()
+        expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX).item()
+    else:  # each piece of a document within a row, run alone: what it may see
+        cuts = sorted(starts | set(range(0, len(stream), 32)) | {len(stream)})
+        pieces = [torch.tensor(list(stream[a:b])) for a, b in zip(cuts, cuts[1:])]
+        with torch.no_grad():
+            losses = [F.cross_entropy(trainer.model(x[None])[0, :-1].float(), x[1:], reduction="sum") for x in pieces]
+        expected = sum(loss.item() for loss in losses) / sum(len(x) - 1 for x in pieces)
+    assert evaluated == pytest.approx(expected, rel=1e-5)
 
 
 def test_eval_split_holds_out_whole_documents_and_the_same_ones_when_a_run_resumes(tmp_path, capsys):
@@ -495,3 +508,145 @@ def test_every_run_records_the_cost_models_prediction_and_the_measurements_besid
     )
     compared = records[-1]["measured_vs_predicted"]
     assert compared["rows"]["host_pool_bytes"]["ratio"] == 1.0  # the host pool of the α it ran with, exactly
+
+
+# ---------------------------------------------------------------------------------------------- packed documents
+
+
+def _short_documents(tmp_path):
+    """Writes a JSONL corpus of documents shorter than a 64-token sequence, several to a sequence."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}: " + "ab " * (i % 9)}) + "\n" for i in range(80)))
+    return path
+
+
+def _gpt_style_tokenizer(path):
+    """Writes a word-level tokenizer.json that declares <|endoftext|> (GPT-2 and Qwen style) and adds nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<|endoftext|>", "the", "cat", "dog", "sat", "on", "a", "mat"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<unk>", "<|endoftext|>"])
+    tokenizer.save(str(path))
+    return path
+
+
+def test_mask_packing_trains_from_the_command_line_on_a_token_file_with_its_separator(tmp_path, capsys):
+    from memo.train.data import write_token_file
+
+    tokenizer = _gpt_style_tokenizer(tmp_path / "tokenizer.json")
+    text = ["the cat sat on a mat " * (1 + i % 5) for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
+    write_token_file(tmp_path / "d.jsonl", tmp_path / "d.bin", tokenizer)  # auto: <|endoftext|> after each
+    write_token_file(tmp_path / "d.jsonl", tmp_path / "plain.bin", tokenizer, separator="none")
+    out = tmp_path / "run"
+    argv = ["train", *SMALL, "--data", str(tmp_path / "d.bin"), "--pack-documents", "mask", "--steps", "3"]
+    assert main([*argv, "--max-documents-per-sequence", "2", "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    records = [json.loads(line) for line in captured.out.splitlines() if '"loss"' in line]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+    assert all(0 < r["attended_tokens"] < 64 for r in records)  # the MFU counts the documents' Σ dᵢ², not s²
+    assert "document(s) in" in captured.err and "`--max-documents-per-sequence` 2 keeps" in captured.err
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["pack_documents"], saved["document_separator"], saved["max_documents_per_sequence"]) == (
+        "mask", "eos", 2
+    )  # fmt: skip
+    mixed = ["--eval-data", str(tmp_path / "plain.bin"), "--out", str(tmp_path / "mixed")]
+    assert main([*argv, *mixed]) == 2  # its documents have no separator: one run does not mix them
+    err = capsys.readouterr().err
+    assert "was written with document separator none, not the run's `--document-separator` eos" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "mixed").exists()
+
+
+def test_concat_packing_trains_exactly_as_without_positions_and_mask_differs(tmp_path, monkeypatch):
+    from memo.train.data import TokenDataset
+
+    def losses(packing: str, name: str) -> list[float]:
+        cfg = TrainConfig.from_dict(
+            {"data": str(_short_documents(tmp_path)), "seq_len": 64, "batch_size": 2, "steps": 3,
+             "pack_documents": packing, "save_final": False, "out": str(tmp_path / name)}
+        )  # fmt: skip
+        return [r["loss"] for r in Trainer(cfg).records() if "loss" in r]
+
+    concat, mask = losses("concat", "concat"), losses("mask", "mask")
+    sequence = TokenDataset.sequence
+    monkeypatch.setattr(TokenDataset, "sequence", lambda data, i: (*sequence(data, i)[:2], None))
+    assert concat == losses("mask", "forced")  # the batches of before: positions None, bit for bit
+    assert mask != concat
+
+
+def test_mask_packing_resumes_to_the_losses_of_an_uninterrupted_run(tmp_path, capsys):
+    data = str(_short_documents(tmp_path))
+    fields = {"data": data, "eval_split": 0.1, "seq_len": 64, "batch_size": 2, "eval_batches": 1, "steps": 5,
+              "save_every": 2, "eval_every": 2, "max_documents_per_sequence": 3}  # fmt: skip
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in fields.items()]
+    assert main(["train", *flags, "--out", str(tmp_path / "a"), "--json"]) == 0
+    straight = _records(capsys)
+    _interrupted(TrainConfig.from_dict({**fields, "out": str(tmp_path / "b")}), stop_at=3)
+    assert main(["train", "--resume", str(tmp_path / "b"), "--json"]) == 0
+    resumed = _records(capsys)
+    assert [r["step"] for r in resumed if "loss" in r] == [3, 4, 5]
+    assert {s: v for s, v in _losses(straight).items() if s >= 3} == _losses(resumed)
+    evals = [(r["step"], r["eval_loss"]) for r in straight if "eval_loss" in r]
+    assert [(r["step"], r["eval_loss"]) for r in resumed if "eval_loss" in r] == evals[1:]
+
+
+def test_a_resume_keeps_how_the_run_packs_its_documents(tmp_path, capsys):
+    from memo.train.loop import resume_config
+
+    out = str(tmp_path / "run")
+    data = ["--data", str(_short_documents(tmp_path))]
+    assert main(["train", *SMALL, *data, "--steps", "1", "--out", out, "--json"]) == 0
+    capsys.readouterr()
+    for flags in (["--pack-documents", "concat"], ["--max-documents-per-sequence", "5"]):
+        assert main(["train", "--resume", out, "--steps", "2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"`{flags[0]} {flags[1]}` changes how run {out} packs its documents" in err
+        assert len(err.strip().splitlines()) == 1
+    same = ["--pack-documents", "mask", "--document-separator", "auto", "--max-documents-per-sequence", "1024"]
+    assert main(["train", "--resume", out, "--steps", "2", *same, "--json"]) == 0
+    assert checkpoint.load_latest(out).state["config"]["document_separator"] == "none"  # bytes: resolved, kept
+    state = next((tmp_path / "run" / "checkpoints").glob("step-0000002")) / "state.json"
+    saved = json.loads(state.read_text())
+    for name in ("pack_documents", "document_separator", "max_documents_per_sequence"):
+        del saved["config"][name]  # a run saved before packing documents: it trained on concat
+    state.write_text(json.dumps(saved))
+    cfg = resume_config(out, {"steps": 3})
+    assert (cfg.packing(), cfg.document_separator) == ("concat", "none")
+    for documents in (1024, 5):  # concat has no document bounds: the guard changes nothing, any value resumes
+        assert resume_config(out, {"steps": 3, "max_documents_per_sequence": documents}).packing() == "concat"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pack-documents", "mask"], "`--pack-documents mask` applies only with `--data`"),
+        (["--document-separator", "bos"], "`--document-separator bos` applies only with `--data`"),
+        (["--max-documents-per-sequence", "0"], "`--max-documents-per-sequence` must be a positive integer, got 0"),
+    ],
+)
+def test_bad_packing_flags_exit_2_with_one_line(tmp_path, capsys, flags, message):
+    assert main(["train", *SMALL, "--steps", "1", *flags, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layout", [["--sp", "2"], []], ids=["sp2", "dp2"])
+def test_mask_packing_on_two_ranks_gives_the_losses_of_one_process(tmp_path, layout):
+    def run(*flags: str) -> list[tuple[float, ...]]:
+        fields = ["--data", str(_short_documents(tmp_path)), "--eval-split", "0.1", "--eval-every", "3"]
+        argv = [*fields, "--seq-len", "64", "--batch-size", "4", "--eval-batches", "1", "--steps", "3"]
+        argv += ["--max-documents-per-sequence", "3", "--no-save-final", "--json", *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU
+        command = [sys.executable, "-m", "memo", "train", *argv]
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=HANG)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in result.stdout.splitlines()]
+        scored = [r for r in records if "loss" in r or "eval_loss" in r]
+        return [(r["loss"], r["grad_norm"]) if "loss" in r else (r["eval_loss"],) for r in scored]
+
+    # sp: every rank holds the whole sequence's positions; dp: each its rows' (a document spans both sp ranks)
+    one, two = run("--out", str(tmp_path / "one")), run("--nproc", "2", *layout, "--out", str(tmp_path / "two"))
+    assert len(one) == 4
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=0)

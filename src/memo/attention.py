@@ -23,6 +23,12 @@ Kernels (`--attention`, default "auto"):
 ahead of FlashAttention-2 there, arXiv 2407.08608 Fig. 5-6), flash before cudnn elsewhere, and efficient for
 fp32. A kernel that refuses a shape at run time falls back to the next one, and says so once per shape.
 
+Packed documents (`memo.documents`): with `documents` a token attends only within its own document. PyTorch's
+CUDA flash kernel runs them all in one variable-length call (`aten._flash_attention_forward` with cumulative
+lengths over the b·s tokens, as torch.nn.attention.varlen calls it; its LSE is (h, b·s)); every other kernel, and
+the CPU's, runs once per document on that document's rows, which is exact and costs Σ dᵢ² like the variable-length
+kernel. The backward follows the forward's path (aux says which); attention is still never recomputed.
+
 Heads are independent, so a layer may call the kernels on a few heads at a time (`head_chunks`): each call's
 outputs and scratch (the backward's fp32 dq accumulator, its expanded dk and dv under grouped-query attention)
 then take about as much memory as one tile of the token-local work, not all heads' worth.
@@ -38,6 +44,7 @@ import logging
 import torch
 
 from .device import has_fused_kernel, kernel_device_type
+from .documents import Documents
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -191,10 +198,15 @@ def _flash_backward(dout, q, k, v, out, lse, aux, scale):
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """Returns `t` (b, h, s, d) over dense (b, s, h, d) memory, copied only when it is a slice of more heads: cuDNN
-    builds its graph from q's layout and checks out, dout and the gradients against it (aten/src/ATen/native/
-    cudnn/MHA.cpp, `check_tensor_matches_graph`), which a few heads of a token-major buffer do not match."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+    """Returns `t` (b, h, s, d) over dense (b, s, h, d) memory, copied only when it is not already: cuDNN builds
+    its graph from q's layout and checks out, dout and the gradients against it (aten/src/ATen/native/cudnn/
+    MHA.cpp, `check_tensor_matches_graph`), which a few heads of a token-major buffer, or one document of a batch
+    (a size-one batch dimension keeps its parent's stride), do not match."""
+    bshd = t.transpose(1, 2)
+    b, s, h, d = bshd.shape
+    if bshd.stride() != (s * h * d, h * d, d, 1):
+        bshd = bshd.new_empty(bshd.shape).copy_(bshd)
+    return bshd.transpose(1, 2)
 
 
 def _cudnn_forward(q, k, v, scale):
@@ -287,8 +299,10 @@ _BACKWARD = {"flash": _flash_backward, "cudnn": _cudnn_backward, "fa4": _fa4_bac
 
 
 # ---- the API -----------------------------------------------------------------------------------------------
-def _shape_key(kernel: str, q: torch.Tensor, k: torch.Tensor) -> tuple:
-    return kernel, q.device.type, q.dtype, q.shape[1], k.shape[1], q.shape[-1], q.shape[-2]
+def _shape_key(kernel: str, q: torch.Tensor, k: torch.Tensor, documents: Documents | None) -> tuple:
+    """Returns what a refusal is remembered by: a kernel may refuse one document and take whole sequences."""
+    key = kernel, q.device.type, q.dtype, q.shape[1], k.shape[1], q.shape[-1], q.shape[-2]
+    return key if documents is None else (*key, "packed")
 
 
 def _fallbacks(kernel: str, q: torch.Tensor):
@@ -300,17 +314,25 @@ def _fallbacks(kernel: str, q: torch.Tensor):
     yield from (k for k in same if k != kernel)
 
 
-def attention_forward(q, k, v, scale: float, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def attention_forward(
+    q, k, v, scale: float, kernel: str = "auto", documents: Documents | None = None
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """Returns (out, lse, aux) of causal attention: out (b, heads, s, d), lse float32 (b, heads, s'), aux
     (the kernel that ran, *what its backward needs). `kernel` ("auto" or a name) is tried first; one that
-    refuses the shape hands over to the next and is not tried at that shape again."""
+    refuses the shape hands over to the next and is not tried at that shape again. With `documents` each token
+    attends only within its own document (`_documents_forward`)."""
     first = choose(kernel, q.device, q.dtype)
+    if documents is not None and kernel == "auto" and _varlen("flash", q) and "flash" in available(q.device, q.dtype):
+        first = "flash"  # one variable-length call rather than one call per document
     for name in _fallbacks(first, q):
-        key = _shape_key(name, q, k)
+        key = _shape_key(name, q, k, documents)
         if key in _refused:
             continue
         try:
-            out, lse, aux = _FORWARD[name](q, k, v, scale)
+            if documents is None:
+                out, lse, aux = _FORWARD[name](q, k, v, scale)
+            else:
+                out, lse, aux = _documents_forward(name, q, k, v, scale, documents)
         except FATAL:
             raise
         except REFUSALS as err:
@@ -321,15 +343,92 @@ def attention_forward(q, k, v, scale: float, kernel: str = "auto") -> tuple[torc
     raise RuntimeError(f"no attention kernel could run {tuple(q.shape)} {q.dtype}: {refusals()}")
 
 
-def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float):
+def attention_backward(dout, q, k, v, out, lse, aux: tuple, scale: float, documents: Documents | None = None):
     """Returns (dq, dk, dv) for `attention_forward`, by the backward of the kernel that ran it (aux[0]), with
-    dk, dv on k's and v's own head count."""
-    return _BACKWARD[aux[0]](dout, q, k, v, out, lse, aux[1:], scale)
+    dk, dv on k's and v's own head count; `documents` as the forward had them."""
+    if documents is None:
+        return _BACKWARD[aux[0]](dout, q, k, v, out, lse, aux[1:], scale)
+    return _documents_backward(aux[0], dout, q, k, v, out, lse, aux[1:], scale, documents)
+
+
+# ---- packed documents: one variable-length call (flash on CUDA) or one call of any kernel per document ----------
+def _varlen(name: str, q: torch.Tensor) -> bool:
+    """Returns whether `name` runs all documents in one variable-length call here: PyTorch's CUDA flash kernel
+    does (`_flash_attention_forward` with cumulative lengths, as torch.nn.attention.varlen calls it)."""
+    return name == "flash" and has_fused_kernel("aten::_flash_attention_forward", kernel_device_type(q.device))
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """Returns (b, h, s, d) as the variable-length kernels' (b·s, h, d), a view of a token-major buffer."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
+def _heads(t: torch.Tensor, b: int) -> torch.Tensor:
+    """Returns (b·s, h, d) as (b, h, s, d): the inverse of `_tokens`."""
+    return t.unflatten(0, (b, -1)).transpose(1, 2)
+
+
+def _documents_forward(name, q, k, v, scale, documents: Documents):
+    b, heads, s, _ = q.shape
+    if _varlen(name, q):
+        cu, most = documents.cu_seqlens, documents.max_length
+        out, lse, seed, offset, _ = aten._flash_attention_forward(
+            _tokens(q), _tokens(k), _tokens(v), cu, cu, most, most, 0.0, True, False, scale=scale
+        )
+        return _heads(out, b), lse.unflatten(1, (b, s)).transpose(0, 1), ("varlen", seed, offset)  # lse (h, b·s)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((b, heads, lse_seq_len(s, name)), dtype=torch.float32)
+    auxes = []
+    for row, rows in _document_rows(documents, s):
+        part_out, part_lse, part_aux = _FORWARD[name](*(t[row : row + 1, :, rows] for t in (q, k, v)), scale)
+        out[row : row + 1, :, rows].copy_(part_out)
+        lse[row : row + 1, :, rows].copy_(part_lse[..., : rows.stop - rows.start])
+        auxes.append(part_aux)
+    return out, lse, ("per document", tuple(auxes))
+
+
+def _documents_backward(name, dout, q, k, v, out, lse, aux, scale, documents: Documents):
+    b, _, s, _ = q.shape
+    if aux[0] == "varlen":
+        seed, offset = aux[1:]
+        cu, most = documents.cu_seqlens, documents.max_length
+        tokens_lse = lse.transpose(0, 1).flatten(1).contiguous()  # (h, b·s), as the kernel wrote it
+        grads = aten._flash_attention_backward(
+            *(_tokens(t) for t in (dout, q, k, v, out)), tokens_lse, cu, cu, most, most, 0.0, True, seed, offset,
+            scale=scale,
+        )
+        return tuple(_heads(g, b) for g in grads)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for (row, rows), part_aux in zip(_document_rows(documents, s), aux[1]):
+        parts = (t[row : row + 1, :, rows] for t in (dout, q, k, v, out))
+        part_lse = _padded_lse(lse[row : row + 1, :, rows], name)
+        gq, gk, gv = _BACKWARD[name](*parts, part_lse, part_aux, scale)
+        dq[row : row + 1, :, rows].copy_(gq)
+        dk[row : row + 1, :, rows].copy_(gk)
+        dv[row : row + 1, :, rows].copy_(gv)
+    return dq, dk, dv
+
+
+def _document_rows(documents: Documents, s: int):
+    """Yields (sequence, token rows) of each document of a batch of `s`-token sequences."""
+    for start, stop in documents.bounds:
+        row = start // s
+        yield row, slice(start - row * s, stop - row * s)
+
+
+def _padded_lse(lse: torch.Tensor, name: str) -> torch.Tensor:
+    """Returns one document's LSE (1, h, d) as long as `name`'s kernel wrote it (the efficient one pads to 32)."""
+    d = lse.shape[-1]
+    if lse_seq_len(d, name) == d:
+        return lse
+    return torch.cat((lse, lse.new_zeros((*lse.shape[:-1], lse_seq_len(d, name) - d))), dim=-1)
 
 
 def _describe(key: tuple, why: str) -> str:
-    _, device, dtype, heads, kv_heads, d, s = key
-    return f"{heads}/{kv_heads} heads of dim {d} x {s} tokens, {str(dtype).removeprefix('torch.')} on {device} ({why})"
+    _, device, dtype, heads, kv_heads, d, s = key[:7]
+    packed = " of packed documents" if len(key) > 7 else ""
+    where = f"{str(dtype).removeprefix('torch.')} on {device}"
+    return f"{heads}/{kv_heads} heads of dim {d} x {s} tokens{packed}, {where} ({why})"
 
 
 def refusals() -> list[str]:

@@ -22,8 +22,16 @@ from .config import PRESETS, ModelConfig
 from .cost.calibrate import Shape, calibrate, is_calibration
 from .cost.efficiency import LENGTHS as ATTENTION_LENGTHS
 from .cost.efficiency import check_calibration_device, efficiency_from_calibration
-from .cost.estimate import ATTENTION_CHOICES, CONVENTIONS, MAX_SEQ_RANGE, SYSTEMS, estimate, max_seq_range
-from .cost.flops import LORA_FLOPS
+from .cost.estimate import (
+    ATTENTION_CHOICES,
+    CONVENTIONS,
+    MAX_SEQ_RANGE,
+    PACKED_CONVENTIONS,
+    SYSTEMS,
+    estimate,
+    max_seq_range,
+)
+from .cost.flops import LORA_FLOPS, DocumentLengths
 from .cost.hardware import GPUS, gpu, load_gpus
 from .cost.memory import training_lower_bound
 from .cost.states import States
@@ -46,6 +54,7 @@ from .train.config import (
     replaced_rope,
     with_model_tokenizer,
 )
+from .train.data import PACKINGS
 from .train.launch import launch
 from .train.loop import Trainer, resume_config
 from .train.report import plot_report
@@ -418,6 +427,20 @@ def _estimate_parser(sub) -> None:
         default=None,
         help=f"with --lora-rank: projections that get adapters (default: {','.join(ALL_TARGETS)})",
     )
+    packed = p.add_mutually_exclusive_group()
+    packed.add_argument(
+        "--mean-document-tokens",
+        default=None,
+        help="sequences are packed documents of this many tokens (e.g. 1K), each attending only within itself: "
+        "attention does q*N^2 + r^2 of work for s = q*N + r, not s^2; memory is the same",
+    )
+    packed.add_argument(
+        "--document-lengths",
+        type=PATH,
+        default=None,
+        help="sequences are cut from the documents of this memo token file (.bin with its .json sidecar, or .npy "
+        "with its .docs.npy), each attending only within itself: attention does their expected sum of d^2, not s^2",
+    )
     p.add_argument("--max-seq", action="store_true", help="search the longest sequence that fits, per system")
     p.add_argument("--sweep", action="store_true", help="MFU against sequence length (32K..4M) for all systems")
     p.add_argument("--plot", type=PATH, default=None, help="with --sweep: write the MFU plot to this PNG")
@@ -436,17 +459,23 @@ def _run_estimate(args) -> int:
         check_calibration_device(calibration, spec)
         eff = efficiency_from_calibration(calibration, spec)
     cfg = named_model_config(args.model)
-    inputs = {"`--model`": args.model, "`--gpu-file`": args.gpu_file, "`--calibration`": args.calibration}
+    inputs = {
+        "`--model`": args.model,
+        "`--gpu-file`": args.gpu_file,
+        "`--calibration`": args.calibration,
+        "`--document-lengths`": args.document_lengths,
+    }
     _claim_output(args.plot, "--plot", args, inputs)
     states = _estimated_states(args)
+    documents = _estimated_documents(args)
     systems = args.system or (["memo"] if states != States() else list(SYSTEMS))
     if args.plot and not args.sweep:
         raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
     if args.sweep:
-        return _print_sweep(args, cfg, spec, systems, eff, states)
+        return _print_sweep(args, cfg, spec, systems, eff, states, documents)
     if args.max_seq:
         run = (cfg, args.gpus, spec)
-        every = dict(arena=args.arena, states=states, attention=args.attention)
+        every = dict(arena=args.arena, states=states, attention=args.attention, documents=documents)
         found = {s: max_seq_range(*run, s, args.sp, eff, args.host_memory, **every) for s in systems}
         if args.json:
             print(json.dumps(found))
@@ -457,6 +486,8 @@ def _run_estimate(args) -> int:
                 f"{'longer' if n['mid'] else 'shortest tried'}: {n['why_not']}"
             )
         print(f"\nrange: {MAX_SEQ_RANGE}; attention kernel: {next(iter(found.values()))['attention_kernel']}")
+        if documents:
+            print(f"{documents}: memory per token as unpacked; memo's plan hides its copies behind less attention")
         return 0
     if args.seq is None:
         raise ValueError("give `--seq` (or `--max-seq` / `--sweep`)")
@@ -466,14 +497,17 @@ def _run_estimate(args) -> int:
             f"({format_count(ATTENTION_LENGTHS[0])} tokens and up): give a longer `--seq`"
         )
     every = dict(host_memory=args.host_memory, arena=args.arena, states=states, attention=args.attention)
-    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, **every) for s in systems]
+    results = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, **every, documents=documents) for s in systems]
+    whole = [estimate(cfg, args.seq, args.gpus, spec, s, args.sp, eff, **every) for s in systems] if documents else []
     if args.json:
-        print(json.dumps([e.as_dict() for e in results]))
+        records = [e.as_dict() for e in results]
+        print(json.dumps([{**r, "unpacked": w.as_dict()} for r, w in zip(records, whole)] if documents else records))
         return 0
-    print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}, {states}")
+    packing = f", {documents}" if documents else ""
+    print(f"{cfg.name}, {format_count(args.seq)} tokens, {args.gpus}x {spec.name}, {states}{packing}")
     print(
         "| system | fits | layout | plan (alpha) | device GiB/GPU | host GiB/GPU | tokens/step | step s | tokens/s | "
-        "MFU | MFU full s² | HFU | dominant | why not |"
+        f"MFU | MFU full {'Σd²' if documents else 's²'} | HFU | dominant | why not |"
     )
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     node_gpus = min(args.gpus, spec.gpus_per_node)
@@ -489,9 +523,11 @@ def _run_estimate(args) -> int:
             f"{e.tokens_per_s:.0f} | {100 * e.mfu:.1f}% ({100 * mfu[0]:.1f}-{100 * mfu[1]:.1f}) | "
             f"{100 * e.mfu_full:.1f}% | {100 * e.hfu:.1f}% | {e.dominant} | {e.why} |"
         )
-    print(
-        "\n" + "\n".join(f"{name}: {text}" for name, text in zip(("MFU", "MFU full s²", "HFU"), CONVENTIONS.values()))
-    )
+    if documents:
+        _print_packed(args.seq, documents, results, whole)
+    else:
+        names = ("MFU", "MFU full s²", "HFU")
+        print("\n" + "\n".join(f"{name}: {text}" for name, text in zip(names, CONVENTIONS.values())))
     if states.lora:
         print(f"LoRA: {LORA_FLOPS}")
     print("tokens/step: one optimizer step's tokens on all GPUs (compare tokens/s across rows, not step seconds)")
@@ -514,26 +550,75 @@ def _estimated_states(args) -> States:
     return States(lora, args.offload_states)
 
 
-def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff, states: States) -> int:
-    """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M."""
+def _estimated_documents(args) -> DocumentLengths | None:
+    """Returns the packed documents `memo estimate` is asked about (`--mean-document-tokens`, `--document-lengths`),
+    None for whole sequences."""
+    if args.mean_document_tokens is not None:
+        try:
+            mean = parse_length(args.mean_document_tokens)
+        except ValueError as err:
+            raise ValueError(f"`--mean-document-tokens` {err}") from None
+        return DocumentLengths(mean=mean)
+    if args.document_lengths is not None:
+        return DocumentLengths.of_file(args.document_lengths)
+    return None
+
+
+def _print_packed(seq: int, documents: DocumentLengths, packed: list, whole: list) -> None:
+    """Prints each system's attention, step time and MFU of packed documents beside those of whole sequences, and
+    the MFU conventions of both."""
+    attended = documents.attended(seq)
+    shortest = ""
+    if attended < ATTENTION_LENGTHS[0]:  # no published speed below: the shortest one's, faster than it runs
+        shortest = f" (below the shortest published, {ATTENTION_LENGTHS[0]}: timed at its speed, an upper bound)"
+    print(
+        f"\n{documents}: attention work left "
+        f"E[Σd²]/s² = {attended / seq:.3%} of whole {format_count(seq)}-token sequences; attention timed at the "
+        f"published speed of {attended:,.0f}-token sequences{shortest}"
+    )
+    print("| system | attention | attention PFLOP/step | step s | tokens/s | MFU | fits | plan (alpha) |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    for p, w in zip(packed, whole):
+        for e, label in ((p, "packed documents, Σd²"), (w, "whole sequences, s²")):
+            if e.layout:
+                print(
+                    f"| {e.system} | {label} | {e.attention_flops / 1e15:.4g} | {e.step_seconds:.4g} | "
+                    f"{e.tokens_per_s:.0f} | {100 * e.mfu:.1f}% | {'yes' if e.fits else 'no'} | "
+                    f"{_plan_runs(e.plan, e.alphas)} |"
+                )
+    print(f"\nMFU convention: {PACKED_CONVENTIONS['mfu']}")
+    print(f"MFU full Σd²: {PACKED_CONVENTIONS['mfu_full']}\nHFU: {PACKED_CONVENTIONS['hfu']}")
+    print(f"whole-sequence rows: {CONVENTIONS['mfu']}")
+    print(
+        "memory: the same per token packed or not (activations are per token); memo's plan may differ: its copies "
+        "hide behind the documents' shorter attention (a smaller alpha, more recomputed)"
+    )
+
+
+def _print_sweep(args, cfg: ModelConfig, spec, systems: list[str], eff, states: States, documents=None) -> int:
+    """Prints (or writes as JSON and a plot) each system's MFU at lengths from 32K to 4M (of packed `documents`
+    when given, with the attention work they leave)."""
     lengths = default_lengths()
     if args.sp and lengths[0] % args.sp:
         raise ValueError(f"`--sweep` estimates powers of two from {format_count(lengths[0])}: `--sp` must divide them")
-    run = (args.gpus, spec, systems, args.sp, eff, args.host_memory, states, args.attention)
+    run = (args.gpus, spec, systems, args.sp, eff, args.host_memory, states, args.attention, documents)
     results = sweep(cfg, lengths, *run)
+    packing = f", {documents}" if documents else ""
     if args.plot:
-        plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}")
+        plot_sweep(results, args.plot, f"{cfg.name} on {args.gpus}x {spec.name}{packing}")
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({s: [e.as_dict() for e in es] for s, es in results.items()}))
         return 0
-    print("| seq | " + " | ".join(f"{s} MFU" for s in systems) + " |")
-    print("|---" * (len(systems) + 1) + "|")
+    print(f"| seq | {'E[Σd²]/s² | ' if documents else ''}" + " | ".join(f"{s} MFU" for s in systems) + " |")
+    print("|---" * (len(systems) + 1 + bool(documents)) + "|")
     for i, n in enumerate(lengths):
         cells = [f"{100 * results[s][i].mfu:.1f}%" if results[s][i].fits else "OOM" for s in systems]
-        print(f"| {format_count(n)} | " + " | ".join(cells) + " |")
+        work = f"{documents.attended(n) / n:.3%} | " if documents else ""
+        print(f"| {format_count(n)} | {work}" + " | ".join(cells) + " |")
     timed = next((e.attention_kernel for es in results.values() for e in es if e.attention_kernel), "-")
-    print(f"\nMFU: {CONVENTIONS['mfu']}; attention kernel: {timed}")
+    conventions = PACKED_CONVENTIONS if documents else CONVENTIONS
+    print(f"\n{f'{documents}; ' if documents else ''}MFU: {conventions['mfu']}; attention kernel: {timed}")
     return 0
 
 
@@ -767,7 +852,8 @@ def _eval_parser(sub) -> None:
         description="Evaluate the newest checkpoint of a `memo train` run, or a Hugging Face folder (Llama, "
         "Mistral, Qwen2, Qwen3): "
         "pass-key (needle-in-a-haystack) accuracy per prompt length and needle depth, by greedy decoding; with "
-        "--ppl-file, the loss of a held-out text by token position. Prompts are generated from --seed.",
+        "--ppl-file, the loss of a held-out text by token position (within its document when documents are "
+        "masked). Prompts are generated from --seed.",
     )
     p.add_argument(
         "path", type=PATH, help="a `memo train` run directory, or a Hugging Face folder (config.json + safetensors)"
@@ -797,9 +883,23 @@ def _eval_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of keys and filler (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default: %(default)s)")
     p.add_argument(
+        "--passkey-pack",
+        type=int,
+        default=1,
+        help="pass-key prompts of a cell packed in one sequence, each its own document (it attends only to itself, "
+        "positions from 0): the same answers as one at a time, most in one forward (default: %(default)s)",
+    )
+    p.add_argument(
         "--ppl-file",
         type=PATH,
         help="held-out text (as --data takes it): loss by position over sequences of max(--lengths)",
+    )
+    p.add_argument(
+        "--pack-documents",
+        choices=PACKINGS,
+        help="how --ppl-file's documents share a sequence, as `memo train --pack-documents`: mask (each attends "
+        "only to itself; loss by position within its document) or concat (loss by position in the sequence) "
+        "(default: the run's; concat for a run from before the option, mask for a Hugging Face folder)",
     )
     p.add_argument(
         "--max-sequences",
@@ -845,10 +945,16 @@ def _run_eval(args) -> int:
         raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
     if args.max_sequences < 1:
         raise ValueError(f"`--max-sequences` must be positive, got {args.max_sequences}")
+    if args.passkey_pack != 1 and args.trials == 0:
+        raise ValueError("`--passkey-pack` packs pass-key prompts: it needs `--trials` > 0")
+    if args.pack_documents and not args.ppl_file:
+        raise ValueError("`--pack-documents` packs the documents of `--ppl-file`: give one")
+    evaluation.check_pack(args.passkey_pack, args.batch_size)
     _claim_output(args.plot, "--plot", args, {"PATH": args.path, "`--ppl-file`": args.ppl_file})
     loaded = load(args.path, device, EVAL_DTYPES[args.dtype], args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
-    evaluation.check_lengths(loaded, args.lengths, args.batch_size if args.trials else 1)  # before any work
+    batch, pack = (args.batch_size, args.passkey_pack) if args.trials else (1, 1)
+    evaluation.check_lengths(loaded, args.lengths, batch, pack)  # before any work
     limit = model.config.max_position_embeddings
     if limit and max(args.lengths) > limit:
         print(
@@ -860,9 +966,11 @@ def _run_eval(args) -> int:
     longest = max(args.lengths)
     data = None
     if args.ppl_file:
+        packing = args.pack_documents or loaded.pack_documents
         data = held_out_sequences(
-            args.ppl_file, loaded.tokenizer_path, longest, model.config.vocab_size, tokenizer.identity
-        )
+            args.ppl_file, loaded.tokenizer_path, longest, model.config.vocab_size, tokenizer.identity, packing,
+            loaded.document_separator, loaded.max_documents,
+        )  # fmt: skip
     report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
     cells = _measure_eval(args, loaded, data, report)
     if args.plot and cells:
@@ -887,13 +995,13 @@ def _measure_eval(args, loaded, data, report: dict) -> list:
             with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=args.json) as bar:
                 cells = passkey_accuracy(
                     loaded.model, loaded.tokenizer, args.lengths, args.depths, args.trials, args.seed,
-                    args.batch_size, bar.update,
+                    args.batch_size, bar.update, args.passkey_pack,
                 )  # fmt: skip
             report["passkey"] = [c.as_dict() for c in cells]
         if data is not None:
             picked = evaluation.spread(data.num_sequences, args.max_sequences)
             report["perplexity"] = {"file": args.ppl_file, "sequences": 0, "of": data.num_sequences}
-            report["perplexity"]["length"] = data.seq_len
+            report["perplexity"].update(length=data.seq_len, pack_documents=data.pack_documents)
             with tqdm(total=len(picked), desc="loss", unit="seq", file=sys.stderr, disable=args.json) as bar:
                 buckets = perplexity_by_position(loaded.model, data, args.bucket_size, bar.update, picked)
             report["perplexity"].update(sequences=len(picked), buckets=[b.as_dict() for b in buckets])
@@ -932,11 +1040,13 @@ def _print_eval(report: dict, seed: int) -> None:
     if "perplexity" in report:
         ppl = report["perplexity"]
         of = f" of {ppl['of']}" if ppl["sequences"] < ppl["of"] else ""
+        within = ppl["pack_documents"] == "mask"
         print(
-            f"\nloss of {ppl['file']} by position, {ppl['sequences']}{of} sequence(s) of {format_count(ppl['length'])}"
+            f"\nloss of {ppl['file']} by position{' within document' if within else ''}, {ppl['sequences']}{of} "
+            f"sequence(s) of {format_count(ppl['length'])}"
             + (" (--max-sequences)" if of and not report.get("interrupted") else "")
         )
-        print("| positions | tokens | loss | perplexity |")
+        print(f"| {'position within document' if within else 'positions'} | tokens | loss | perplexity |")
         print("|---|---:|---:|---:|")
         for b in ppl["buckets"]:
             loss, perplexity = (f"{b['loss']:.4f}", f"{b['perplexity']:.2f}") if b["tokens"] else ("-", "-")

@@ -9,8 +9,21 @@ vocabulary: they read as text to a pretrained model (random tokens are noise it 
 Every prompt is a pure function of (seed, length, depth, trial): a cell's prompts do not depend on which
 other cells were asked for.
 
-Decoding and the loss never build the s × V logits: only the last hidden row (decoding) or a chunk of rows
-(loss) is multiplied by the head weight. Everything runs under `torch.inference_mode`, so the layers take
+Packed pass key (`pack` > 1): that many prompts of a cell share one sequence, each its own document (it attends
+only to itself, its positions count from 0), so the model sees what it sees for one prompt alone. Greedy decoding
+stays exact: each forward also feeds every prompt its expected answer after what it has decoded so far and keeps the
+argmax of each fed row while the answer agrees with it (speculative decoding's check, the answer as draft), so a
+prompt answered as expected takes one forward and one that leaves the answer is decoded on, token by token, from
+where it left it. The verdict is then the same rule on the same tokens as for the prompt alone (up to rounding:
+the masked forward may run another attention kernel, which can matter only where two logits all but tie).
+
+Loss by position: a held-out file is packed as training packs it. Documents concatenated (`concat`) are scored by
+a token's index in its sequence; with documents masked (`mask`: each attends only to itself) by its position in
+its document, the context it had (a document cut by a sequence boundary starts again there, as the model sees
+it), so buckets past the longest document hold no token and are left out.
+
+Decoding and the loss never build the s × V logits: only the rows that are read (decoding) or a chunk of rows
+(loss) are multiplied by the head weight. Everything runs under `torch.inference_mode`, so the layers take
 their no-grad path, without the activation store.
 """
 
@@ -34,8 +47,8 @@ from .lora import merge_adapters
 from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
 from .train import checkpoint
-from .train.config import check_inputs
-from .train.data import TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
+from .train.config import BEFORE_PACKING, check_inputs
+from .train.data import MAX_DOCUMENTS, TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
 from .units import format_bytes, format_count
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,13 +124,19 @@ class Interrupted(KeyboardInterrupt):
 @dataclass
 class Loaded:
     """A model ready to evaluate, the tokenizer that writes its prompts (and its tokenizer.json; None: bytes),
-    where the model came from, and the sequence length a run trained at (None: a Hugging Face folder)."""
+    where the model came from, the sequence length a run trained at (None: a Hugging Face folder), and how its
+    data packed documents (`PACKINGS`, SEPARATORS): a run's `pack_documents` and `document_separator` (concat
+    and none for a run from before them), mask and auto for a Hugging Face folder (a served model reads each
+    document alone, with its tokenizer's separator)."""
 
     model: Transformer
     tokenizer: TextTokenizer
     tokenizer_path: str | None
     source: str
     trained_length: int | None = None
+    pack_documents: str = "mask"
+    document_separator: str = "auto"
+    max_documents: int = MAX_DOCUMENTS  # a run's `--max-documents-per-sequence`
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: str | Path | None = None) -> Loaded:
@@ -125,9 +144,10 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: 
     config and tokenizer), or a Hugging Face Llama folder (config.json + safetensors, its tokenizer.json if
     there is one); `tokenizer` replaces theirs, and without any the byte tokenizer is used."""
     path = Path(path)
-    trained = None
+    trained = {"pack_documents": "mask", "document_separator": "auto", "max_documents_per_sequence": MAX_DOCUMENTS}
     if (path / "checkpoints").is_dir():
         model, saved_tokenizer, source, trained = _load_run(path, tokenizer is None)
+        trained = {**BEFORE_PACKING, **trained}  # a run from before packing options concatenated documents
     elif (path / CONFIG_NAME).is_file():
         try:
             model = from_hf(path, dtype=dtype)
@@ -143,13 +163,14 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer: 
     model = model.to(device=device, dtype=dtype).eval()
     chosen = tokenizer or saved_tokenizer
     tokenizer_path = str(chosen) if chosen else None
-    return Loaded(model, load_tokenizer(tokenizer_path), tokenizer_path, source, trained)
+    packing = trained["pack_documents"], trained["document_separator"], trained["max_documents_per_sequence"]
+    return Loaded(model, load_tokenizer(tokenizer_path), tokenizer_path, source, trained.get("seq_len"), *packing)
 
 
-def _load_run(run_dir: Path, own_tokenizer: bool) -> tuple[Transformer, str | None, str, int | None]:
-    """Returns (model, its tokenizer path, description, sequence length trained at) of the newest checkpoint: the
-    weights the run computed with (bf16 for a bf16 run; `memo export` writes its fp32 masters), read whole from
-    either layout. With `own_tokenizer`, the files naming the run's tokenizer must be those it trained with."""
+def _load_run(run_dir: Path, own_tokenizer: bool) -> tuple[Transformer, str | None, str, dict]:
+    """Returns (model, its tokenizer path, description, the run's config) of the newest checkpoint: the weights
+    the run computed with (bf16 for a bf16 run; `memo export` writes its fp32 masters), read whole from either
+    layout. With `own_tokenizer`, the files naming the run's tokenizer must be those it trained with."""
     saved = checkpoint.load_latest(run_dir)
     trained = saved.state["config"]
     if own_tokenizer:
@@ -162,8 +183,7 @@ def _load_run(run_dir: Path, own_tokenizer: bool) -> tuple[Transformer, str | No
         model.load_state_dict(weights, assign=True)
     except RuntimeError as err:
         raise ValueError(f"checkpoint {saved.path} does not fit model {trained['model']!r}: {err}") from None
-    tokenizer = checkpoint.run_tokenizer(trained)
-    return model, tokenizer, f"{run_dir} (step {saved.step})", trained.get("seq_len")
+    return model, checkpoint.run_tokenizer(trained), f"{run_dir} (step {saved.step})", trained
 
 
 def check_length(model: torch.nn.Module, length: int) -> None:
@@ -172,27 +192,45 @@ def check_length(model: torch.nn.Module, length: int) -> None:
     model.config.check_length(length)
 
 
-def check_lengths(loaded: Loaded, lengths: Sequence[int], batch: int) -> None:
+def check_lengths(loaded: Loaded, lengths: Sequence[int], batch: int, pack: int = 1) -> None:
     """Raises ValueError, before any work, for a length the model cannot run (`check_length`), one past
     `length_limit`, or one whose activations alone (`activation_lower_bound`, `batch` prompts) exceed the memory
-    free where the model is."""
+    free where the model is. `pack` prompts packed in one sequence, each its own document, are bounded as that
+    sequence, pack × length tokens, for memory; their positions, each prompt's own, stay within its length."""
     model = loaded.model
     limit = length_limit(model.config, loaded.trained_length)
     free = dev.free_memory_bytes(model.head_weight.device)
     for length in sorted(set(lengths)):
+        tokens = pack * length
+        what = f"`--lengths` {format_count(length)}"
+        lower = "lower `--lengths`"
+        if pack > 1:
+            what = f"`--passkey-pack` {pack} x {what} ({format_count(tokens)} tokens in one sequence)"
+            lower += " or `--passkey-pack`"
         check_length(model, length)
         if limit is not None and length > limit:
             raise ValueError(
-                f"`--lengths` {format_count(length)} is past {EXTRAPOLATION}x the length the model's positions know "
-                f"(at most {format_count(limit)} here): lower `--lengths`"
+                f"`--lengths` {format_count(length)} is past {EXTRAPOLATION}x the length the model's positions "
+                f"know (at most {format_count(limit)} here): lower `--lengths`"
             )
-        need = activation_lower_bound(model.config, batch * length, model.head_weight.dtype.itemsize)
+        need = activation_lower_bound(model.config, batch * tokens, model.head_weight.dtype.itemsize)
         if free is not None and need > free:
             raise ValueError(
-                f"`--lengths` {format_count(length)} needs at least {format_bytes(need)} of activations "
-                f"({batch} prompt(s)), {format_bytes(free)} free on {model.head_weight.device}: lower `--lengths`"
+                f"{what} needs at least {format_bytes(need)} of activations ({batch * pack} prompt(s)), "
+                f"{format_bytes(free)} free on {model.head_weight.device}: {lower}"
                 f"{' or `--batch-size`' if batch > 1 else ''}"
             )
+
+
+def check_pack(pack: int, batch_size: int) -> None:
+    """Raises ValueError unless `pack` (prompts packed in one sequence) is a positive integer, and 1 when prompts
+    are decoded as a batch (`batch_size` > 1): one or the other."""
+    if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
+        raise ValueError(f"`--passkey-pack` must be a positive integer, got {pack!r}")
+    if pack > 1 and batch_size > 1:
+        raise ValueError(
+            f"`--passkey-pack` {pack} packs prompts into one sequence: leave `--batch-size` at 1 (got {batch_size})"
+        )
 
 
 def length_limit(config, trained: int | None) -> int | None:
@@ -320,6 +358,43 @@ def greedy_decode(model: torch.nn.Module, ids: torch.Tensor, n_tokens: int) -> t
     return ids[:, start:]
 
 
+@torch.inference_mode()
+def packed_greedy_decode(
+    model: torch.nn.Module, prompts: Sequence[torch.Tensor], n_tokens: Sequence[int], drafts: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Returns each prompt's greedy continuation of n_tokens[k] tokens, the prompts packed in one sequence as
+    documents (each attends only to itself, its positions from 0): what `greedy_decode` gives a prompt alone.
+
+    Each forward feeds a prompt what it decoded so far and, while that agrees with its draft (the tokens it is
+    expected to answer), the rest of the draft; the argmax of every fed row is kept up to and including the first
+    that differs from the draft token after it, as speculative decoding checks a draft. A prompt that answers its
+    draft takes one forward; one that leaves it at token j takes one more forward per token after j. Only the
+    rows read are multiplied by the head weight: (rows, h) × (h, V).
+    """
+    device = model.head_weight.device
+    out: list[list[int]] = [[] for _ in prompts]
+    while todo := [k for k in range(len(prompts)) if len(out[k]) < n_tokens[k]]:
+        docs, rows, fed, end = [], [], [], 0
+        for k in todo:
+            done = out[k]
+            rest = list(drafts[k][len(done) : n_tokens[k] - 1]) if list(drafts[k][: len(done)]) == done else []
+            docs.append(torch.cat((prompts[k].cpu(), torch.tensor(done + rest, dtype=torch.long))))
+            end += len(docs[-1])
+            rows.extend(range(end - len(rest) - 1, end))  # the row of the last decoded token, then the draft's
+            fed.append(rest)
+        ids = torch.cat(docs)[None].to(device)  # (1, Σ doc lengths)
+        positions = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
+        hidden = model.hidden_states(ids, positions=positions)[0, rows]  # (rows, h)
+        predicted = iter((hidden @ model.head_weight.t()).argmax(dim=-1).tolist())
+        for k, rest in zip(todo, fed):
+            guesses = [next(predicted) for _ in range(len(rest) + 1)]
+            for i, token in enumerate(guesses):
+                out[k].append(token)
+                if i == len(rest) or token != rest[i]:  # past here the rows followed a token greedy did not emit
+                    break
+    return out
+
+
 @dataclass(frozen=True)
 class PasskeyCell:
     """How many of the `trials` prompts of one (length, depth) were answered with the exact key."""
@@ -347,34 +422,45 @@ def passkey_accuracy(
     seed: int = 0,
     batch_size: int = 1,
     progress: Progress = _no_progress,
+    pack: int = 1,
 ) -> list[PasskeyCell]:
     """Returns the accuracy of every (length, depth) cell over `trials` greedy-decoded prompts, lengths outer;
-    `progress(n)` is called as each batch of n trials is scored. Ctrl-C raises `Interrupted` with the whole cells
-    scored before it."""
+    `progress(n)` is called as each group of n trials is scored: `batch_size` decoded as a batch, or `pack`
+    packed in one sequence (the same verdicts, see `passkey_verdicts`). Ctrl-C raises `Interrupted` with the whole
+    cells scored before it."""
     if batch_size < 1:
         raise ValueError(f"`--batch-size` must be positive, got {batch_size}")
+    check_pack(pack, batch_size)
     task = PasskeyTask(tokenizer)
     task.check(model, lengths, depths, trials, seed)
-    device = model.head_weight.device
+    group = max(batch_size, pack)
     cells = []
     try:
         for length, depth in itertools.product(lengths, depths):
             correct = 0
-            for first in range(0, trials, batch_size):
-                batch = range(first, min(first + batch_size, trials))
-                correct += _score(model, task, [task.prompt(length, depth, seed, t) for t in batch], device)
-                progress(len(batch))
+            for first in range(0, trials, group):
+                prompts = [task.prompt(length, depth, seed, t) for t in range(first, min(first + group, trials))]
+                correct += sum(passkey_verdicts(model, task, prompts, packed=pack > 1))
+                progress(len(prompts))
             cells.append(PasskeyCell(length, depth, trials, correct))
     except KeyboardInterrupt:
         raise Interrupted(cells, len(cells)) from None
     return cells
 
 
-def _score(model: torch.nn.Module, task: PasskeyTask, prompts: list[PasskeyPrompt], device: torch.device) -> int:
-    """Returns how many prompts (decoded together) the model answers with their exact key."""
+def passkey_verdicts(
+    model: torch.nn.Module, task: PasskeyTask, prompts: Sequence[PasskeyPrompt], packed: bool = False
+) -> list[bool]:
+    """Returns, for each prompt, whether the first run of digits of its greedy answer (as many tokens as the
+    tokenizer spells its key in) is its key; the prompts are decoded as a batch, or `packed` in one sequence with
+    their answers as drafts (`packed_greedy_decode`): the same tokens, so the same verdicts."""
     counts = [task.answer_tokens(p.key) for p in prompts]  # a BPE may spell keys in different numbers of tokens
-    out = greedy_decode(model, torch.stack([p.ids for p in prompts]).to(device), max(counts)).tolist()
-    return sum(task.read_key(row[:n]) == p.key for row, n, p in zip(out, counts, prompts))
+    if packed:
+        out = packed_greedy_decode(model, [p.ids for p in prompts], counts, [task.encode(p.key) for p in prompts])
+    else:
+        device = model.head_weight.device
+        out = greedy_decode(model, torch.stack([p.ids for p in prompts]).to(device), max(counts)).tolist()
+    return [task.read_key(row[:n]) == p.key for row, n, p in zip(out, counts, prompts)]
 
 
 def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> None:
@@ -404,7 +490,8 @@ def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> 
 
 @dataclass(frozen=True)
 class BucketLoss:
-    """Mean next-token loss over the predicted tokens at positions [start, end) of their sequence."""
+    """Mean next-token loss over the predicted tokens at positions [start, end) of their sequence, or of their
+    document when documents are masked."""
 
     start: int
     end: int
@@ -433,22 +520,38 @@ def bucket_edges(length: int, size: int | None = None) -> list[int]:
 
 
 def held_out_sequences(
-    path: str | Path, tokenizer_path: str | None, length: int, vocab_size: int, tokenizer: str | None = None
+    path: str | Path,
+    tokenizer_path: str | None,
+    length: int,
+    vocab_size: int,
+    tokenizer: str | None = None,
+    pack_documents: str = "concat",
+    separator: str = "auto",
+    max_documents: int = MAX_DOCUMENTS,
 ) -> TokenDataset:
     """Returns a held-out file (.txt, .jsonl, .parquet, a folder of them, or a pre-tokenised .bin/.npy) packed
-    the way training packs data: documents concatenated and cut into sequences of `length` tokens, the last one
-    padded; ids beyond `vocab_size`, and a token file of another tokenizer than `tokenizer` (an identity), are
-    errors."""
-    data = token_dataset(path, length, tokenizer_path=tokenizer_path, flag="--ppl-file", tokenizer=tokenizer)
+    the way training packs data: documents, each bounded by `separator` (SEPARATORS), concatenated and cut into
+    sequences of `length` tokens, the last one padded, each document attending to those before it (`concat`) or
+    only to itself (`mask`: the sequences carry each token's position in its document, at most `max_documents`
+    apart a sequence, as `--max-documents-per-sequence`); ids beyond
+    `vocab_size`, a token file of another tokenizer than `tokenizer` (an identity) or written with another
+    separator, are errors."""
+    data = token_dataset(
+        path, length, tokenizer_path=tokenizer_path, flag="--ppl-file", tokenizer=tokenizer,
+        pack_documents=pack_documents, separator=separator, max_documents=max_documents,
+    )  # fmt: skip
     check_vocab(data, vocab_size)
     return data
 
 
 @torch.inference_mode()
-def position_losses(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def position_losses(
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Returns the cross-entropy (b, s) float32 of each position t predicting targets[t] (0 where ignored),
-    from the hidden states times the head weight `model.loss_chunk_tokens` rows at a time."""
-    hidden = model.hidden_states(ids)  # (b, s, h)
+    from the hidden states times the head weight `model.loss_chunk_tokens` rows at a time. `positions` (b, s):
+    each token's position in its document, which attends only to itself (None: one document per sequence)."""
+    hidden = model.hidden_states(ids, positions=positions)  # (b, s, h)
     losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
     step = model.loss_chunk_tokens
     for lo in range(0, ids.shape[1], step):
@@ -477,19 +580,23 @@ def perplexity_by_position(
     sequences: Sequence[int] | None = None,
 ) -> list[BucketLoss]:
     """Returns the mean loss per position bucket over the `sequences` of `data` (default: all), one at a time. A
-    token's position is its index in its sequence (the context it had); as in training, no loss is taken on a
-    document's first token, so none predicts across a boundary. Ctrl-C raises `Interrupted` with the buckets of
-    the sequences scored before it."""
+    token's position is the context it had: its index in its sequence, or with documents masked (`data` gives
+    positions) its position in its document, the model attending within documents. As in training, no loss is
+    taken on a document's first token, so none predicts across a boundary. Buckets past the last position scored
+    are left out. Ctrl-C raises `Interrupted` with the buckets of the sequences scored before it."""
     check_length(model, data.seq_len)
     edges = bucket_edges(data.seq_len, bucket_size)
-    bucket = torch.bucketize(torch.arange(1, data.seq_len + 1), torch.tensor(edges), right=True) - 1  # (s,)
     device = model.head_weight.device
     scored = []  # (loss sums, token counts) per bucket of each sequence: one append, whole even under Ctrl-C
     try:
         for i in range(data.num_sequences) if sequences is None else sequences:
-            ids, labels = data.sequence(i)
+            ids, labels, positions = data.sequence(i)
             targets = shift_labels(labels[None])  # (1, s): position t predicts token t + 1
-            losses = position_losses(model, ids[None].to(device), targets.to(device))[0].cpu()
+            masked = None if positions is None else positions[None].to(device)
+            losses = position_losses(model, ids[None].to(device), targets.to(device), masked)[0].cpu()
+            # the predicted token's position; a target is never a document's first token, so it is t's plus one
+            predicted = torch.arange(1, data.seq_len + 1) if positions is None else positions + 1  # (s,)
+            bucket = torch.bucketize(predicted, torch.tensor(edges), right=True) - 1
             valid = targets[0] != IGNORE_INDEX
             sums = torch.zeros(len(edges) - 1, dtype=torch.float64).index_add_(0, bucket[valid], losses[valid].double())
             scored.append((sums, torch.bincount(bucket[valid], minlength=len(edges) - 1)))
@@ -500,10 +607,12 @@ def perplexity_by_position(
 
 
 def _buckets(edges: list[int], scored: list[tuple[torch.Tensor, torch.Tensor]]) -> list[BucketLoss]:
-    """Returns the mean loss of each bucket over the scored sequences."""
+    """Returns the mean loss of each bucket over the scored sequences, up to the last bucket holding a token:
+    those after it (past the longest document, or past a file shorter than a sequence) say nothing."""
     sums = sum((s for s, _ in scored), torch.zeros(len(edges) - 1, dtype=torch.float64))
     counts = sum((n for _, n in scored), torch.zeros(len(edges) - 1, dtype=torch.int64))
+    kept = int(counts.nonzero().max()) + 1 if counts.any() else 0
     return [
         BucketLoss(lo, hi, int(n), float(s / n) if n else math.nan)
-        for lo, hi, s, n in zip(edges, edges[1:], sums.tolist(), counts.tolist())
+        for lo, hi, s, n in zip(edges[:kept], edges[1 : kept + 1], sums.tolist(), counts.tolist())
     ]

@@ -36,8 +36,13 @@ A projection may be a `lora.LoraLinear`: `linear` / `linear_into` add its low-ra
 write, and its backward adds the adapters' gradients. A frozen parameter (requires_grad False) gets no
 gradient: its product is skipped, not computed and dropped.
 
+Packed documents (`memo.documents`, `t["documents"]`): attention is causal within each document, and RoPE
+rotates each token by its position within its document (`_rope`), in the forward, the recompute and the backward
+alike, so a recomputed row gets its own document's position.
+
 Under Ulysses sequence parallelism (`memo.parallel` sets `seq_parallel`), s is this rank's contiguous
-shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions.
+shard of the sequence and every skeletal tensor holds only those tokens; RoPE uses global positions (or the
+documents' positions of its rows, which are the whole sequence's on every rank).
 Attention alone sees all tokens: for a/sp heads, between the all-to-alls `seq_parallel` provides.
 """
 
@@ -52,10 +57,11 @@ from torch import nn
 
 from .attention import attention_backward, attention_forward, choose, head_chunks, lse_seq_len
 from .config import ModelConfig
+from .documents import Documents
 from .lora import drops_out, low_rank_add, low_rank_backward
 from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
-from .rope import rope_tables, rotate, unrotate
+from .rope import rope_at, rope_tables, rotate, unrotate
 
 aten = torch.ops.aten
 Role = Literal["input", "attention", "other"]
@@ -158,14 +164,15 @@ def tile_ranges(start: int, stop: int, tile: int) -> list[slice]:
     return [slice(i, min(i + tile, stop)) for i in range(start, stop, tile)]
 
 
-def rows_of(t: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+def rows_of(t: dict, rows: slice) -> dict:
     """Returns the token rows of the whole-length tensors in `t` (the LSE is not token-major: left out), and of
-    the tokens' global positions (1, s) where LoRA dropout needs them."""
-    return {n: t[n][:, rows] for n in ("x", "q", "k", "v", "attn", "pos") if n in t}
+    the tokens' global positions (1, s) where LoRA dropout needs them; packed `documents` pass as they are."""
+    v = {n: t[n][:, rows] for n in ("x", "q", "k", "v", "attn", "pos") if n in t}
+    return v if "documents" not in t else {**v, "documents": t["documents"]}
 
 
-def _tail(v: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
-    return {n: x[:, start:] for n, x in v.items()}
+def _tail(v: dict, start: int) -> dict:
+    return {n: x[:, start:] if isinstance(x, torch.Tensor) else x for n, x in v.items()}
 
 
 def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -217,7 +224,8 @@ class DecoderLayer(nn.Module):
         self.arena = None  # a plan.arena.Arena: transient tensors at planned offsets (Transformer.plan_memory)
         self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
         self.attention_kernel = "auto"  # the kernel asked for (`attention.CHOICES`); the model sets its policy's
-        self.attention_ran: str | None = None  # the kernel the last forward's attention ran
+        self.attention_ran: str | None = None  # the kernel the last forward's attention ran (one document a row)
+        self.packed_ran: str | None = None  # ... over packed documents, and how: "varlen" or "per document"
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
@@ -260,10 +268,14 @@ class DecoderLayer(nn.Module):
             return SkeletalSpec((b, a, lse_seq_len(s, kernel)), torch.float32, "attention")
         return SkeletalSpec((b, a // sp.size, lse_seq_len(s * sp.size, kernel)), torch.float32, "attention")
 
-    def _rope(self, s: int, rows: slice, like: torch.Tensor):
-        """Returns cos, sin for local token rows `rows` of this rank's `s` tokens (global positions)."""
+    def _rope(self, s: int, rows: slice, like: torch.Tensor, documents: Documents | None = None):
+        """Returns cos, sin for local token rows `rows` of this rank's `s` tokens: (r, 1, d/2) at their global
+        positions, or (b, r, 1, d/2) at their positions within packed `documents`."""
         sp = self.seq_parallel
         at, total = (0, s) if sp is None else (sp.token_offset(s), s * sp.size)
+        if documents is not None:
+            positions = documents.rows(at + rows.start, at + rows.stop)  # (b, r)
+            return rope_at(self.config, positions, documents.max_length, like.dtype)
         return rope_tables(self.config, at + rows.start, at + rows.stop, total, like.dtype, like.device)
 
     def _project(self, n1: torch.Tensor, name: str, pos=None) -> torch.Tensor:
@@ -286,7 +298,7 @@ class DecoderLayer(nn.Module):
         """Writes n1, then q, k (per-head norm with `qk_norm`, then RoPE) and v of token `rows` of s."""
         self.fill_norm1(v)
         n1 = v["n1"]  # (b, r, h)
-        cos, sin = self._rope(s, rows, n1)
+        cos, sin = self._rope(s, rows, n1, v.get("documents"))
         for name in ("q", "k"):  # (b, r, heads, d)
             proj = self._project(n1, name, v.get("pos"))
             if self.config.qk_norm:
@@ -321,21 +333,25 @@ class DecoderLayer(nn.Module):
     def attend(self, t: dict, per_call: int) -> tuple:
         """Writes the attention output and LSE of all s tokens from q, k, v, `per_call` query heads per kernel call
         at most (`attention.head_chunks`); returns the kernel's aux."""
-        sp, kernel = self.seq_parallel, self.attention_kernel
+        sp, kernel, documents = self.seq_parallel, self.attention_kernel, t.get("documents")
         k, v = self._kv(t)
         for kv_heads, q_chunks in self._head_chunks(t, per_call):
             kc, vc = self._kv_heads(k, v, kv_heads)  # (b, kv heads, all tokens, d)
             for heads in q_chunks:
                 if sp is None:
-                    out, lse, aux = attention_forward(heads_major(t["q"])[:, heads], kc, vc, self.scale, kernel)
+                    q = heads_major(t["q"])[:, heads]
+                    out, lse, aux = attention_forward(q, kc, vc, self.scale, kernel, documents)
                     heads_major(t["attn"])[:, heads].copy_(out)  # (b, heads, s, d) into token-major (b, s, a, d)
                 else:  # (b, local tokens, all heads) -> (b, all tokens, these heads) and back: two all-to-alls
                     (q,) = sp.to_heads(t["q"], heads=(heads,))
-                    out, lse, aux = attention_forward(heads_major(q), kc, vc, self.scale, kernel)
+                    out, lse, aux = attention_forward(heads_major(q), kc, vc, self.scale, kernel, documents)
                     sp.to_tokens(heads_major(out), out=(t["attn"],), heads=(heads,))
                 t["lse"][:, heads].copy_(lse)
                 kernel = aux[0]  # after a refusal the next calls start from the kernel that ran
-        self.attention_ran = kernel
+        if documents is None:
+            self.attention_ran = kernel
+        else:  # apart: "auto" takes the variable-length kernel for documents, the arena plans whole sequences
+            self.packed_ran = f"{kernel}, {aux[1]}"
         return aux
 
     def fill_mlp(self, v: dict) -> None:
@@ -410,7 +426,8 @@ class DecoderLayer(nn.Module):
                     q, out, dout = (heads_major(x)[:, heads] for x in (t["q"], t["attn"], dattn))
                 else:  # everything the kernel reads to head shards, the gradients back to tokens
                     q, out, dout = (heads_major(x) for x in sp.to_heads(t["q"], t["attn"], dattn, heads=(heads,) * 3))
-                gq, gk, gv = attention_backward(dout, q, kc, vc, out, t["lse"][:, heads], aux, self.scale)
+                lse = t["lse"][:, heads]
+                gq, gk, gv = attention_backward(dout, q, kc, vc, out, lse, aux, self.scale, t.get("documents"))
                 del q, out, dout
                 if sp is None:
                     heads_major(dattn)[:, heads].copy_(gq)
@@ -428,7 +445,7 @@ class DecoderLayer(nn.Module):
 
     def qkv_backward(self, dq, dk, dv, v: dict, rows: slice, s: int, grads: dict) -> torch.Tensor:
         """Returns the input gradient (b, r, h) through q, k, v and the attention norm, for token `rows`."""
-        cos, sin = self._rope(s, rows, dq)
+        cos, sin = self._rope(s, rows, dq, v.get("documents"))
         n1, pos = v["n1"], v.get("pos")
         dq = self._head_norm_backward(unrotate(dq, cos, sin), n1, "q", grads, pos)  # (b, r, a, d)
         dk = self._head_norm_backward(unrotate(dk, cos, sin), n1, "k", grads, pos)
@@ -450,29 +467,35 @@ class DecoderLayer(nn.Module):
         return grad
 
     # ---- module entry -----------------------------------------------------------------------------------
-    def run(self, phase, *args):
-        """Returns `phase(self, *args)`, its transient tensors carved from the arena when there is one."""
-        return phase(self, *args) if self.arena is None else self.arena.run(self, phase, *args)
+    def run(self, phase, t: dict, *args):
+        """Returns `phase(self, t, *args)`, its transient tensors carved from the arena when there is one. Packed
+        documents run unplanned: their kernel calls (one per document on the CPU) differ from batch to batch."""
+        if self.arena is None or "documents" in t:
+            return phase(self, t, *args)
+        return self.arena.run(self, phase, t, *args)
 
-    def forward(self, x: torch.Tensor, store=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, store=None, documents: Documents | None = None) -> torch.Tensor:
         """Returns the layer output: without grad, straight (tile by tile); with grad, through the explicit
         autograd function and `store` (a `swap.ActivationStore`), which keeps the skeletal tensors for the
-        backward."""
+        backward. `documents`: the packed documents of the batch (attention within each, RoPE from each start)."""
         if not torch.is_grad_enabled():
             b, s = x.shape[:2]
             specs = self.skeletal_specs(b, s, x.dtype, x.device)
             t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
             tile, heads = (s, self.attention_shape(s)[0]) if store is None else store.tiling(self, s, x.device)
-            return forward_phase(self, {**t, "x": x}, FreshTiles.of(specs, tile, heads))[0]
+            t = _with_positions(self, {**t, "x": x}, documents)
+            return forward_phase(self, t, FreshTiles.of(specs, tile, heads))[0]
         if store is None:
             raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
-        return LayerFunction.apply(x, self, store, *self.parameters())
+        return LayerFunction.apply(x, self, store, documents, *self.parameters())
 
 
-def _with_positions(layer: DecoderLayer, t: dict) -> dict:
-    """Returns `t` with its tokens' global positions when the layer's LoRA dropout needs them."""
+def _with_positions(layer: DecoderLayer, t: dict, documents: Documents | None) -> dict:
+    """Returns `t` with its tokens' global positions when the layer's LoRA dropout needs them, and the packed
+    `documents` when there are some."""
     pos = layer.positions(t["x"].shape[1], t["x"].device)
-    return t if pos is None else {**t, "pos": pos}
+    t = t if pos is None else {**t, "pos": pos}
+    return t if documents is None else {**t, "documents": documents}
 
 
 def _sum_part(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
@@ -508,7 +531,7 @@ def forward_phase(layer: DecoderLayer, t: dict, tiles: Tiles) -> tuple[torch.Ten
     return y, aux
 
 
-def backward_phase(layer: DecoderLayer, dy: torch.Tensor, t: dict, aux: tuple, tiles: Tiles, recompute):
+def backward_phase(layer: DecoderLayer, t: dict, dy: torch.Tensor, aux: tuple, tiles: Tiles, recompute):
     """Returns (dx (b, s, h), parameter grads): the recompute the store asks for, then the layer's backward,
     tile by tile around the attention backward."""
     s = t["x"].shape[1]
@@ -544,11 +567,11 @@ class LayerFunction(torch.autograd.Function):
     """One layer's forward and backward; the store decides where skeletal tensors live in between."""
 
     @staticmethod
-    def forward(ctx, x, layer: DecoderLayer, store, *params):
+    def forward(ctx, x, layer: DecoderLayer, store, documents, *params):
         t, tiles = store.slots(layer.index, x)
-        y, aux = layer.run(forward_phase, _with_positions(layer, t), tiles)
+        y, aux = layer.run(forward_phase, _with_positions(layer, t, documents), tiles)
         store.after_forward(layer.index, aux)
-        ctx.layer, ctx.store, ctx.step = layer, store, store.step
+        ctx.layer, ctx.store, ctx.step, ctx.documents = layer, store, store.step, documents
         return y
 
     @staticmethod
@@ -557,6 +580,7 @@ class LayerFunction(torch.autograd.Function):
         the loss, which made it): the backward writes dx over it rather than holding both whole."""
         layer, store = ctx.layer, ctx.store
         t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
-        dx, grads = layer.run(backward_phase, dy.contiguous(), _with_positions(layer, t), aux, tiles, recompute)
+        t = _with_positions(layer, t, ctx.documents)
+        dx, grads = layer.run(backward_phase, t, dy.contiguous(), aux, tiles, recompute)
         store.after_backward(layer.index)
-        return (dx, None, None, *(grads.get(name) for name, _ in layer.named_parameters()))  # frozen: None
+        return (dx, None, None, None, *(grads.get(name) for name, _ in layer.named_parameters()))  # frozen: None

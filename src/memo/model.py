@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -10,12 +11,15 @@ from torch import nn
 
 from .attention import refusals
 from .config import ModelConfig
+from .documents import Documents
 from .layer import DecoderLayer
 from .lora import set_dropout_keys
 from .loss import TokenReduction, shift_labels, target_cross_entropy
 from .norms import norm_forward
 from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .plan.arena import Arena
@@ -41,6 +45,7 @@ class Transformer(nn.Module):
         self.store: ActivationStore = make_store(self.policy, config.n_layers)
         self.token_reduction: TokenReduction | None = None  # memo.parallel: the loss is a mean over all ranks
         self.dropout_key = 0  # keys LoRA dropout's masks: the trainer sets one per step and micro-batch
+        self._told_unplanned = False  # that the planned arena leaves packed batches to the allocator
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -53,14 +58,21 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Returns the mean next-token loss when `labels` are given, else logits (b, s, V) for short inputs.
 
         `targets` replaces `labels` with labels already shifted (position t predicts targets[t]): what a
         sequence-parallel rank holds, its last token predicting the next rank's first (parallel.shard_batch).
+        `positions` (b, S) packs documents (`memo.documents`): each token's position within its document, of the
+        whole sequence on every sequence-parallel rank, on any device (the host spares a copy back); a document's
+        tokens attend only to it.
         """
-        x = self.layer_states(input_ids)
+        x = self.layer_states(input_ids, positions)
         if labels is None and targets is None:
             return norm_forward(self.norm, x)[0] @ self.head_weight.t()
         targets = shift_labels(labels) if targets is None else targets
@@ -68,23 +80,28 @@ class Transformer(nn.Module):
             x, self.head_weight, targets, self.loss_chunk_tokens, self.token_reduction, norm=self.norm
         )
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the final-norm hidden states (b, s, h): what the LM head reads (decode from a few rows of
         them without building the s × V logits)."""
-        return norm_forward(self.norm, self.layer_states(input_ids))[0]
+        return norm_forward(self.norm, self.layer_states(input_ids, positions))[0]
 
-    def layer_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def layer_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the last layer's output (b, s, h), before the final norm (which the loss applies chunk by
-        chunk)."""
+        chunk); `positions` as in `forward`."""
         b, s = input_ids.shape
         sp = self.layers[0].seq_parallel
-        self.config.check_length(s * (1 if sp is None else sp.size))
+        total = s * (1 if sp is None else sp.size)
+        documents = Documents.of(positions, b, total, input_ids.device)  # (b, S): every document's bounds
+        if documents is not None and self.layers[0].arena is not None and not self._told_unplanned:
+            log.warning("the planned arena serves one document per sequence: packed batches use the allocator")
+            self._told_unplanned = True
+        self.config.check_length(total if documents is None else documents.max_length)
         x = self.embed(input_ids)  # (b, s, h)
         set_dropout_keys(self, self.dropout_key if torch.is_grad_enabled() else None)  # LoRA dropout: training only
         if torch.is_grad_enabled():
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)
         for layer in self.layers:
-            x = layer(x, self.store)
+            x = layer(x, self.store, documents)
         return x
 
     @property
@@ -105,8 +122,10 @@ class Transformer(nn.Module):
         return arena
 
     def attention_report(self) -> str:
-        """Returns the attention kernel(s) the last forward ran, and any that refused a shape and fell back."""
+        """Returns the attention kernel(s) the last forwards ran (over packed documents: which, and how), and any
+        that refused a shape and fell back."""
         ran = sorted({layer.attention_ran for layer in self.layers if layer.attention_ran})
+        ran += [f"{how} over packed documents" for how in sorted({layer.packed_ran for layer in self.layers} - {None})]
         refused = refusals()
         return ", ".join(ran) + (f" (fell back: {'; '.join(refused)})" if refused else "") if ran else "none yet"
 

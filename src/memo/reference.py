@@ -24,11 +24,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.c = c
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (b, heads, s, d)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:  # x (b, heads, s, d)
         s, d = x.shape[2], self.c.head_dim
-        freqs = inverse_frequencies(self.c, s, x.device)
-        pos = torch.arange(s, dtype=torch.float32, device=x.device)
-        emb = torch.cat([pos[:, None] * freqs[None, :]] * 2, dim=-1)
+        if positions is None:
+            freqs = inverse_frequencies(self.c, s, x.device)
+            pos = torch.arange(s, dtype=torch.float32, device=x.device)
+        else:  # packed documents: (b, s) positions within each, broadcast over heads
+            freqs = inverse_frequencies(self.c, int(positions.max()) + 1, x.device)
+            pos = positions[:, None].to(x.device, torch.float32)
+        emb = torch.cat([pos[..., None] * freqs] * 2, dim=-1)
         m = attention_factor(self.c)
         cos, sin = (emb.cos() * m).to(x.dtype), (emb.sin() * m).to(x.dtype)
         half = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
@@ -58,24 +62,29 @@ class ReferenceBlock(nn.Module):
         self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias)
         self.rope = RotaryEmbedding(c)
 
-    def _attend(self, q, k, v):
+    def _attend(self, q, k, v, positions=None):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if self.attention == "sdpa":
+        if self.attention == "sdpa" and positions is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         s = q.shape[2]
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        if positions is not None:  # block-diagonal: a token sees only its own document (0 starts one)
+            document = (positions == 0).cumsum(dim=1).to(q.device)  # (b, s)
+            mask = mask & (document[:, :, None] == document[:, None, :])[:, None]  # (b, 1, s, s)
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
         return probs @ v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         heads = lambda t: t.view(b, s, -1, self.c.head_dim)  # noqa: E731
         n = self.attn_norm(x)
         q, k, v = self.q_norm(heads(self.wq(n))), self.k_norm(heads(self.wk(n))), heads(self.wv(n))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
-        o = self._attend(self.rope(q), self.rope(k), v)
+        o = self._attend(self.rope(q, positions), self.rope(k, positions), v, positions)
         x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
         n = self.mlp_norm(x)
         hidden = F.gelu(self.w_up(n)) if self.w_gate is None else F.silu(self.w_gate(n)) * self.w_up(n)
@@ -97,11 +106,12 @@ class ReferenceTransformer(nn.Module):
         )
         self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
-    def forward(self, input_ids, labels=None, block=None):
-        """Returns the mean next-token loss (or logits); `block(layer, x)` wraps each layer, e.g. checkpoint."""
+    def forward(self, input_ids, labels=None, block=None, positions=None):
+        """Returns the mean next-token loss (or logits); `block(layer, x)` wraps each layer, e.g. checkpoint;
+        `positions` (b, s) packs documents: positions within each, 0 where one starts."""
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x) if block is None else block(layer, x)
+            x = (layer(x) if positions is None else layer(x, positions)) if block is None else block(layer, x)
         logits = self.norm(x) @ (self.embed.weight if self.head is None else self.head.weight).t()
         if labels is None:
             return logits

@@ -3,6 +3,8 @@
 Each scaling type computes what transformers' RoPE initialisers compute for it (`config.RopeScaling` names
 the fields), so a checkpoint trained or extended with one has the same logits here; tests compare against
 transformers. Every function is per token, so a token slice is rotated alone (the token-wise recompute).
+Packed documents rotate each token by its position within its document (`rope_at`), as transformers does
+with `position_ids`; the length-dependent (dynamic) scaling then sees the longest document, as there.
 """
 
 from __future__ import annotations
@@ -77,10 +79,16 @@ def attention_factor(c: ModelConfig) -> float:
 
 def rope_tables(c: ModelConfig, start: int, stop: int, seq_len: int, dtype, device):
     """Returns cos, sin of shape (rows, 1, d/2) for positions [start, stop) of a `seq_len`-token sequence."""
-    inv_freq = inverse_frequencies(c, seq_len, device)
-    angles = torch.outer(torch.arange(start, stop, device=device, dtype=torch.float32), inv_freq)
+    return rope_at(c, torch.arange(start, stop, device=device, dtype=torch.float32), seq_len, dtype)
+
+
+def rope_at(c: ModelConfig, positions: torch.Tensor, seq_len: int, dtype):
+    """Returns cos, sin of shape (*positions.shape, 1, d/2) for the given positions (of packed documents: each
+    token's own within its document, `seq_len` the longest document's)."""
+    inv_freq = inverse_frequencies(c, seq_len, positions.device)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     scale = attention_factor(c)
-    return (angles.cos() * scale).to(dtype)[:, None, :], (angles.sin() * scale).to(dtype)[:, None, :]
+    return (angles.cos() * scale).to(dtype)[..., None, :], (angles.sin() * scale).to(dtype)[..., None, :]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

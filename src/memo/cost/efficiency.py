@@ -202,13 +202,25 @@ def attention_kernel(spec: GPUSpec, requested: str = "auto") -> str:
 
 
 def published_band(
-    spec: GPUSpec, c: ModelConfig, tokens: int, heads: int, kernel: str = "flash", rows: int | None = None
+    spec: GPUSpec,
+    c: ModelConfig,
+    tokens: int,
+    heads: int,
+    kernel: str = "flash",
+    rows: int | None = None,
+    length: float | None = None,
 ) -> Band:
     """Returns the efficiency band of `spec`'s kernels at one GPU's shape: attention over `tokens` tokens for
     `heads` query heads (all sequences of a micro-batch), `c`'s head dimension, and GEMMs of its hidden size
     over `rows` token rows at a time (a tile; default as many as the hidden size). A GPU without published
     speeds gets `GENERIC`, wide. `kernel` names the attention kernel: one of memo's (`TIMED_AS`) or a published
-    one of the tables (what older published runs used)."""
+    one of the tables (what older published runs used).
+
+    `length` is the length the attention speeds are read at (default `tokens`): for packed documents, their
+    length (`flops.DocumentLengths.attended`). The published benchmarks time each length over a batch of that
+    many sequences of it (batch x length = 16K tokens: FlashAttention-2, arXiv 2307.08691, §4.1, and the
+    FlashAttention-3 paper's benchmarks alike), which is what a sequence of packed documents of that length is to
+    a variable-length kernel; below the shortest published length (512) its speed stands, an upper bound."""
     speeds = _speeds(spec)
     if speeds is None:
         return Band.around(GENERIC, 0.25, f"no published speeds for {spec.name}: generic efficiencies ±25%", kernel)
@@ -224,8 +236,8 @@ def published_band(
     mid = Efficiency(
         # the GEMM tables are of square shapes: a tile of fewer rows than the hidden size runs as the smaller one
         matmul=_interpolate(speeds.matmul, min(c.hidden_size, rows or c.hidden_size)) / peak,
-        attention_forward=fill * _interpolate(forward, tokens) / peak,
-        attention_backward=fill * _interpolate(backward, tokens) / peak,
+        attention_forward=fill * _interpolate(forward, length or tokens) / peak,
+        attention_backward=fill * _interpolate(backward, length or tokens) / peak,
         hbm=speeds.hbm,
         host_link=speeds.host_link,
         nvlink=speeds.nvlink,

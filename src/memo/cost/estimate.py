@@ -23,6 +23,11 @@ context-parallel rings overlapped with compute). Data-parallel gradient reductio
 GPU are left out (once per step, overlapped with backward in all four systems alike). Every time comes as a range
 from the efficiency band.
 
+Packed documents (`documents`, `flops.DocumentLengths`): a sequence made of documents that attend only within
+themselves does E[Σ d_i²] of attention work instead of s²: every attention FLOP (model FLOPs, step time, recompute,
+MFU) counts E[Σ d_i²] / s tokens attended per token in place of s, and attention runs at the published speed of that
+length (`efficiency.published_band`'s `length`). Memory does not change: activations are per token.
+
 memo (and offload-all) also estimate two more ways of training (`states.States`): LoRA (`lora`: a frozen bf16
 base, adapters trained; frozen linears compute no weight gradient) and model states in host memory
 (`offload`: FSDP2's CPU offload; the weights' copies share the host link with the activations' and hide behind
@@ -52,6 +57,9 @@ from .flops import (
     LORA_FLOPS,
     MFU_CAUSAL,
     MFU_FULL,
+    MFU_PACKED,
+    MFU_PACKED_FULL,
+    DocumentLengths,
     adapter_work,
     layer_forward_flops,
     linear_params_per_layer,
@@ -76,6 +84,7 @@ from .states import host_bytes as state_host_bytes
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
 ATTENTION_CHOICES = tuple(k for k in CHOICES if k == "auto" or k in TIMED_AS)  # kernels with published bf16 speeds
 CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU, "lora": LORA_FLOPS}
+PACKED_CONVENTIONS = {**CONVENTIONS, "mfu": MFU_PACKED, "mfu_full": MFU_PACKED_FULL}  # estimates of packed documents
 RECOMPUTE = {  # what each system can recompute, as it ships
     "memo": ("memo",),  # a plan of keep / memo / checkpoint layers with α (docs/method.md §3)
     "megatron": ("selective", "full"),  # --recompute-granularity: core attention, or the whole layer
@@ -159,9 +168,18 @@ class Estimate:
     states: str = "full fine-tuning"  # what trains and where its states live (states.States)
     host_state_bytes_per_node: int = 0  # of host_bytes_per_node: offloaded model states (the rest: activations)
     attention_kernel: str = ""  # whose attention speeds time the step (efficiency.TIMED_AS; "calibrated")
+    documents: str = ""  # packed documents (flops.DocumentLengths), "" for sequences that attend whole
+    attention_fraction: float = 1.0  # of the attention work of whole sequences left: E[Σ d_i²] / s²
+    attention_flops: float = 0.0  # model FLOPs of attention in one step on all GPUs (causal, forward + backward)
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "conventions": CONVENTIONS}
+        return {**self.__dict__, "conventions": PACKED_CONVENTIONS if self.documents else CONVENTIONS}
+
+
+def _timed_kernel(gpu: GPUSpec, attention: str, documents: DocumentLengths | None) -> str:
+    """Returns the kernel whose published speeds time memo's attention: over packed documents "auto" runs
+    PyTorch's flash kernel, the one variable-length call (`memo.attention`)."""
+    return attention_kernel(gpu, "flash" if documents and attention == "auto" else attention)
 
 
 def _check(seq: int, gpus: int, system: str, sp: int | None, states=States(), attention: str = "auto") -> None:
@@ -227,6 +245,7 @@ def estimate(
     arena: bool = False,
     states: States = States(),
     attention: str = "auto",
+    documents: DocumentLengths | None = None,
 ) -> Estimate:
     """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
     of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
@@ -239,6 +258,7 @@ def estimate(
     planned allocator (`memo train --arena`), not the caching allocator. `states`: what trains and where the
     model states live (memo and offload-all only). `attention`: memo's attention kernel ("auto" or one of
     `memo.attention.KERNELS`) whose published speeds time attention (`efficiency.attention_kernel`).
+    `documents`: each sequence is packed documents that attend only within themselves (None: whole sequences).
     """
     if micro_batch < 1:
         raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
@@ -248,19 +268,23 @@ def estimate(
     width = min(c.hidden_size, c.ffn_hidden_size)
     if states.lora and states.lora.rank > width:
         raise ValueError(f"`--lora-rank` ({states.lora.rank}) must be at most {width}, {c.name}'s narrowest projection")
-    kernel = attention_kernel(gpu, attention)
+    kernel = _timed_kernel(gpu, attention, documents)
     candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
     if not candidates:
         return _unsupported(c, seq, gpus, gpu, system, sp)
+    attended = documents.attended(seq) if documents else seq  # tokens a token attends to: s, or E[Σ d_i²] / s
     run = (c, seq, gpus, gpu, system, states)
     allocator = "arena" if arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
     fragmentation = allocator if fragmentation else None
-    floors = [(_floor_seconds(*run, lay, eff, point, micro_batch, kernel), i) for i, lay in enumerate(candidates)]
+    floors = [
+        (_floor_seconds(*run, lay, eff, point, micro_batch, kernel, attended), i) for i, lay in enumerate(candidates)
+    ]
     results, best = [], None
     for floor, i in sorted(floors):  # the fastest first; stop once none left can beat the best that fits
         if best is not None and floor >= best.step_seconds:
             break
-        results.append(_evaluate(*run, candidates[i], eff, point, fragmentation, micro_batch, host_memory, kernel))
+        layout_run = (candidates[i], eff, point, fragmentation, micro_batch, host_memory, kernel)
+        results.append(_evaluate(*run, *layout_run, attended, str(documents or "")))
         if results[-1].fits and (best is None or results[-1].step_seconds < best.step_seconds):
             best = results[-1]
     fitting = [e for e in results if e.fits]
@@ -269,21 +293,34 @@ def estimate(
     return min(results, key=lambda e: (e.device_bytes["total"], e.step_seconds))
 
 
-def _floor_seconds(c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, batch, kernel):
+def _floor_seconds(
+    c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, batch, kernel, attended
+):
     """Returns a layout's step time with nothing recomputed or copied (what keeping every layer would take): no
     plan of it is faster, so layouts whose floor is past a fitting one's time need no memory estimate."""
     tokens = batch * seq // layout.sp
-    eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens, kernel), point)
-    seconds = _step_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, None, states)
+    eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens, kernel, attended), point)
+    seconds = _step_seconds(c, attended, tokens, system, gpus, layout, gpu, eff, None, states)
     return sum(seconds.values()) - seconds["recompute"] - seconds["exposed_copy"]
 
 
-def _band(c: ModelConfig, seq: int, gpu: GPUSpec, layout: Layout, batch: int, tokens: int, kernel: str) -> Band:
+def _band(
+    c: ModelConfig,
+    seq: int,
+    gpu: GPUSpec,
+    layout: Layout,
+    batch: int,
+    tokens: int,
+    kernel: str,
+    attended: float | None = None,
+) -> Band:
     """Returns the published efficiency band at a layout's shape: `kernel`'s attention over the whole sequence
-    (Ulysses, tp) or its context-parallel chunk for the GPU's heads, and the token-local matmuls over a tile's
-    rows."""
+    (Ulysses, tp) or its context-parallel chunk for the GPU's heads, at the speed of the packed documents' length
+    when `attended` (E[Σ d_i²] / s) is shorter, and the token-local matmuls over a tile's rows."""
     heads = batch * c.n_heads // (layout.tp * layout.ulysses)
-    return published_band(gpu, c, seq // layout.cp, heads, kernel, rows=layout.tile or tokens)
+    chunk = seq // layout.cp
+    length = min(attended, chunk) if attended else chunk
+    return published_band(gpu, c, chunk, heads, kernel, rows=layout.tile or tokens, length=length)
 
 
 def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> Estimate:
@@ -309,10 +346,13 @@ def _evaluate(
     batch,
     host_memory,
     kernel: str,
+    attended: float,
+    documents: str = "",
 ):
-    """Returns the estimate of one layout, `batch` sequences per micro-batch, attention timed as `kernel`'s."""
+    """Returns the estimate of one layout, `batch` sequences per micro-batch, attention timed as `kernel`'s, each
+    token attending to `attended` tokens (the sequence length, or packed `documents`' E[Σ d_i²] / s)."""
     tokens = batch * seq // layout.sp  # per GPU
-    band = band or _band(c, seq, gpu, layout, batch, tokens, kernel)
+    band = band or _band(c, seq, gpu, layout, batch, tokens, kernel, attended)
     eff = getattr(band, point)
     node_gpus = min(gpus, gpu.gpus_per_node)
     host_capacity = int(HOST_FRACTION * (host_memory or gpu.host_memory_per_node))
@@ -320,11 +360,11 @@ def _evaluate(
     budget = host_capacity // node_gpus - held
     plan, why = (None, "host memory: no room left for the activations")
     if budget >= 0:
-        plan, why = _plan(c, seq, tokens, gpus, gpu, eff, layout, budget, states)
+        plan, why = _plan(c, attended, tokens, gpus, gpu, eff, layout, budget, states)
     device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, gpu.hbm_bytes, states)
     room = gpu.hbm_bytes - device["total"]
     if plan and layout.recompute == "memo" and room > 0:  # the layers the device can hold besides: kept
-        plan, _ = _plan(c, seq, tokens, gpus, gpu, eff, layout, budget, states, room)
+        plan, _ = _plan(c, attended, tokens, gpus, gpu, eff, layout, budget, states, room)
         device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, states=states)
     host = ((_store(c, tokens, layout, plan).host_total if plan else 0) + held) * node_gpus
     if why and held:
@@ -338,17 +378,19 @@ def _evaluate(
             held * node_gpus,
             host_capacity,
         )
-    run = (c, seq, tokens, system, gpus, layout, gpu)
+    run = (c, attended, tokens, system, gpus, layout, gpu)
     timed = {p: _step_seconds(*run, getattr(band, p), plan, states) for p in POINTS}
     seconds = timed[point]
     step = sum(seconds.values())
     sequences = gpus // layout.sp * batch  # per step
     per_flop = sequences / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
     modes, alphas = plan or (_baseline_modes(layout, c.n_layers), [0.0] * c.n_layers)
-    again = recompute_flops(c, seq, modes, alphas, layout.recompute == "offload", causal=True, tile=layout.tile)
+    offload = layout.recompute == "offload"
+    again = recompute_flops(c, attended, modes, alphas, offload, tokens=seq, causal=True, tile=layout.tile)
+    attention = c.n_layers * layer_forward_flops(c, attended, seq, causal=True)[1]  # one sequence's, forward
     if layout.recompute == "selective":
-        again = c.n_layers * layer_forward_flops(c, seq, causal=True)[1]
-    model = model_flops_per_token(c, seq, lora=states.lora) * seq
+        again = attention
+    model = model_flops_per_token(c, attended, lora=states.lora) * seq
     slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
     use = {"device memory": (device["total"], gpu.hbm_bytes), "host memory": (host, host_capacity)}
     tightest = max(use, key=lambda k: use[k][0] / use[k][1])
@@ -368,7 +410,7 @@ def _evaluate(
         sequences * seq / step,
         model * per_flop / step,
         seconds,
-        model_flops_per_token(c, seq, causal=False, lora=states.lora) * seq * per_flop / step,
+        model_flops_per_token(c, attended, causal=False, lora=states.lora) * seq * per_flop / step,
         (model + again) * per_flop / step,
         str(layout),
         {
@@ -387,6 +429,9 @@ def _evaluate(
         str(states),
         held * node_gpus,
         band.attention,
+        documents,
+        attended / seq,
+        3 * attention * sequences,
     )
 
 
@@ -403,15 +448,15 @@ def _baseline_modes(layout: Layout, n: int) -> list[str]:
     return ["recompute" if layout.recompute == "full" else "keep"] * n
 
 
-def _plan(c, seq, tokens, gpus, gpu, eff, layout: Layout, host_budget: int, states: States, device_budget: int = 0):
+def _plan(c, attended, tokens, gpus, gpu, eff, layout: Layout, host_budget: int, states: States, device_budget=0):
     """Returns ((modes, α) per layer, "") for a layout that offloads, (None, why) when its host cannot hold even
-    the layer inputs, and (None, "") for one that does not offload."""
+    the layer inputs, and (None, "") for one that does not offload; each token attends to `attended` tokens."""
     n = c.n_layers
     if layout.recompute == "offload":
         return (["memo"] * n, [1.0] * n), ""
     if layout.recompute != "memo":
         return None, ""
-    problem = _plan_problem(c, seq, tokens, gpu, eff, host_budget, device_budget, layout.tile, states, gpus)
+    problem = _plan_problem(c, attended, tokens, gpu, eff, host_budget, device_budget, layout.tile, states, gpus)
     try:
         return solve_plan(problem), ""
     except ValueError as err:
@@ -420,7 +465,7 @@ def _plan(c, seq, tokens, gpus, gpu, eff, layout: Layout, host_budget: int, stat
 
 def _plan_problem(
     c,
-    seq,
+    attended,
     tokens,
     gpu: GPUSpec,
     eff: Efficiency,
@@ -430,10 +475,11 @@ def _plan_problem(
     states=States(),
     gpus: int = 1,
 ):
-    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds. Offloaded model states
+    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds, each token attending to
+    `attended` tokens (the sequence length; packed documents' E[Σ d_i²] / s). Offloaded model states
     share the host link: a layer's activation copies hide behind what is left of its forward and backward once
     its weights' copies (`states.layer_traffic`) have had the link."""
-    t = _compute_seconds(c, seq, tokens, gpu, eff, states.lora)
+    t = _compute_seconds(c, attended, tokens, gpu, eff, states.lora)
     bandwidth = _host_bandwidth(gpu, eff)
     forward, backward = (b / bandwidth for b in layer_traffic(c, gpus, states))
     seconds = {**t, "forward": max(0.0, t["forward"] - forward), "backward": max(0.0, t["backward"] - backward)}
@@ -460,14 +506,15 @@ def dominant(seconds: dict[str, float]) -> str:
 
 
 def _compute_seconds(
-    c: ModelConfig, seq: int, tokens: int, gpu: GPUSpec, eff: Efficiency, lora: LoraConfig | None = None
+    c: ModelConfig, attended: float, tokens: int, gpu: GPUSpec, eff: Efficiency, lora: LoraConfig | None = None
 ) -> dict[str, float]:
-    """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention (the half of
-    the matrix a causal kernel computes), each phase at its own efficiency, and the token-local matmuls a
+    """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention of `tokens` tokens
+    attending to `attended` each (the sequence length; packed documents' E[Σ d_i²] / s; the half of the matrix a
+    causal kernel computes), each phase at its own efficiency, and the token-local matmuls a
     recompute runs again (`qkv` before attention, `mlp` after it). With `lora` the frozen projections' backward
     computes the input gradient alone (1 × forward, not 2 ×), and the adapters' rank-r GEMMs run at the slower
     of their FLOPs at GEMM speed and their bytes at HBM speed."""
-    matmul, attention = layer_forward_flops(c, seq, tokens, causal=True)
+    matmul, attention = layer_forward_flops(c, attended, tokens, causal=True)
     gemm = gpu.peak_flops * eff.matmul
     mm = matmul / gemm
     attn = attention / (gpu.peak_flops * eff.attention_forward)
@@ -575,12 +622,15 @@ def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout, states
     return state_device_bytes(c, gpus, states)  # FSDP2
 
 
-def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan, states=States()):
+def _step_seconds(
+    c, attended, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan, states=States()
+):
     """Returns the step time split into attention, matmul, memory-bound ops, recompute, exposed copy (the
     activations' and offloaded model states' host copies that do not hide), communication and the CPU
-    optimizer step of offloaded states."""
+    optimizer step of offloaded states; each token attends to `attended` tokens (the sequence length; packed
+    documents' E[Σ d_i²] / s)."""
     n = c.n_layers
-    t = _compute_seconds(c, seq, tokens, gpu, eff, states.lora)
+    t = _compute_seconds(c, attended, tokens, gpu, eff, states.lora)
     fwd, bwd = t["forward"], t["backward"]
     costs = {"recompute": 0.0, "exposed_copy": 0.0}
     if layout.recompute == "full":
@@ -588,10 +638,10 @@ def _step_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu: GPUSpec, ef
     elif layout.recompute == "selective":
         costs["recompute"] = n * t["attention"]
     elif layout.recompute in OFFLOADS and plan:
-        problem = _plan_problem(c, seq, tokens, gpu, eff, 0, 0, layout.tile, states, gpus)
+        problem = _plan_problem(c, attended, tokens, gpu, eff, 0, 0, layout.tile, states, gpus)
         costs = plan_costs(dataclasses.replace(problem, offload_last_layers=layout.recompute == "offload"), *plan)
     checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
-    plain, rerun = (_layer_comm_seconds(c, seq, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))
+    plain, rerun = (_layer_comm_seconds(c, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))
     head = (2 if states.lora else 3) * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
     per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(c, tokens, layout, plan, states))
     node_gpus = min(gpus, gpu.gpus_per_node)
@@ -623,7 +673,7 @@ def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
     return gpu.nvlink_bytes_per_s * eff.nvlink if gpus <= gpu.gpus_per_node else gpu.network_bytes_per_s * eff.network
 
 
-def _layer_comm_seconds(c, seq, tokens, system, gpus, layout: Layout, gpu, eff, fwd, bwd, t, again: bool) -> float:
+def _layer_comm_seconds(c, tokens, system, gpus, layout: Layout, gpu, eff, fwd, bwd, t, again: bool) -> float:
     """Returns one layer's communication seconds on the critical path: forward + backward, and the recomputed
     forward when the layer runs `again` (whole-layer recomputation)."""
     d, a, g = c.head_dim, c.n_heads, c.n_kv_heads
@@ -669,9 +719,11 @@ def max_seq(
     arena: bool = False,
     states: States = States(),
     attention: str = "auto",
+    documents: DocumentLengths | None = None,
 ) -> Longest:
     """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
-    0 if none does, with what stops the next length."""
+    0 if none does, with what stops the next length; of packed `documents` when given (their attention is less
+    work, so memo's copies have less compute to hide behind)."""
     step = 1024 * (gpus if sp is None else sp)
     _check(step, gpus, system, sp, states, attention)
     why = {}
@@ -691,6 +743,7 @@ def max_seq(
             arena=arena,
             states=states,
             attention=attention,
+            documents=documents,
         )
         why[seq] = e.why
         return e.fits
@@ -718,17 +771,18 @@ def max_seq_range(
     arena: bool = False,
     states: States = States(),
     attention: str = "auto",
+    documents: DocumentLengths | None = None,
 ) -> dict:
     """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
     and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
     caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
-    "mid"; "attention_kernel": whose attention speeds time the steps."""
-    every = dict(host_memory=host_memory, states=states, attention=attention)
+    "mid"; "attention_kernel": whose attention speeds time the steps. Of packed `documents` when given."""
+    every = dict(host_memory=host_memory, states=states, attention=attention, documents=documents)
     mid = max_seq(c, gpus, gpu, system, sp, eff, arena=arena, **every)
     return {
         "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", arena=arena, **every).tokens,
         "mid": mid.tokens,
         "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, **every).tokens,
         "why_not": mid.why_not,
-        "attention_kernel": eff.attention if eff else attention_kernel(gpu, attention),
+        "attention_kernel": eff.attention if eff else _timed_kernel(gpu, attention, documents),
     }

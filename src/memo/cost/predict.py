@@ -8,6 +8,7 @@ import torch
 from ..config import ModelConfig
 from ..policy import ActivationPolicy
 from .estimate import Layout, estimate
+from .flops import DocumentLengths
 from .hardware import GPUSpec
 from .memory import Traced, store_bytes, training_lower_bound, transient_peak
 from .states import States, device_bytes, host_bytes, trained
@@ -28,13 +29,16 @@ def predict_run(
     spec: GPUSpec | None = None,
     states: States = States(),
     attention: str = "auto",
+    documents: DocumentLengths | None = None,
 ) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
     the step's transient peak traced at the run's dtype, kernels, tiles and modes, with the gradients a
     one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and, on a known
     GPU, the step time and MFU with their ranges, attention timed as the `attention` kernel's (`--attention`).
     `states`: what trains (LoRA) and whether the model states live in host memory (`--offload-states`: on the
-    device only what FSDP gathers, `states.device_bytes`)."""
+    device only what FSDP gathers, `states.device_bytes`). `documents`: the run's sequences are packed documents
+    that attend only within themselves (their attention timed and counted as E[Σ d_i²], `flops.DocumentLengths`;
+    memory is the same)."""
     tokens = micro_batch * seq // sp
     n = c.n_layers
     model_states = training_lower_bound(c, tokens, policy, dtype, shards=world, lora=states.lora)["states"]
@@ -62,7 +66,16 @@ def predict_run(
     if spec is not None:
         layout = Layout(ulysses=sp, recompute=policy.strategy, tile=tile if tile < tokens else None)
         e = estimate(
-            c, seq, world, spec, "memo", layout=layout, micro_batch=micro_batch, states=states, attention=attention
+            c,
+            seq,
+            world,
+            spec,
+            "memo",
+            layout=layout,
+            micro_batch=micro_batch,
+            states=states,
+            attention=attention,
+            documents=documents,
         )
         predicted.update(
             gpu=spec.name,

@@ -9,6 +9,7 @@ from ..figures import pyplot, save
 from ..units import format_count
 from .efficiency import Band
 from .estimate import SYSTEMS, Estimate, estimate
+from .flops import DocumentLengths
 from .hardware import GPUSpec
 from .states import States
 
@@ -32,9 +33,11 @@ def sweep(
     host_memory: int | None = None,
     states: States = States(),
     attention: str = "auto",
+    documents: DocumentLengths | None = None,
 ) -> dict[str, list[Estimate]]:
-    """Returns each system's estimate at each length, attention timed as `attention`'s (`estimate.estimate`)."""
-    every = dict(host_memory=host_memory, states=states, attention=attention)
+    """Returns each system's estimate at each length, attention timed as `attention`'s, of packed `documents`
+    when given (`estimate.estimate`)."""
+    every = dict(host_memory=host_memory, states=states, attention=attention, documents=documents)
     return {s: [estimate(c, n, gpus, gpu, s, sp, eff, **every) for n in lengths] for s in systems}
 
 

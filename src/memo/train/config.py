@@ -21,17 +21,31 @@ from typing import Iterable
 import yaml
 
 from ..attention import CHOICES as ATTENTION_CHOICES
-from ..config import PRESETS, ModelConfig, RopeScaling, model_config_from
+from ..config import PRESETS, ModelConfig, RopeScaling, check_int, model_config_from
 from ..files import read_json_object
 from ..lora import ALL_TARGETS, LoraConfig, targets_value
 from ..policy import STRATEGIES, ActivationPolicy
 from ..units import parse_size
-from .data import TEXT_SUFFIXES, TOKEN_SUFFIXES, HFTokenizer, check_tokenizer, token_file_tokenizer, tokenizer_identity
+from .data import (
+    MAX_DOCUMENTS,
+    PACKINGS,
+    SEPARATORS,
+    TEXT_SUFFIXES,
+    TOKEN_SUFFIXES,
+    HFTokenizer,
+    check_tokenizer,
+    separator_kind,
+    token_file_tokenizer,
+    tokenizer_identity,
+)
 
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 ROPE_SCALINGS = ("linear", "yarn", "llama3", "dynamic")
 RENAMED = {"text_key": "text_field"}  # old field names, so that runs saved before a rename still resume
+PACKING = ("pack_documents", "document_separator", "max_documents_per_sequence")  # shape the batches: kept on resume
+# how runs saved before these fields packed (concat: the guard, at its default, never applies)
+BEFORE_PACKING = {"pack_documents": "concat", "document_separator": "none", "max_documents_per_sequence": MAX_DOCUMENTS}
 LAUNCH = ("nnodes", "node_rank", "master_addr", "master_port")  # where a run ran, not what: not kept on resume
 PATHS = ("model", "data", "eval_data", "tokenizer", "out")  # fields that name files: stored absolute
 INPUTS = ("model", "data", "eval_data", "tokenizer")  # files a run reads, fingerprinted in its config
@@ -112,6 +126,26 @@ class TrainConfig:
     )
     tokenizer: str | None = _f(None, "Hugging Face tokenizer.json (default: bytes, ids 0-255)")
     text_field: str = _f("text", "JSONL field / Parquet column holding each document's text")
+    pack_documents: str | None = _f(
+        None,
+        "how documents share a sequence: mask (each attends only to itself; RoPE positions restart at its first "
+        "token) or concat (GPT-style: attention and positions run across documents) (default: mask with --data; "
+        "no effect on the generated task, one document per sequence)",
+        choices=PACKINGS,
+    )
+    document_separator: str = _f(
+        "auto",
+        "special tokens around each document of text --data: bos (prepended: the BOS the tokenizer's post-processor "
+        "adds, Llama), eos (appended: its end-of-text token, GPT-2, Qwen, Mistral) or none; auto: bos if the "
+        "tokenizer adds one, else eos if it has one, else none (bytes: none). A token file keeps the separator it "
+        "was written with, which must match",
+        choices=SEPARATORS,
+    )
+    max_documents_per_sequence: int = _f(
+        MAX_DOCUMENTS,
+        "mask packing: documents kept apart in one sequence; later ones join the last kept one (attending to it as "
+        "with concat, no token dropped), bounding the attention calls per sequence",
+    )
     seq_len: int = _f(1024, "tokens per sequence")
     batch_size: int = _f(8, "sequences per optimizer step (split into --grad-accum micro-batches)")
     grad_accum: int = _f(1, "micro-batches per optimizer step (gradient accumulation)")
@@ -202,6 +236,7 @@ class TrainConfig:
             raise ValueError("`--arena` plans one process's own allocations, not FSDP's: leave out `--offload-states`")
         if self.host_budget is not None:
             parse_size(self.host_budget)
+        self._check_packing()
         self._check_eval_source()
         self._check_rope()
         self.policy()
@@ -221,6 +256,17 @@ class TrainConfig:
             raise ValueError(f"`--rope-factor` must be a finite number >= 1, got {self.rope_factor}")
         if self.original_max_positions is not None and self.original_max_positions <= 0:
             raise ValueError(f"`--original-max-positions` must be positive, got {self.original_max_positions}")
+
+    def _check_packing(self) -> None:
+        check_int("--max-documents-per-sequence", self.max_documents_per_sequence)
+        if self.data is None and self.pack_documents == "mask":
+            raise ValueError("`--pack-documents mask` applies only with `--data` (the generated task is one document)")
+        if self.data is None and self.document_separator in ("bos", "eos"):
+            raise ValueError(f"`--document-separator {self.document_separator}` applies only with `--data`")
+
+    def packing(self) -> str:
+        """Returns how documents share a sequence: `--pack-documents`, by default mask with `--data`, else concat."""
+        return self.pack_documents or ("mask" if self.data is not None else "concat")
 
     def _check_eval_source(self) -> None:
         if not 0 <= self.eval_split < 1:
@@ -394,6 +440,34 @@ def with_model_tokenizer(cfg: TrainConfig) -> TrainConfig:
     HFTokenizer(found, f"`--model` {cfg.model}'s tokenizer (it tokenizes `--data` without `--tokenizer`)")
     log.warning("no `--tokenizer`: tokenizing `--data` with %s, the tokenizer of `--model`", found)
     return dataclasses.replace(cfg, tokenizer=str(found))
+
+
+def with_packing(cfg: TrainConfig) -> TrainConfig:
+    """Returns `cfg` with its packing as the run reads its data, to be saved with it: `--pack-documents` made
+    explicit (`packing`), and `--document-separator auto` resolved with `--data`: by the tokenizer for text, to a
+    token file's own (a .npy does not say: left auto). A resumed run then keeps them whatever the defaults say."""
+    separator = cfg.document_separator
+    if cfg.data is not None and separator == "auto":
+        separator = separator_kind(cfg.data, cfg.tokenizer) or separator
+    return dataclasses.replace(cfg, pack_documents=cfg.packing(), document_separator=separator)
+
+
+def check_same_packing(overrides: dict, recorded: dict, run: str) -> dict:
+    """Returns the flags given with `--resume` (`overrides`) less `--document-separator auto` (the run keeps the
+    separator it resolved); raises ValueError when one of them changes how the run packs its documents (its
+    saved config `recorded`; `BEFORE_PACKING` for runs saved before those fields): the batches after the
+    checkpoint would not be those of the run."""
+    saved = {**BEFORE_PACKING, **recorded}
+    for name in PACKING:
+        given = overrides.get(name)
+        if given is None or given == saved.get(name) or (name == "document_separator" and given == "auto"):
+            continue
+        if name == "max_documents_per_sequence" and saved["pack_documents"] == "concat":
+            continue  # concat packing has no document bounds to count
+        raise ValueError(
+            f"`--{_flag(name)} {given}` changes how {run} packs its documents ({saved.get(name)}): resume without it"
+        )
+    return {k: v for k, v in overrides.items() if not (k == "document_separator" and v == "auto")}
 
 
 def model_tokenizer(model: str) -> Path | None:

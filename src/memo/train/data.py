@@ -1,9 +1,12 @@
 """Training data: a generated long-range retrieval task, or text and token files packed into sequences.
 
-Every source answers `batch(step, batch_size) -> (ids, labels)` as a pure function of (seed, step), so a
-resumed run sees exactly the batches it would have seen, and `eval_batches(n, batch_size)`, the same
-held-out batches at every evaluation. Labels follow `Transformer`'s convention: position t predicts
-labels[t + 1], and IGNORE (-100) marks targets the loss skips.
+Every source answers `batch(step, batch_size) -> (ids, labels, positions)` as a pure function of (seed, step),
+so a resumed run sees exactly the batches it would have seen, and `eval_batches(n, batch_size)`, a list of such
+batches, the same held-out ones at every evaluation. Labels follow `Transformer`'s convention: position t
+predicts labels[t + 1], and IGNORE (-100) marks targets the loss skips. Positions are None when each sequence
+is one document to the model (the generated task, and `concat` packing), else (b, s) int64: each token's
+position within its document, 0 where one begins, with which the model attends within documents only
+(`Transformer.forward(positions=)`, `memo.documents`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from ..config import check_int
+from ..documents import document_positions
 from ..files import atomic_output, read_json_object, write_text
 from ..loss import shift_labels
 
@@ -29,6 +34,13 @@ TOKEN_FILE_FORMAT = "memo-tokens-v1"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKEN_SUFFIXES = (".bin", ".npy")
 PARQUET_BATCH_ROWS = 256  # rows decoded at a time: a Parquet corpus is streamed, never read whole
+PACKINGS = ("mask", "concat")  # documents attend only to themselves, or across each other (GPT-style)
+SEPARATORS = ("auto", "bos", "eos", "none")  # the special tokens that bound each document of text data
+MAX_DOCUMENTS = 1024  # documents kept apart per sequence by default: `TokenDataset`'s max_documents
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2/Qwen, Llama 3, Llama 2/Mistral, Gemma
+PROBE = "a"  # text encoded to find the tokens a tokenizer's post-processor adds around a sequence
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids (b, s), labels (b, s), positions or None
 
 
 def _generator(seed: int, stream: int, step: int) -> torch.Generator:
@@ -94,9 +106,10 @@ class RetrievalTask:
     def chance_loss(self) -> float:
         return math.log(self.n_values)
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the training batch for `step`, the same for the same (seed, step)."""
-        return self._sample(batch_size, self.span(step), _generator(self.seed, 0, step))
+    def batch(self, step: int, batch_size: int) -> Batch:
+        """Returns the training batch for `step`, the same for the same (seed, step); positions None (each
+        sequence is one document)."""
+        return *self._sample(batch_size, self.span(step), _generator(self.seed, 0, step)), None
 
     def span(self, step: int) -> int:
         """Returns how many leading tokens hold the task at `step` (the curriculum's length)."""
@@ -105,9 +118,9 @@ class RetrievalTask:
         grown = (self.seq_len - self.start_span) * max(0, step - self.ramp_start) // (self.ramp_end - self.ramp_start)
         return self.start_span + grown
 
-    def eval_batches(self, n_batches: int = 4, batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, n_batches: int = 4, batch_size: int = 8) -> list[Batch]:
         """Returns full-length held-out batches, drawn from a stream that training never reads."""
-        return [self._sample(batch_size, self.seq_len, _generator(self.seed, 1, i)) for i in range(n_batches)]
+        return [(*self._sample(batch_size, self.seq_len, _generator(self.seed, 1, i)), None) for i in range(n_batches)]
 
     def _sample(self, batch: int, span: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         ids, labels = retrieval_batch(batch, span, generator, self.n_pairs, self.n_keys, self.n_values, self.n_filler)
@@ -147,10 +160,11 @@ def retrieval_batch(
 
 
 @torch.no_grad()
-def retrieval_accuracy(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Returns the fraction of labelled tokens that the model's greedy (argmax) prediction gets exactly right."""
+def retrieval_accuracy(model: torch.nn.Module, batches: Iterable[Batch]) -> float:
+    """Returns the fraction of labelled tokens that the model's greedy (argmax) prediction gets exactly right,
+    over batches of the retrieval task (one document per sequence: their positions are None)."""
     device = next(model.parameters()).device
-    counts = sum(answer_counts(model, ids.to(device), shift_labels(labels).to(device)) for ids, labels in batches)
+    counts = sum(answer_counts(model, ids.to(device), shift_labels(labels).to(device)) for ids, labels, _ in batches)
     if counts[1] == 0:
         raise ValueError("retrieval accuracy needs at least one labelled token")
     return int(counts[0]) / int(counts[1])
@@ -168,6 +182,20 @@ def answer_counts(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tens
 # ------------------------------------------------------------------------------------------------------ tokenizers
 
 
+@dataclass(frozen=True)
+class Separator:
+    """The special tokens that bound each document of text data: `ids` before it (kind "bos"), after it ("eos"),
+    or none. The label of a document's first token stays IGNORE either way: a BOS is never predicted across a
+    boundary, and an EOS is predicted by the document it ends."""
+
+    kind: str = "none"
+    ids: tuple[int, ...] = ()
+
+    def wrap(self, ids: list[int]) -> list[int]:
+        """Returns a document's token ids with the separator added."""
+        return [*self.ids, *ids] if self.kind == "bos" else [*ids, *self.ids]
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0-255: no file to load, and it fits the 256-id vocab of the `tiny` presets."""
 
@@ -180,9 +208,19 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def separator(self, choice: str = "auto") -> Separator:
+        """Returns no separator: bytes have no special tokens, so `bos` or `eos` is an error."""
+        if choice in ("bos", "eos"):
+            raise ValueError(
+                f"`--document-separator {choice}`: the byte tokenizer has no special tokens; give `--tokenizer`, "
+                "or use auto or none"
+            )
+        return Separator()
+
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json`; special tokens are not added (documents are separated by boundaries)."""
+    """A Hugging Face `tokenizer.json`. `encode` adds no special tokens: documents get the tokenizer's own
+    separator (`separator`) when they are tokenized (`tokenize_documents`)."""
 
     def __init__(self, path: str | Path, flag: str = "`--tokenizer`"):
         from tokenizers import Tokenizer
@@ -203,6 +241,57 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def separator(self, choice: str = "auto") -> Separator:
+        """Returns the tokens that bound a document under `choice` (SEPARATORS): bos, what the tokenizer's
+        post-processor puts before a sequence (Llama's `<s>`, `<|begin_of_text|>`); eos, what it puts after one,
+        else its end-of-text special token (EOS_TOKENS: GPT-2's and Qwen's `<|endoftext|>`, Mistral's `</s>`);
+        auto, bos if it has one, else eos if it has one, else none. Raises ValueError for a bos or eos it lacks."""
+        if choice == "none":
+            return Separator()
+        before, after = self._template()
+        found = {"bos": before, "eos": after or self._end_of_text()}
+        if choice == "auto":
+            kind = next((k for k in ("bos", "eos") if found[k]), "none")
+            return Separator(kind, found.get(kind, ()))
+        if not found[choice]:
+            where = "its post-processor adds none" if choice == "bos" else f"none of {', '.join(EOS_TOKENS)}"
+            raise ValueError(
+                f"`--document-separator {choice}`: tokenizer {self.name} has no {choice.upper()} token ({where}); "
+                "use auto or none"
+            )
+        return Separator(choice, found[choice])
+
+    def _template(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Returns the ids the tokenizer's post-processor (a TemplateProcessing) adds before and after a sequence:
+        the library encodes a probe with and without its special tokens, and the difference is theirs."""
+        for probe in self._probes():
+            try:
+                plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
+                full = self._tokenizer.encode(probe, add_special_tokens=True).ids
+            except Exception:  # the Rust side's own type: a word outside a vocabulary that has no unknown token
+                continue
+            at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+            if plain and at is not None:
+                return tuple(full[:at]), tuple(full[at + len(plain) :])
+        raise ValueError(
+            f"tokenizer {self.name}: cannot tell which special tokens it adds around a sequence; give "
+            "`--document-separator none`"
+        )
+
+    def _probes(self) -> Iterator[str]:
+        """Yields texts to encode: PROBE, then the text of the tokenizer's first ordinary (not added) token."""
+        yield PROBE
+        added = self._tokenizer.get_added_tokens_decoder()
+        ordinary = [i for i in self._tokenizer.get_vocab(with_added_tokens=False).values() if i not in added]
+        if ordinary:
+            yield self._tokenizer.decode([min(ordinary)])
+
+    def _end_of_text(self) -> tuple[int, ...]:
+        """Returns the id of the tokenizer's end-of-text special token, the first of EOS_TOKENS it declares; ()
+        for none."""
+        special = {t.content: i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        return next(((special[name],) for name in EOS_TOKENS if name in special), ())
 
 
 TextTokenizer = ByteTokenizer | HFTokenizer
@@ -357,14 +446,14 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
 
 
 def tokenize_documents(
-    files: Iterable[Path], tokenizer: TextTokenizer, text_field: str = "text"
+    files: Iterable[Path], tokenizer: TextTokenizer, text_field: str = "text", separator: Separator = Separator()
 ) -> Iterator[list[int]]:
-    """Yields each non-empty document of `files` as token ids."""
+    """Yields each non-empty document of `files` as token ids, with `separator` (`TextTokenizer.separator`)."""
     for path in files:
         for text in read_documents(path, text_field):
             ids = tokenizer.encode(text)
             if ids:
-                yield ids
+                yield separator.wrap(ids)
 
 
 # --------------------------------------------------------------------------------------------------- token files
@@ -379,25 +468,31 @@ def _doc_starts_path(path: Path) -> Path:
 
 
 def write_token_file(
-    data: str | Path, out: str | Path, tokenizer_path: str | Path | None = None, text_field: str = "text"
+    data: str | Path,
+    out: str | Path,
+    tokenizer_path: str | Path | None = None,
+    text_field: str = "text",
+    separator: str = "auto",
 ) -> dict:
     """Tokenizes text/JSONL/Parquet at `data` into `out` (.bin) and returns the sidecar it writes next to it.
 
     Writes three files, streaming tokens so a corpus need not fit in memory:
     `out` raw uint16 (uint32 for vocabularies over 65536) token ids, `out.with_suffix('.json')` the sidecar
     {format, dtype, num_tokens, num_documents, max_token_id, vocab_size, tokenizer (its absolute path, or bytes),
-    tokenizer_id (`tokenizer_identity`: which ids these are)}, and
-    `out.with_suffix('.docs.npy')` the int64 offset where each document starts.
+    tokenizer_id (`tokenizer_identity`: which ids these are), document_separator (bos, eos or none: what
+    `separator`, one of SEPARATORS, resolved to; a run reading the file must use the same)}, and
+    `out.with_suffix('.docs.npy')` the int64 offset where each document starts (at its separator, if before it).
     """
     out = Path(out)
     if out.suffix != ".bin":
         raise ValueError(f"token file {str(out)!r} must end in .bin")
     tokenizer = load_tokenizer(tokenizer_path)
+    bounds = tokenizer.separator(separator)
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     starts: list[int] = []
     num_tokens = max_id = 0
     with atomic_output(out) as tmp, open(tmp, "wb") as f:
-        for ids in tokenize_documents(text_files(data), tokenizer, text_field):
+        for ids in tokenize_documents(text_files(data), tokenizer, text_field, bounds):
             starts.append(num_tokens)
             array = np.asarray(ids, dtype=np.int64)
             max_id = max(max_id, int(array.max()))
@@ -416,6 +511,7 @@ def write_token_file(
         "vocab_size": tokenizer.vocab_size,
         "tokenizer": str(Path(tokenizer_path).absolute()) if tokenizer_path is not None else tokenizer.name,
         "tokenizer_id": tokenizer.identity,
+        "document_separator": bounds.kind,
     }
     write_text(_sidecar(out), json.dumps(sidecar, indent=2) + "\n")
     log.info("wrote %d tokens in %d documents to %s", num_tokens, len(starts), out)
@@ -469,6 +565,26 @@ def _load_npy(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: not a readable .npy array ({err})") from None
 
 
+def token_file_separator(path: str | Path) -> str | None:
+    """Returns the separator (bos, eos, none) a .bin token file's documents were written with, as its sidecar
+    records it ("none" for one written before memo added separators); None for a .npy or a missing sidecar."""
+    sidecar = _sidecar(Path(path))
+    if Path(path).suffix != ".bin" or not sidecar.is_file():
+        return None
+    return _read_sidecar(sidecar).get("document_separator", "none")
+
+
+def check_separator(path: str | Path, recorded: str | None, expected: str, flag: str) -> None:
+    """Raises ValueError when the documents of token file `path` carry another separator (`recorded`) than the
+    run's `expected` one: one run must not mix them. "auto" expects nothing, and an unknown one passes."""
+    if recorded is None or expected == "auto" or recorded == expected:
+        return
+    raise ValueError(
+        f"`{flag}` {str(path)!r} was written with document separator {recorded}, not the run's "
+        f"`--document-separator` {expected}: write it again with that separator (`write_token_file`)"
+    )
+
+
 def token_file_tokenizer(path: str | Path) -> str | None:
     """Returns the identity of the tokenizer that wrote a .bin token file, as its sidecar records it; None for a
     .npy, a missing sidecar or one written before memo recorded it."""
@@ -515,7 +631,18 @@ class TokenDataset:
     concatenation of those ranges: how `split_documents` keeps held-out documents out of training without
     copying a memory-mapped corpus. Chunks ignore document boundaries (no padding is wasted), but the label
     of a document's first token is IGNORE, so no loss is taken predicting across a boundary. The last chunk
-    is padded with IGNORE labels. Attention still sees the previous document, as in GPT-style packing.
+    is padded with IGNORE labels.
+
+    `pack_documents` (PACKINGS) says what attention sees. "concat" is GPT-style packing: attention and RoPE
+    positions run across documents, and batches carry positions None. "mask" gives each token its position
+    within its document, so each document attends only to itself: positions restart at 0 at every document
+    start, and at a chunk's first token (a document cut by a chunk boundary continues in the next chunk as a new
+    document, from position 0, as if read alone from there). Padding is a document of its own, never seen by
+    real tokens. At most `max_documents` documents (padding aside) are kept apart in a chunk: later ones join the
+    `max_documents`-th (they attend to it as in concat, their positions count on, their first labels stay
+    IGNORE). That bounds the attention segments of a sequence, each one kernel call where no variable-length
+    kernel runs (a CPU, or a kernel other than flash on CUDA), without dropping a token;
+    `joined_documents` counts the documents it joins.
     """
 
     def __init__(
@@ -526,10 +653,16 @@ class TokenDataset:
         seed: int = 0,
         max_token_id: int | None = None,
         spans: np.ndarray | None = None,
+        pack_documents: str = "concat",
+        max_documents: int = MAX_DOCUMENTS,
     ):
         if seq_len < 2:
             raise ValueError(f"`--seq-len` must be at least 2, got {seq_len}")
+        if pack_documents not in PACKINGS:
+            raise ValueError(f"`--pack-documents` must be one of {', '.join(PACKINGS)}, got {pack_documents!r}")
+        check_int("--max-documents-per-sequence", max_documents)
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.pack_documents, self.max_documents = pack_documents, max_documents
         self.doc_starts = np.asarray(doc_starts, dtype=np.int64)
         whole = [[0, len(tokens)]]
         self.spans = np.asarray(whole if spans is None else spans, dtype=np.int64).reshape(-1, 2)
@@ -537,12 +670,14 @@ class TokenDataset:
         self.num_tokens = int(self._span_offsets[-1])
         if self.num_tokens == 0:
             raise ValueError("the token stream is empty")
+        self._starts = self.doc_starts if spans is None else _stream_starts(self.doc_starts, self.spans)
         self.num_sequences = -(-self.num_tokens // seq_len)
         self.vocab_size_needed = (int(np.max(tokens)) if max_token_id is None else int(max_token_id)) + 1
         self._epoch_order: tuple[int, torch.Tensor] | None = None
 
-    def sequence(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (ids, labels) of chunk `index`: ids (seq_len,), labels IGNORE at document starts and padding."""
+    def sequence(self, index: int) -> Batch:
+        """Returns (ids, labels, positions) of chunk `index`: ids (seq_len,), labels IGNORE at document starts and
+        padding, positions (seq_len,) within documents in mask packing, else None."""
         start = index * self.seq_len
         ids = torch.zeros(self.seq_len, dtype=torch.long)
         labels = torch.full((self.seq_len,), IGNORE)
@@ -552,13 +687,30 @@ class TokenDataset:
             hi = min(int(self.spans[span, 1]), lo + self.seq_len - filled)
             piece = torch.from_numpy(np.asarray(self.tokens[lo:hi], dtype=np.int64))
             ids[filled : filled + len(piece)] = labels[filled : filled + len(piece)] = piece
-            # a document's first token: a span starts with one; position 0's label is never a target anyway
-            first, last = np.searchsorted(self.doc_starts, [lo + 1 if filled == 0 else lo, hi])
-            labels[torch.from_numpy(self.doc_starts[first:last] - lo + filled)] = IGNORE
             filled, span = filled + len(piece), span + 1
-        return ids, labels
+        first, last = np.searchsorted(self._starts, [start, start + filled])
+        begins = np.asarray(self._starts[first:last]) - start  # documents starting in the chunk
+        labels[torch.from_numpy(begins[begins > 0])] = IGNORE  # position 0's label is never a target anyway
+        if self.pack_documents == "concat":
+            return ids, labels, None
+        starts = torch.zeros(self.seq_len, dtype=torch.bool)
+        starts[torch.from_numpy(np.union1d([0], begins)[: self.max_documents])] = True  # the first chunk token too
+        if filled < self.seq_len:  # padding: a document of its own
+            starts[filled] = True
+        return ids, labels, document_positions(starts[None])[0]
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def joined_documents(self) -> tuple[int, int]:
+        """Returns (documents joined to the one before them by max_documents, chunks holding them); (0, 0) in
+        concat packing, where documents are not kept apart."""
+        if self.pack_documents == "concat":
+            return 0, 0
+        chunks = self._starts // self.seq_len
+        chunk, count = np.unique(chunks, return_counts=True)
+        mid_document = ~np.isin(chunk, chunks[self._starts % self.seq_len == 0])  # its first token continues one
+        over = np.maximum(count + mid_document - self.max_documents, 0)
+        return int(over.sum()), int(np.count_nonzero(over))
+
+    def batch(self, step: int, batch_size: int) -> Batch:
         """Returns the batch of optimizer step `step` (counted from 1, as the training loop does): samples
         (step-1)*batch_size onwards of the seeded epoch-by-epoch order, so every epoch visits each chunk once."""
         if step < 1:
@@ -566,10 +718,12 @@ class TokenDataset:
         first = (step - 1) * batch_size
         return _stack([self.sequence(self._index(first + i)) for i in range(batch_size)])
 
-    def eval_batches(self, n_batches: int = 4, batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, n_batches: int = 4, batch_size: int = 8) -> list[Batch]:
         """Returns the stream's first n_batches x batch_size chunks in order, the same at every evaluation (fewer
-        batches for a shorter stream); rows past its end are padding, IGNORE labels, so every batch is full."""
-        padding = torch.zeros(self.seq_len, dtype=torch.long), torch.full((self.seq_len,), IGNORE)
+        batches for a shorter stream); rows past its end are padding, IGNORE labels (in mask packing one document
+        each), so every batch is full."""
+        positions = torch.arange(self.seq_len) if self.pack_documents == "mask" else None
+        padding = torch.zeros(self.seq_len, dtype=torch.long), torch.full((self.seq_len,), IGNORE), positions
         return [
             _stack([self.sequence(i) if i < self.num_sequences else padding for i in range(first, first + batch_size)])
             for first in range(0, min(n_batches * batch_size, self.num_sequences), batch_size)
@@ -583,8 +737,20 @@ class TokenDataset:
         return int(self._epoch_order[1][within])
 
 
-def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+def _stack(rows: list[Batch]) -> Batch:
+    ids, labels, positions = zip(*rows)
+    return torch.stack(ids), torch.stack(labels), None if positions[0] is None else torch.stack(positions)
+
+
+def _stream_starts(doc_starts: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Returns where the documents of `spans` ((n, 2) ranges of whole documents of the token file) start in the
+    stream that concatenates them."""
+    first, last = np.searchsorted(doc_starts, spans[:, 0]), np.searchsorted(doc_starts, spans[:, 1])
+    counts = last - first
+    span = np.repeat(np.arange(len(spans)), counts)  # the span of each document
+    document = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(first, counts)
+    offsets = np.concatenate(([0], np.cumsum(spans[:, 1] - spans[:, 0])))[:-1]
+    return doc_starts[document] - spans[span, 0] + offsets[span]
 
 
 def split_documents(source: TokenDataset, fraction: float, seed: int = 0) -> tuple[TokenDataset, TokenDataset]:
@@ -610,8 +776,11 @@ def split_documents(source: TokenDataset, fraction: float, seed: int = 0) -> tup
     held_out = np.stack((held_starts, held_ends), axis=1)
     log.info("held out %d of %d documents (%d tokens) for evaluation", k, n, int((held_ends - held_starts).sum()))
     max_id = source.vocab_size_needed - 1
+    packing = {"pack_documents": source.pack_documents, "max_documents": source.max_documents}
     return tuple(
-        TokenDataset(source.tokens, starts, source.seq_len, source.seed, max_id, spans[spans[:, 1] > spans[:, 0]])
+        TokenDataset(
+            source.tokens, starts, source.seq_len, source.seed, max_id, spans[spans[:, 1] > spans[:, 0]], **packing
+        )
         for spans in (train, held_out)
     )
 
@@ -636,16 +805,21 @@ def make_source(
     tokenizer_path: str | Path | None = None,
     text_field: str = "text",
     tokenizer: str | None = None,
+    pack_documents: str = "concat",
+    max_documents: int = MAX_DOCUMENTS,
+    separator: str = "auto",
 ) -> Source:
-    """Returns what `memo train` trains on: the retrieval task without `data_path`, else its packed tokens
-    (see `token_dataset`), checked to come from the run's `tokenizer` (an identity; None: not known)."""
+    """Returns what `memo train` trains on: the retrieval task without `data_path` (one document per sequence:
+    the packing arguments do not apply), else its packed tokens (see `token_dataset`), checked to come from the
+    run's `tokenizer` (an identity; None: not known)."""
     if data_path is None:
         if tokenizer_path is not None:
             raise ValueError("`--tokenizer` applies only with `--data`")
         return RetrievalTask(seq_len, seed)
     if Path(data_path).suffix in TOKEN_SUFFIXES and tokenizer_path is not None:
         raise ValueError(f"`--tokenizer` does not apply to the pre-tokenized {str(data_path)!r}")
-    return token_dataset(data_path, seq_len, seed, tokenizer_path, text_field, tokenizer=tokenizer)
+    packing = {"pack_documents": pack_documents, "max_documents": max_documents, "separator": separator}
+    return token_dataset(data_path, seq_len, seed, tokenizer_path, text_field, tokenizer=tokenizer, **packing)
 
 
 def token_dataset(
@@ -656,25 +830,42 @@ def token_dataset(
     text_field: str = "text",
     flag: str = "--data",
     tokenizer: str | None = None,
+    pack_documents: str = "concat",
+    max_documents: int = MAX_DOCUMENTS,
+    separator: str = "auto",
 ) -> TokenDataset:
-    """Returns the packed tokens of `path`: a .bin token file (with sidecar) or a .npy, memory-mapped, or a
-    .txt/.jsonl/.parquet file or a directory of them, tokenized in memory with `tokenizer_path` (bytes by
-    default; unused by token files). Tokens of another tokenizer than `tokenizer` (the identity of the one the
-    model reads; None: not known) are an error. `flag` names the option in errors."""
+    """Returns the packed tokens of `path` (`TokenDataset`, packed by `pack_documents` and `max_documents`): a
+    .bin token file (with sidecar) or a .npy, memory-mapped, or a .txt/.jsonl/.parquet file or a directory of
+    them, tokenized in memory with `tokenizer_path` (bytes by default; unused by token files), each document
+    bounded by the tokenizer's `separator` (SEPARATORS, `HFTokenizer.separator`). Tokens of another tokenizer
+    than `tokenizer` (the identity of the one the model reads; None: not known), and a token file written with
+    another separator than a `separator` other than auto, are errors. `flag` names the option in errors."""
     path = Path(path)
+    packing = {"pack_documents": pack_documents, "max_documents": max_documents}
     if path.suffix in TOKEN_SUFFIXES:
         tokens, starts, max_id = read_token_file(path, flag, tokenizer)
-        return TokenDataset(tokens, starts, seq_len, seed, max_id)
+        check_separator(path, token_file_separator(path), separator, flag)
+        return TokenDataset(tokens, starts, seq_len, seed, max_id, **packing)
     text_tokenizer = load_tokenizer(tokenizer_path)
     check_tokenizer(path, text_tokenizer.identity, tokenizer, flag)
+    bounds = text_tokenizer.separator(separator)
     starts, chunks, total = [], [], 0
-    for ids in tokenize_documents(text_files(path, flag), text_tokenizer, text_field):
+    for ids in tokenize_documents(text_files(path, flag), text_tokenizer, text_field, bounds):
         starts.append(total)
         chunks.append(np.asarray(ids, dtype=np.int64))
         total += len(ids)
     if total == 0:
         raise ValueError(f"`{flag}` {str(path)!r} holds no text to tokenize")
-    return TokenDataset(np.concatenate(chunks), np.asarray(starts, dtype=np.int64), seq_len, seed)
+    return TokenDataset(np.concatenate(chunks), np.asarray(starts, dtype=np.int64), seq_len, seed, **packing)
+
+
+def separator_kind(path: str | Path, tokenizer_path: str | Path | None = None, separator: str = "auto") -> str | None:
+    """Returns the separator (bos, eos, none) the documents of `--data` `path` carry: what `separator` resolves to
+    with the tokenizer of text (`tokenizer_path`, bytes by default), or a token file's own (None: a .npy does not
+    say)."""
+    if Path(path).suffix in TOKEN_SUFFIXES:
+        return token_file_separator(path)
+    return load_tokenizer(tokenizer_path).separator(separator).kind
 
 
 def check_vocab(source: Source, vocab_size: int, model: str = "") -> None:

@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,11 +34,12 @@ from .. import device as dev
 from .. import parallel
 from ..attention import choose as choose_attention
 from ..cost.estimate import ATTENTION_CHOICES
-from ..cost.flops import model_flops_per_token
+from ..cost.flops import DocumentLengths, model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
 from ..cost.predict import compare, host_pool_bytes, predict_run
 from ..cost.states import States
+from ..documents import attended_tokens
 from ..files import RUN, claim_folder, mark, write_text
 from ..lora import apply_lora
 from ..loss import IGNORE_INDEX, shift_labels
@@ -48,17 +50,29 @@ from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
 from .config import (
+    BEFORE_PACKING,
     INPUTS,
     LAUNCH,
     TrainConfig,
     check_inputs,
     check_same_model,
+    check_same_packing,
     check_same_tokenizer,
     check_token_files,
     model_config,
     run_tokenizer_id,
+    with_packing,
 )
-from .data import RetrievalTask, Source, answer_counts, check_vocab, make_source, split_documents, token_dataset
+from .data import (
+    RetrievalTask,
+    Source,
+    TokenDataset,
+    answer_counts,
+    check_vocab,
+    make_source,
+    split_documents,
+    token_dataset,
+)
 from .lock import RunLock
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
@@ -100,6 +114,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         world = world_size()
         cfg.check_world(world)
+        cfg = cfg if resume else with_packing(cfg)  # saved resolved: a resumed run keeps the packing it saved
         self.mesh: DeviceMesh | None = _mesh(cfg, world)
         self.watch = faults.FaultWatch(faults.connect() if self.mesh else None).start()  # another rank's failure
         self.rank = dist.get_rank() if self.mesh else 0
@@ -116,9 +131,6 @@ class Trainer:
         self.created = []  # directories this run made, deepest first: a start that fails removes them
         try:  # a start that fails (or is signalled) before the first step leaves nothing behind
             self._start(resume)
-            # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL)
-            self.flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, lora=cfg.lora())
-            self.full_flops_per_token = model_flops_per_token(self.model.config, cfg.seq_len, False, cfg.lora())
             self.peak_flops = _peak_flops(self.device)
             self.prediction = self._predict() if self.rank == 0 and self.step < cfg.steps else None  # a run to go
         except BaseException:
@@ -204,19 +216,28 @@ class Trainer:
         and file data `--eval-data` or a `--eval-split` of its documents."""
         cfg = self.cfg
         tokenizer = run_tokenizer_id(cfg)  # every token source must hold this tokenizer's ids
-        source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, tokenizer)
+        packing = {
+            "pack_documents": cfg.packing(),
+            "max_documents": cfg.max_documents_per_sequence,
+            "separator": cfg.document_separator,
+        }
+        source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, tokenizer, **packing)
         if isinstance(source, RetrievalTask):
             return source, source
         if cfg.eval_data is not None:
             held_out = token_dataset(
-                cfg.eval_data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, "--eval-data", tokenizer
+                cfg.eval_data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, "--eval-data", tokenizer, **packing
             )
-            return source, held_out
-        if cfg.eval_split:
-            return split_documents(source, cfg.eval_split, cfg.seed)
+        elif cfg.eval_split:
+            source, held_out = split_documents(source, cfg.eval_split, cfg.seed)
+        else:
+            held_out = None
+            if self.rank == 0:
+                log.warning("no held-out evaluation: give `--eval-data` or `--eval-split` with `--data`")
         if self.rank == 0:
-            log.warning("no held-out evaluation: give `--eval-data` or `--eval-split` with `--data`")
-        return source, None
+            for name, data in (("training", source), ("held-out", held_out)):
+                _log_joined(name, data)
+        return source, held_out
 
     def _agreed(self, path: Path) -> Path:
         """Returns rank 0's `path` on every rank (a run directory named after the time of day)."""
@@ -353,6 +374,7 @@ class Trainer:
             spec,
             States(cfg.lora(), cfg.offload_states),
             _timed_kernel(self.attention),
+            _document_lengths(self.source),
         )
         self._write({"step": self.step, "predicted": predicted})
         return predicted
@@ -389,12 +411,13 @@ class Trainer:
         loss_sum, targets_seen = 0.0, 0
         counts = torch.zeros(2, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            for ids, labels in batches:
+            for ids, labels, positions in batches:
                 count = int((shift_labels(labels) != IGNORE_INDEX).sum())  # over every rank's rows
                 if count == 0:
                     continue
-                ids, targets = self._local(ids, labels)
-                loss_sum += self.model(ids, targets=targets).item() * count  # the mean over every rank's tokens
+                ids, targets, positions = self._local(ids, labels, positions)
+                loss = self.model(ids, targets=targets, positions=positions)
+                loss_sum += loss.item() * count  # the mean over every rank's tokens
                 targets_seen += count
                 if retrieval:
                     counts += answer_counts(self.model, ids, targets)
@@ -407,10 +430,17 @@ class Trainer:
             record["eval_accuracy"] = int(counts[0]) / int(counts[1])
         return record
 
-    def _local(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (input ids, shifted targets) of this rank's part of a global batch, on its device."""
+    def _local(
+        self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Returns (input ids, shifted targets, positions) of this rank's part of a global batch: ids and targets
+        of its rows and tokens on its device, positions (or None) of its rows and every token of them (the
+        attention of a sequence-parallel rank needs every document's bounds), left on the host, where the model
+        reads the documents' bounds from them."""
+        if self.mesh and positions is not None:
+            positions = positions[parallel.shard_of(self.mesh).rows(ids.shape[0])]
         ids, targets = parallel.shard_batch(ids, labels, self.mesh) if self.mesh else (ids, shift_labels(labels))
-        return ids.to(self.device), targets.to(self.device)
+        return ids.to(self.device), targets.to(self.device), positions
 
     def _train_step(self) -> dict:
         cfg, model = self.cfg, self.model
@@ -421,11 +451,12 @@ class Trainer:
         if pooled:
             reset_pool_high_water()
         start = time.perf_counter()
-        ids, labels = self.source.batch(self.step, cfg.batch_size)  # the global batch, the same on every rank
-        micro = list(zip(ids.chunk(cfg.grad_accum), labels.chunk(cfg.grad_accum)))
+        ids, labels, positions = self.source.batch(self.step, cfg.batch_size)  # global, the same on every rank
+        parts = [None] * cfg.grad_accum if positions is None else positions.chunk(cfg.grad_accum)
+        micro = list(zip(ids.chunk(cfg.grad_accum), labels.chunk(cfg.grad_accum), parts))
         # each micro-batch's loss is its own token mean: weighting it by its share of the step's targets makes
         # the step's gradient that of one mean over all its tokens, whatever the split
-        counts = [int((shift_labels(lab) != IGNORE_INDEX).sum()) for _, lab in micro]
+        counts = [int((shift_labels(lab) != IGNORE_INDEX).sum()) for _, lab, _ in micro]
         targets_in_step = sum(counts)
         if targets_in_step == 0:
             raise ValueError(f"step {self.step}: no target tokens in the batch (every label is ignored)")
@@ -435,7 +466,11 @@ class Trainer:
             loss_value, grad_norm = self._update(micro, counts, lr)
         seconds = time.perf_counter() - start
         tokens = cfg.batch_size * cfg.seq_len  # over all ranks
-        flops = self.flops_per_token * tokens / seconds
+        # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL); packed documents
+        # count the attention they need, Σ dᵢ² of this batch rather than s² (flops.MFU_PACKED, MFU_PACKED_FULL)
+        attended = cfg.seq_len if positions is None else attended_tokens(positions)
+        flops = model_flops_per_token(model.config, attended, lora=cfg.lora()) * tokens / seconds
+        full_flops = model_flops_per_token(model.config, attended, False, cfg.lora()) * tokens / seconds
         peak = (self.mesh.size() if self.mesh else 1) * self.peak_flops if self.peak_flops else None  # all ranks
         stats = model.swap_stats()
         record = {
@@ -447,7 +482,7 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "tflops": flops / 1e12,
             "mfu": flops / peak if peak else None,
-            "mfu_full": self.full_flops_per_token * tokens / seconds / peak if peak else None,
+            "mfu_full": full_flops / peak if peak else None,
             "host_pool_bytes": stats.host_pool_bytes,
             "bytes_offloaded": stats.bytes_offloaded,
             "bytes_recomputed": stats.bytes_recomputed,
@@ -456,6 +491,8 @@ class Trainer:
             "tile_tokens": stats.tile_tokens,
             "attention": model.attention_report(),
         }
+        if positions is not None:
+            record["attended_tokens"] = attended  # Σ dᵢ² / tokens: the MFU counts this attention, not s²
         if caching:
             record["device_peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             record["device_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
@@ -469,13 +506,13 @@ class Trainer:
         """Runs forward and backward over the micro-batches and the optimizer step; returns (loss, gradient norm),
         nan for a norm not computed because the loss is not finite (nothing is updated then)."""
         total = torch.zeros((), device=self.device)
-        for index, ((micro_ids, micro_labels), count) in enumerate(zip(micro, counts)):
+        for index, (batch, count) in enumerate(zip(micro, counts)):
             if count == 0:
                 continue
-            local_ids, targets = self._local(micro_ids, micro_labels)
+            local_ids, targets, positions = self._local(*batch)
             # LoRA dropout's masks: a function of seed, step and micro-batch, so a resumed run drops the same
             self.model.dropout_key = (self.cfg.seed * 1_000_003 + self.step) * 1_000_003 + index
-            loss = self.model(local_ids, targets=targets) * (count / sum(counts))
+            loss = self.model(local_ids, targets=targets, positions=positions) * (count / sum(counts))
             loss.backward()
             self.optimizer.accumulate()  # into fp32: a bf16 .grad would round every micro-batch's sum
             total += loss.detach().float()
@@ -529,6 +566,24 @@ class Trainer:
         self.optimizer.load_state_tensors(state)
 
 
+def _document_lengths(source: Source) -> DocumentLengths | None:
+    """Returns the lengths of the documents a mask-packed source trains on (the cost model times their Σ dᵢ²)."""
+    if not isinstance(source, TokenDataset) or source.pack_documents != "mask":
+        return None
+    return DocumentLengths.of_lengths(np.diff(np.append(source.doc_starts, len(source.tokens))), "the training data")
+
+
+def _log_joined(name: str, data: Source | None) -> None:
+    """Logs, once per run and source, how many documents `--max-documents-per-sequence` joins to others."""
+    joined, sequences = data.joined_documents() if isinstance(data, TokenDataset) else (0, 0)
+    if joined:
+        log.warning(
+            "%s data: %d document(s) in %d of %d sequences join the document before them (they attend to it as in "
+            "concat packing): `--max-documents-per-sequence` %d keeps that many apart per sequence",
+            name, joined, sequences, data.num_sequences, data.max_documents,
+        )  # fmt: skip
+
+
 def _arena_record(arena: PlannedAllocator, before: dict) -> dict:
     """Returns a step's planned-allocator metrics: the arena and the LOAD of the step it was planned from, and
     this step's requests served from it, misses (another step shape), collisions avoided, and the most bytes it
@@ -544,7 +599,7 @@ def _arena_record(arena: PlannedAllocator, before: dict) -> dict:
     }
 
 
-BATCH_BYTES_PER_TOKEN = 16  # a batch's int64 token ids and labels
+BATCH_BYTES_PER_TOKEN = 8  # of each int64 tensor of a batch: token ids, labels, and positions in mask packing
 
 
 def sequences_per_rank(cfg: TrainConfig, world: int) -> int:
@@ -568,7 +623,8 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
     if cfg.offload_states:
         need["states"] = _offloaded_states(cfg, device, world, need["host_pool"])
     step_rows, eval_rows = _held_sequences(cfg)
-    need["batch"] = BATCH_BYTES_PER_TOKEN * (step_rows + eval_rows) * cfg.seq_len
+    tensors = 3 if cfg.packing() == "mask" else 2
+    need["batch"] = tensors * BATCH_BYTES_PER_TOKEN * (step_rows + eval_rows) * cfg.seq_len
     hint = ", or `--eval-batches`" if eval_rows > step_rows else ""  # an evaluation's batches outweigh the step's
     free = dev.free_memory_bytes(device)
     on_host = need["host_pool"] + need["batch"]
@@ -668,13 +724,14 @@ def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     recorded = saved.state["config"]
     run = f"run {run_dir}"
     check_inputs(recorded, [name for name in INPUTS if name not in overrides], run)
+    overrides = check_same_packing(overrides, recorded, run)
     if "tokenizer" in overrides:
         check_same_tokenizer(overrides["tokenizer"], recorded, run)
     check_token_files(overrides, recorded)
     if "model" in overrides:
         check_same_model(overrides["model"], checkpoint.saved_model_config(saved.state, Path(run_dir)), run)
     kept = {k: v for k, v in recorded.items() if k not in LAUNCH}  # a 2-node run resumes on one
-    cfg = TrainConfig.from_dict({**kept, **overrides, "out": str(run_dir)}, f"{run_dir}")
+    cfg = TrainConfig.from_dict({**BEFORE_PACKING, **kept, **overrides, "out": str(run_dir)}, f"{run_dir}")
     if cfg.steps < saved.step:  # a target behind the checkpoint: most likely meant as steps to add
         raise ValueError(
             f"`--steps {cfg.steps}` is not past the checkpoint's step {saved.step}: nothing to train; "
