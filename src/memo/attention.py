@@ -26,8 +26,9 @@ fp32. A kernel that refuses a shape at run time falls back to the next one, and 
 Packed documents (`memo.documents`): with `documents` a token attends only within its own document. PyTorch's
 CUDA flash kernel runs them all in one variable-length call (`aten._flash_attention_forward` with cumulative
 lengths over the b·s tokens, as torch.nn.attention.varlen calls it; its LSE is (h, b·s)); every other kernel, and
-the CPU's, runs once per document on that document's rows, which is exact and costs Σ dᵢ² like the variable-length
-kernel. The backward follows the forward's path (aux says which); attention is still never recomputed.
+the CPU's, runs once per run of equal-length neighbouring documents (a batch of them) on their rows, which is
+exact and costs Σ dᵢ² like the variable-length kernel. The backward follows the forward's path (aux says
+which); attention is still never recomputed.
 
 Heads are independent, so a layer may call the kernels on a few heads at a time (`head_chunks`): each call's
 outputs and scratch (the backward's fp32 dq accumulator, its expanded dk and dv under grouped-query attention)
@@ -40,6 +41,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -379,10 +381,10 @@ def _documents_forward(name, q, k, v, scale, documents: Documents):
     out = q.new_empty(q.shape)
     lse = q.new_empty((b, heads, lse_seq_len(s, name)), dtype=torch.float32)
     auxes = []
-    for row, rows in _document_rows(documents, s):
-        part_out, part_lse, part_aux = _FORWARD[name](*(t[row : row + 1, :, rows] for t in (q, k, v)), scale)
-        out[row : row + 1, :, rows].copy_(part_out)
-        lse[row : row + 1, :, rows].copy_(part_lse[..., : rows.stop - rows.start])
+    for run in _runs(documents, s):  # equal-length neighbours of one sequence: one call, as a batch of them
+        part_out, part_lse, part_aux = _FORWARD[name](*(run.of(t) for t in (q, k, v)), scale)
+        run.of(out).copy_(part_out)
+        run.of(lse).copy_(part_lse[..., : run.length])
         auxes.append(part_aux)
     return out, lse, ("per document", tuple(auxes))
 
@@ -399,25 +401,46 @@ def _documents_backward(name, dout, q, k, v, out, lse, aux, scale, documents: Do
         )
         return tuple(_heads(g, b) for g in grads)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for (row, rows), part_aux in zip(_document_rows(documents, s), aux[1]):
-        parts = (t[row : row + 1, :, rows] for t in (dout, q, k, v, out))
-        part_lse = _padded_lse(lse[row : row + 1, :, rows], name)
-        gq, gk, gv = _BACKWARD[name](*parts, part_lse, part_aux, scale)
-        dq[row : row + 1, :, rows].copy_(gq)
-        dk[row : row + 1, :, rows].copy_(gk)
-        dv[row : row + 1, :, rows].copy_(gv)
+    for run, part_aux in zip(_runs(documents, s), aux[1]):
+        parts = (run.of(t) for t in (dout, q, k, v, out))
+        gq, gk, gv = _BACKWARD[name](*parts, _padded_lse(run.of(lse[..., :s]), name), part_aux, scale)
+        for whole, part in zip((dq, dk, dv), (gq, gk, gv)):
+            run.of(whole).copy_(part)
     return dq, dk, dv
 
 
-def _document_rows(documents: Documents, s: int):
-    """Yields (sequence, token rows) of each document of a batch of `s`-token sequences."""
+@dataclass(frozen=True)
+class _Run:
+    """`count` documents of `length` tokens each, one after another from token `start` of sequence `row`."""
+
+    row: int
+    start: int
+    length: int
+    count: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """Returns the run's tokens of `t` (b, h, s[, d]) as a batch of its documents, (count, h, length[, d]): a
+        view, which writes back into `t`."""
+        rows = t[self.row, :, self.start : self.start + self.count * self.length]  # (h, count·length[, d])
+        return rows.unflatten(1, (self.count, self.length)).transpose(0, 1)
+
+
+def _runs(documents: Documents, s: int) -> list[_Run]:
+    """Returns the documents of a batch of `s`-token sequences as runs of equal-length neighbours in one
+    sequence (a kernel call each: sixteen one-token documents are one call, not sixteen)."""
+    runs: list[_Run] = []
     for start, stop in documents.bounds:
-        row = start // s
-        yield row, slice(start - row * s, stop - row * s)
+        row, at, length = start // s, start % s, stop - start
+        last = runs[-1] if runs else None
+        if last and last.row == row and last.length == length and last.start + last.count * length == at:
+            runs[-1] = _Run(row, last.start, length, last.count + 1)
+        else:
+            runs.append(_Run(row, at, length, 1))
+    return runs
 
 
 def _padded_lse(lse: torch.Tensor, name: str) -> torch.Tensor:
-    """Returns one document's LSE (1, h, d) as long as `name`'s kernel wrote it (the efficient one pads to 32)."""
+    """Returns a run's LSE (count, h, d) as long as `name`'s kernel writes it (the efficient one pads to 32)."""
     d = lse.shape[-1]
     if lse_seq_len(d, name) == d:
         return lse
