@@ -383,7 +383,7 @@ def packed_greedy_decode(
             rows.extend(range(end - len(rest) - 1, end))  # the row of the last decoded token, then the draft's
             fed.append(rest)
         ids = torch.cat(docs)[None].to(device)  # (1, Σ doc lengths)
-        positions = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
+        positions = torch.cat([torch.arange(len(d)) for d in docs])[None]  # on the host, where the model reads them
         hidden = model.hidden_states(ids, positions=positions)[0, rows]  # (rows, h)
         predicted = iter((hidden @ model.head_weight.t()).argmax(dim=-1).tolist())
         for k, rest in zip(todo, fed):
@@ -592,7 +592,7 @@ def perplexity_by_position(
         for i in range(data.num_sequences) if sequences is None else sequences:
             ids, labels, positions = data.sequence(i)
             targets = shift_labels(labels[None])  # (1, s): position t predicts token t + 1
-            masked = None if positions is None else positions[None].to(device)
+            masked = None if positions is None else positions[None]  # on the host, where the model reads them
             losses = position_losses(model, ids[None].to(device), targets.to(device), masked)[0].cpu()
             # the predicted token's position; a target is never a document's first token, so it is t's plus one
             predicted = torch.arange(1, data.seq_len + 1) if positions is None else positions + 1  # (s,)
