@@ -352,6 +352,7 @@ def test_eval_split_holds_out_whole_documents_and_packs_both_parts_like_separate
     assert len(held) == 6 and not set(held) & set(kept) and sorted(held + kept) == list(range(60))
     for part, chosen in ((train, kept), (held_out, held)):  # independent reference: pack the documents anew
         assert _stream(part) == _stream(_packed([documents[i] for i in chosen], seq_len=7))
+        assert part.document_lengths().tolist() == [len(documents[i]) for i in chosen]  # its own documents only
     assert train.vocab_size_needed == held_out.vocab_size_needed == 60
 
 

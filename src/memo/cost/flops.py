@@ -24,7 +24,7 @@ import numpy as np
 from ..config import ModelConfig, check_int
 from ..lora import LoraConfig, module_shapes
 from ..policy import PlanProblem, plan_costs, split_row
-from ..train.data import TOKEN_SUFFIXES, read_token_file
+from ..train.data import TOKEN_SUFFIXES, document_lengths, read_token_file
 from ..units import format_count
 
 
@@ -85,7 +85,7 @@ class DocumentLengths:
             tokens, starts, _ = read_token_file(path, flag=flag)
         except ValueError as err:
             raise ValueError(str(err) if f"`{flag}`" in str(err) else f"`{flag}`: {err}") from None
-        return cls.of_lengths(np.diff(np.append(starts, len(tokens))), source=str(path))
+        return cls.of_lengths(document_lengths(starts, len(tokens)), source=str(path))
 
     @property
     def mean_tokens(self) -> float:

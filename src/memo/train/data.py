@@ -565,6 +565,11 @@ def _load_npy(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: not a readable .npy array ({err})") from None
 
 
+def document_lengths(starts: np.ndarray, n_tokens: int) -> np.ndarray:
+    """Returns the length of each document of a stream of `n_tokens` tokens whose documents begin at `starts`."""
+    return np.diff(np.append(starts, n_tokens))
+
+
 def token_file_separator(path: str | Path) -> str | None:
     """Returns the separator (bos, eos, none) a .bin token file's documents were written with, as its sidecar
     records it ("none" for one written before memo added separators); None for a .npy or a missing sidecar."""
@@ -698,6 +703,10 @@ class TokenDataset:
         if filled < self.seq_len:  # padding: a document of its own
             starts[filled] = True
         return ids, labels, document_positions(starts[None])[0]
+
+    def document_lengths(self) -> np.ndarray:
+        """Returns the token count of each document of the stream, in order (a held-out split's are not its)."""
+        return document_lengths(self._starts, self.num_tokens)
 
     def joined_documents(self) -> tuple[int, int]:
         """Returns (documents joined to the one before them by max_documents, chunks holding them); (0, 0) in

@@ -25,7 +25,6 @@ from functools import partial
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -570,7 +569,7 @@ def _document_lengths(source: Source) -> DocumentLengths | None:
     """Returns the lengths of the documents a mask-packed source trains on (the cost model times their Σ dᵢ²)."""
     if not isinstance(source, TokenDataset) or source.pack_documents != "mask":
         return None
-    return DocumentLengths.of_lengths(np.diff(np.append(source.doc_starts, len(source.tokens))), "the training data")
+    return DocumentLengths.of_lengths(source.document_lengths(), "the training data")
 
 
 def _log_joined(name: str, data: Source | None) -> None:
