@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from memo.config import ModelConfig
 from memo.cost.efficiency import published_band
-from memo.cost.estimate import Layout, estimate
+from memo.cost.estimate import Layout, Pricing, estimate
 from memo.cost.flops import counted_flops_per_token
 from memo.cost.hardware import gpu
+from memo.job import Job
 from memo.units import format_count
 
 FA2, MEGATRON, KORTHIKANTI, TORCHTITAN, FOUNDRY, IBM, MEMO = (
@@ -60,8 +61,8 @@ GPT3_1B3, GPT3_2B7 = _gpt(24, 2048, 16, 50257, "gpt3-1.3b"), _gpt(32, 2560, 32, 
 LLAMA2_7B = ModelConfig("llama", 32, 4096, 32, 11008, 32000, name="llama2-7b")
 LLAMA3_8B = ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, name="llama3-8b")
 SHOWN = {"deepspeed": "ZeRO-3/FSDP"}  # the estimate's deepspeed system, as data-parallel runs use it
-DATA_PARALLEL = Layout(recompute="none")  # every GPU a whole sequence, states sharded (ZeRO / FSDP)
-CHECKPOINTED = Layout(recompute="full")
+DATA_PARALLEL = Layout(system="deepspeed", recompute="none")  # every GPU a whole sequence, states sharded (ZeRO / FSDP)
+CHECKPOINTED = Layout(system="deepspeed", recompute="full")
 # Megatron-LM before FlashAttention: its fused softmax over the materialised s x s scores, timed as the
 # standard attention of FlashAttention-2's Fig. 4
 OLD_MEGATRON = {"note": "fused softmax attention", "attention": "standard"}
@@ -77,8 +78,7 @@ class Run:
     gpu: str
     gpus: int
     seq: int
-    system: str  # the estimate's system closest to what the run used
-    layout: Layout
+    layout: Layout  # of the estimate's system closest to what the run used
     published: float  # utilisation in the source's convention, a fraction of the GPU's peak
     convention: str  # cost.flops.PUBLISHED_CONVENTIONS
     note: str = ""
@@ -92,30 +92,37 @@ TRITON = {"note": "FSDP, Triton attention", "attention": "triton"}  # llm-foundr
 H100_TRITON = {"note": "FSDP, Triton attention (unpublished on H100: timed as FlashAttention-2)"}
 FSDP = {"note": "FSDP, SDPA flash"}
 SELECTIVE_OPS = {"note": "FSDP, op-level selective checkpointing: no matmul recomputed"}
+
+
+def _megatron(tp: int, recompute: str = "full") -> Layout:
+    """Returns Megatron-LM's layout of `tp`-way tensor parallelism (no context parallelism)."""
+    return Layout(system="megatron", tp=tp, recompute=recompute)
+
+
 # fmt: off
-RUNS = [  # source, model, GPU, GPUs, length, system, layout, published utilisation, convention, extra
-    Run(FA2, GPT3_1B3, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 196 / 312, "6N"),
-    Run(FA2, GPT3_1B3, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 220 / 312, "6N"),
-    Run(FA2, GPT3_2B7, A100, 8, 2048, "deepspeed", DATA_PARALLEL, 205 / 312, "6N", note="heads 32 or 20"),
-    Run(FA2, GPT3_2B7, A100, 8, 8192, "deepspeed", DATA_PARALLEL, 225 / 312, "6N"),
-    Run(MEGATRON, _gpt(24, 2304, 24, 51200), A100, 32, 2048, "megatron", Layout(1), 137 / 312, EQ3, **OLD_MEGATRON),
-    Run(MEGATRON, _gpt(30, 3072, 32, 51200), A100, 64, 2048, "megatron", Layout(2), 138 / 312, EQ3, **OLD_MEGATRON),
-    Run(MEGATRON, _gpt(36, 4096, 32, 51200), A100, 128, 2048, "megatron", Layout(4), 142 / 312, EQ3, **OLD_MEGATRON),
-    Run(MEGATRON, _gpt(40, 6144, 48, 51200), A100, 256, 2048, "megatron", Layout(8), 135 / 312, EQ3, **OLD_MEGATRON),
-    Run(KORTHIKANTI, _gpt(48, 6144, 64, 51200), A100, 8, 2048, "megatron", Layout(8, recompute="selective"), 0.415,
+RUNS = [  # source, model, GPU, GPUs, length, layout, published utilisation, convention, extra
+    Run(FA2, GPT3_1B3, A100, 8, 2048, DATA_PARALLEL, 196 / 312, "6N"),
+    Run(FA2, GPT3_1B3, A100, 8, 8192, DATA_PARALLEL, 220 / 312, "6N"),
+    Run(FA2, GPT3_2B7, A100, 8, 2048, DATA_PARALLEL, 205 / 312, "6N", note="heads 32 or 20"),
+    Run(FA2, GPT3_2B7, A100, 8, 8192, DATA_PARALLEL, 225 / 312, "6N"),
+    Run(MEGATRON, _gpt(24, 2304, 24, 51200), A100, 32, 2048, _megatron(1), 137 / 312, EQ3, **OLD_MEGATRON),
+    Run(MEGATRON, _gpt(30, 3072, 32, 51200), A100, 64, 2048, _megatron(2), 138 / 312, EQ3, **OLD_MEGATRON),
+    Run(MEGATRON, _gpt(36, 4096, 32, 51200), A100, 128, 2048, _megatron(4), 142 / 312, EQ3, **OLD_MEGATRON),
+    Run(MEGATRON, _gpt(40, 6144, 48, 51200), A100, 256, 2048, _megatron(8), 135 / 312, EQ3, **OLD_MEGATRON),
+    Run(KORTHIKANTI, _gpt(48, 6144, 64, 51200), A100, 8, 2048, _megatron(8, "selective"), 0.415,
         "full", note="22B, sequence parallel, fused softmax attention", micro_batch=4, attention="standard"),
-    Run(TORCHTITAN, LLAMA3_8B, A100, 64, 8192, "deepspeed", DATA_PARALLEL, 0.582, "6N", **SELECTIVE_OPS),
-    Run(FOUNDRY, MPT_7B, A100, 8, 65536, "deepspeed", CHECKPOINTED, 0.4697, "6N", **TRITON),
-    Run(FOUNDRY, MPT_7B, A100, 8, 32768, "deepspeed", CHECKPOINTED, 0.4946, "6N", micro_batch=2, **TRITON),
-    Run(FOUNDRY, MPT_7B, A100, 8, 8192, "deepspeed", CHECKPOINTED, 0.5447, "6N", micro_batch=8, **TRITON),
-    Run(FOUNDRY, MPT_13B, A100, 8, 32768, "deepspeed", CHECKPOINTED, 0.5169, "6N", **TRITON),
-    Run(FOUNDRY, MPT_1B, A100, 8, 32768, "deepspeed", DATA_PARALLEL, 0.5552, "6N", **TRITON),
-    Run(FOUNDRY, MPT_7B, H100, 8, 65536, "deepspeed", CHECKPOINTED, 0.2859, "6N", **H100_TRITON),
-    Run(FOUNDRY, MPT_7B, H100, 8, 8192, "deepspeed", CHECKPOINTED, 0.3714, "6N", micro_batch=8, **H100_TRITON),
-    Run(FOUNDRY, MPT_7B, H100, 128, 2048, "deepspeed", DATA_PARALLEL, 0.4571, "6N", micro_batch=6, **H100_TRITON),
-    Run(IBM, LLAMA2_7B, A100, 128, 4096, "deepspeed", DATA_PARALLEL, 0.57, "6N", micro_batch=2, **FSDP),
-    Run(IBM, LLAMA2_7B, H100, 96, 4096, "deepspeed", DATA_PARALLEL, 0.37, "6N", micro_batch=2, **FSDP),
-    Run(MEMO, ModelConfig.preset("gpt-7b"), A800, 8, 1 << 20, "memo", Layout(ulysses=8, recompute="memo"), 0.523,
+    Run(TORCHTITAN, LLAMA3_8B, A100, 64, 8192, DATA_PARALLEL, 0.582, "6N", **SELECTIVE_OPS),
+    Run(FOUNDRY, MPT_7B, A100, 8, 65536, CHECKPOINTED, 0.4697, "6N", **TRITON),
+    Run(FOUNDRY, MPT_7B, A100, 8, 32768, CHECKPOINTED, 0.4946, "6N", micro_batch=2, **TRITON),
+    Run(FOUNDRY, MPT_7B, A100, 8, 8192, CHECKPOINTED, 0.5447, "6N", micro_batch=8, **TRITON),
+    Run(FOUNDRY, MPT_13B, A100, 8, 32768, CHECKPOINTED, 0.5169, "6N", **TRITON),
+    Run(FOUNDRY, MPT_1B, A100, 8, 32768, DATA_PARALLEL, 0.5552, "6N", **TRITON),
+    Run(FOUNDRY, MPT_7B, H100, 8, 65536, CHECKPOINTED, 0.2859, "6N", **H100_TRITON),
+    Run(FOUNDRY, MPT_7B, H100, 8, 8192, CHECKPOINTED, 0.3714, "6N", micro_batch=8, **H100_TRITON),
+    Run(FOUNDRY, MPT_7B, H100, 128, 2048, DATA_PARALLEL, 0.4571, "6N", micro_batch=6, **H100_TRITON),
+    Run(IBM, LLAMA2_7B, A100, 128, 4096, DATA_PARALLEL, 0.57, "6N", micro_batch=2, **FSDP),
+    Run(IBM, LLAMA2_7B, H100, 96, 4096, DATA_PARALLEL, 0.37, "6N", micro_batch=2, **FSDP),
+    Run(MEMO, ModelConfig.preset("gpt-7b"), A800, 8, 1 << 20, Layout(ulysses=8, recompute="memo"), 0.523,
         "causal", note="convention inferred: counting the full matrix would pass 100%"),
 ]
 # fmt: on
@@ -126,7 +133,8 @@ def predict(run: Run) -> dict:
     spec, lay = gpu(run.gpu), run.layout
     heads = run.micro_batch * run.model.n_heads // (lay.tp * lay.ulysses)
     band = published_band(spec, run.model, run.seq // lay.cp, heads, run.attention)
-    e = estimate(run.model, run.seq, run.gpus, spec, run.system, eff=band, layout=lay, micro_batch=run.micro_batch)
+    job = Job(model=run.model, seq=run.seq, micro_batch=run.micro_batch, gpus=run.gpus)
+    e = estimate(job, spec, lay.system, Pricing(band=band), layout=lay)
     per_gpu = e.tokens_per_s / run.gpus
     counted = counted_flops_per_token(run.model, run.seq, run.convention)
     predicted = counted * per_gpu / spec.peak_flops
@@ -136,7 +144,7 @@ def predict(run: Run) -> dict:
         "model": f"{run.model.name} ({run.model.num_parameters() / 1e9:.1f}B)",
         "gpus": f"{run.gpus}x {run.gpu}",
         "seq": run.seq,
-        "layout": f"{SHOWN.get(run.system, run.system)}: {run.layout}",
+        "layout": f"{SHOWN.get(lay.system, lay.system)}: {lay}",
         "convention": run.convention,
         "published": run.published,
         "predicted": predicted,

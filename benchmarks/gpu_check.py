@@ -93,10 +93,10 @@ ROW = "gpu_check row: "  # a section's progress line, relayed to stdout by the p
 LOG_CAP = 2 << 20  # bytes of a log kept (its head and tail): the sanitizer can print a stack per access
 RESULTS_CAP = 100 << 20  # the results file and its logs together
 POLL_S = 0.5
-# the test files that honour MEMO_TEST_DEVICE or need CUDA: streams, swap, the arena, layer gradients, attention
+# the test files that honour MEMO_TEST_DEVICE or need CUDA: streams, swap, the phase planner, layer gradients, attention
 STEP_PEAKS = ("device_peak_reserved", "device_peak_allocated")  # a caching-allocator step's, in its record
 # (test_offload_states and the rest of test_host_memory run CPU ranks only: minutes of a 100 s box for nothing)
-CUDA_TESTS = ("tests/test_layer_gradients.py", "tests/test_documents.py", "tests/test_arena.py")
+CUDA_TESTS = ("tests/test_layer_gradients.py", "tests/test_documents.py", "tests/test_phases.py")
 CUDA_TESTS += ("tests/test_attention.py",)
 CUDA_TESTS += ("tests/test_host_memory.py", "-k")
 CUDA_TESTS += ("not test_ranks_copy_together and not cgroup and not transformers",)  # transformers runs on CPU
@@ -961,10 +961,11 @@ def predicted_step(ctx: Context, model, seq: int, row: dict) -> dict:
     the traced transient peak against the row's peak above the weights, less the weight gradients)."""
     from memo.cost.estimate import estimate
     from memo.cost.hardware import GPUS
+    from memo.job import Job
 
     found = _strategies().gpu_spec(ctx.device)
     name, spec = found or ("H200", GPUS["H200"])
-    predicted = estimate(model.config, seq, 1, spec, "memo")
+    predicted = estimate(Job(model=model.config, seq=seq), spec, "memo")
     step_s = predicted.step_seconds - predicted.seconds.get("optimizer", 0.0)
     result = {
         "spec": name if found else f"{name} (assumed: this device is not in memo.cost.hardware.GPUS)",

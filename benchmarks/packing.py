@@ -40,9 +40,11 @@ def step_times(preset: str, seq: int, doc: int, steps: int) -> tuple[float, floa
     """Median step seconds of (one document, packed documents of `doc` tokens), their steps alternated."""
     import torch
 
+    from memo.loss import IGNORE_INDEX
+
     _, model, ids = _model(preset, seq)
     positions = (torch.arange(seq) % doc)[None]  # documents of `doc` tokens, the last one shorter
-    labels = ids.masked_fill(positions == 0, -100)
+    labels = ids.masked_fill(positions == 0, IGNORE_INDEX)
     times: list[list[float]] = [[], []]
     for _ in range(steps):
         for spent, packed in zip(times, (None, positions)):

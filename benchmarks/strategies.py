@@ -1,6 +1,6 @@
 """Step time and activation memory of MEMO's strategies against what users run today, in one run.
 
-Rows: memo.Transformer with strategies none / full / memo (α), memo with the planned arena (§5), memo
+Rows: memo.Transformer with strategies none / full / memo (α), memo with the phase planner (§5), memo
 offloading every layer whole (α = 1, last layers too), and the plain-autograd reference model (same weights,
 PyTorch's flash SDPA) under no wrapper, `torch.utils.checkpoint` per layer, and
 `torch.autograd.graph.save_on_cpu`. Every row computes its loss with memo's chunked cross-entropy
@@ -44,12 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from memo import ActivationPolicy, ModelConfig, Transformer  # noqa: E402
 from memo.cost.flops import MFU_CAUSAL, MFU_FULL, model_flops_per_token  # noqa: E402
 from memo.cost.hardware import GPUSpec, gpu_of  # noqa: E402
+from memo.device import DTYPES  # noqa: E402
 from memo.loss import shift_labels, target_cross_entropy  # noqa: E402
+from memo.plan.phases import attach  # noqa: E402
 from memo.reference import ReferenceTransformer  # noqa: E402
 from memo.swap import make_store  # noqa: E402
 from memo.units import parse_size  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MFU_CONVENTION = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL}  # memo.cost.flops; recomputation is not counted
 
 
@@ -138,10 +139,10 @@ def _checkpointed(layer, x):
     return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
 
 
-def _memo_row(policy: ActivationPolicy, setup: Setup, arena: bool = False):
+def _memo_row(policy: ActivationPolicy, setup: Setup, phases: bool = False):
     model = built(lambda: Transformer(setup.cfg, policy), setup)
-    if arena:
-        model.plan_memory()
+    if phases:
+        attach(model)
     return model, functools.partial(_memo_step, model)
 
 
@@ -159,7 +160,10 @@ def row_builders(alpha: str) -> list[tuple[str, object]]:
         ("memo none", functools.partial(_memo_row, ActivationPolicy("none"))),
         ("memo full", functools.partial(_memo_row, ActivationPolicy("full"))),
         (f"memo alpha={alpha}", functools.partial(_memo_row, ActivationPolicy("memo", alpha=a))),
-        (f"memo alpha={alpha} + arena", functools.partial(_memo_row, ActivationPolicy("memo", alpha=a), arena=True)),
+        (
+            f"memo alpha={alpha} + phase planner",
+            functools.partial(_memo_row, ActivationPolicy("memo", alpha=a), phases=True),
+        ),
         ("memo offload-all", functools.partial(_memo_row, offload_all)),
         ("autograd (reference)", _ref_row),
         ("torch.utils.checkpoint", functools.partial(_ref_row, block=_checkpointed)),
@@ -322,8 +326,8 @@ def measure_memory(step, model, ids) -> tuple[int, int]:
     _run(step, model, ids, ids.device)
     if isinstance(model, Transformer):
         model.store = make_store(model.policy, model.config.n_layers)
-        if model.layers[0].arena is not None:
-            model.layers[0].arena.buffer = None  # the arena too is allocated inside the measured step
+        if model.layers[0].phases is not None:
+            model.layers[0].phases.buffer = None  # the phase planner's buffer too is allocated inside the measured step
     with RssPeak() as mem:
         host = _run(step, model, ids, ids.device)
     return max(mem.peak - host, 0), host
@@ -366,7 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--alpha", default="0.5", help="memo alpha, or 'auto' to solve it")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))  # trained: no float16
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--memory-row", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -29,7 +29,8 @@ ESTIMATES = {
 }
 TRAINS = {
     "train-predicted-default": "--steps 1",
-    "train-predicted-lora-plan": "--steps 1 --lora-rank 4 --plan checkpoint,memo,memo,keep --alpha 0.3 --dtype bfloat16",
+    "train-predicted-lora-plan": "--steps 1 --lora-rank 4 --plan checkpoint,memo,memo,keep --alpha 0.3 "
+    "--dtype bfloat16",
 }
 FIRST_LOSSES = 5
 

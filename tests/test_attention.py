@@ -1,7 +1,7 @@
 """Attention kernels: the choice follows the kernel a tensor stands for (`meta_kernels`), so a meta trace of a GPU
 step has the GPU kernels' shapes (the efficient kernel's padded LSE, flash's native grouped-query heads); and every
 kernel's Python path (flash, cuDNN, FlashAttention-4, memory-efficient) gives the reference's output and gradients
-through CPU kernels that stand in for CUDA's, alone, in whole models, under the arena and when one refuses."""
+through CPU kernels that stand in for CUDA's, alone, in whole models, under the phase planner and when one refuses."""
 
 import dataclasses
 import sys
@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memo import ActivationPolicy, ModelConfig, Transformer, attention
 from memo.device import meta_kernels
 from memo.documents import Documents
+from memo.plan.phases import attach
 from memo.reference import ReferenceTransformer
 
 aten = torch.ops.aten
@@ -345,17 +346,17 @@ def test_meta_traces_of_a_cuda_step_run_the_chosen_kernel(monkeypatch, kernel, o
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "fa4", "efficient"])
-def test_the_arena_plans_and_replays_a_step_on_every_kernel(cuda_like_attention, kernel):
+def test_the_phase_planner_plans_and_replays_a_step_on_every_kernel(cuda_like_attention, kernel):
     config, policy = ModelConfig.preset("tiny"), ActivationPolicy("memo", alpha=0.5, attention=kernel)
     plain, planned = Transformer(config, policy), Transformer(config, policy)
     planned.load_state_dict(plain.state_dict())
-    arena = planned.plan_memory()
+    planner = attach(planned)
     ids = torch.randint(0, 256, (1, 24))
     for _ in range(2):  # the second step runs the planned phases
         for model in (plain, planned):
             model.zero_grad()
             model(ids, labels=ids).backward()
-    assert arena.plans and not arena.unplanned
+    assert planner.plans and not planner.unplanned
     assert planned.attention_report() == kernel
     for (name, p), q in zip(plain.named_parameters(), planned.parameters()):
         assert torch.equal(p.grad, q.grad), name

@@ -20,6 +20,7 @@ from memo.cost.efficiency import (
 from memo.cost.estimate import (
     SYSTEMS,
     Layout,
+    Pricing,
     _compute_seconds,
     _loss_peak,
     _step_seconds,
@@ -29,7 +30,7 @@ from memo.cost.estimate import (
     max_seq,
     max_seq_range,
 )
-from memo.cost.flops import MFU_PACKED, DocumentLengths, model_flops_per_token
+from memo.cost.flops import MFU_PACKED, model_flops_per_token
 from memo.cost.hardware import GPUS, gpu, load_gpus
 from memo.cost.memory import (
     Traced,
@@ -39,10 +40,12 @@ from memo.cost.memory import (
     traced_transient_peak,
     traffic_bytes,
 )
-from memo.cost.states import CPU_ADAM_SECONDS_PER_PARAM, States, root_parameters, trained
+from memo.cost.states import CPU_ADAM_SECONDS_PER_PARAM, root_parameters, trained
 from memo.cost.states import device_bytes as state_device_bytes
 from memo.cost.states import host_bytes as state_host_bytes
 from memo.device import meta_kernels
+from memo.documents import DocumentLengths
+from memo.job import Job
 from memo.lora import LoraConfig, apply_lora, module_shapes
 from memo.plan.caching_sim import replay
 from memo.plan.trace import SCRATCH, Tracer, trace, trace_iteration
@@ -99,20 +102,21 @@ def test_memory_model_matches_a_traced_first_step_on_meta(strategy):
 
 # the layout memo's search picks for gpt-7b at 1M on 8 A800 (the search itself: test_longest_sequence_...)
 ULYSSES8 = Layout(ulysses=8, recompute="memo")
+GPT7B_1M = Job(model=GPT7B, seq=1 << 20, gpus=8)
 
 
 def test_memo_fits_one_million_tokens_of_gpt7b_on_8_a800_where_full_recompute_does_not():
-    memo_est = estimate(GPT7B, 1 << 20, 8, A800, "memo", layout=ULYSSES8)
+    memo_est = estimate(GPT7B_1M, A800, "memo", layout=ULYSSES8)
     assert memo_est.fits and 0 < memo_est.alphas[0] < 1
     for system in ("megatron", "deepspeed"):
-        est = estimate(GPT7B, 1 << 20, 8, A800, system)
+        est = estimate(GPT7B_1M, A800, system)
         assert not est.fits and est.why.startswith("device memory")
-    offload_all = estimate(GPT7B, 1 << 20, 8, A800, "offload-all")
+    offload_all = estimate(GPT7B_1M, A800, "offload-all")
     assert not offload_all.fits and offload_all.why.startswith("host memory")
 
 
 def test_alpha_meets_the_host_budget_when_it_binds():
-    est = estimate(GPT7B, 1 << 20, 8, A800, "memo", layout=ULYSSES8)
+    est = estimate(GPT7B_1M, A800, "memo", layout=ULYSSES8)
     # within the room the solver leaves for each host slot's alignment
     assert est.host_bytes_per_node <= est.host_capacity_per_node
     assert est.host_bytes_per_node == pytest.approx(est.host_capacity_per_node, rel=1e-4)
@@ -120,13 +124,14 @@ def test_alpha_meets_the_host_budget_when_it_binds():
 
 def test_alpha_meets_copy_time_exactly_when_bandwidth_binds():
     slow = dataclasses.replace(A800, host_link_bytes_per_s=8e9)
-    est = estimate(GPT7B, 256 * 1024, 8, slow, "memo", layout=ULYSSES8)
+    est = estimate(Job(model=GPT7B, seq=256 * 1024, gpus=8), slow, "memo", layout=ULYSSES8)
     assert 0 < est.alphas[0] < 1 and est.seconds["exposed_copy"] == pytest.approx(0, abs=1e-6)
     tokens = est.seq // est.sp
     b = skeletal_bytes(GPT7B, tokens)
     eff = Efficiency(**{k: v for k, v in est.efficiency.items() if k != "source"})
     copy = (b["input"] + b["attention"] + est.alphas[0] * b["other"]) / (8e9 * eff.host_link / slow.host_link_shared_by)
-    assert copy == pytest.approx(_compute_seconds(GPT7B, est.seq, tokens, slow, eff)["forward"], rel=1e-6)
+    job = Job(model=GPT7B, seq=est.seq, gpus=8)
+    assert copy == pytest.approx(_compute_seconds(job, tokens, slow, eff)["forward"], rel=1e-6)
 
 
 # a small GPU and host keep the longest lengths short, so the traces are quick; the search is the same at any size
@@ -135,11 +140,11 @@ LLAMA1B = ModelConfig.preset("llama3.2-1b")
 
 
 def test_longest_sequence_ranks_memo_above_the_baselines():
-    small, model = SMALL, LLAMA1B
-    found = {s: max_seq(model, 8, small, s, sp=8) for s in ("memo", "megatron", "offload-all")}
+    small, job = SMALL, Job(model=LLAMA1B, seq=8 * 1024, gpus=8, sp=8)  # max_seq reads no `seq`
+    found = {s: max_seq(job, small, s) for s in ("memo", "megatron", "offload-all")}
     assert found["memo"].tokens > found["megatron"].tokens > found["offload-all"].tokens > 0
-    assert estimate(model, found["memo"].tokens, 8, small, "memo", sp=8).fits
-    longer = estimate(model, found["memo"].tokens + 8 * 1024, 8, small, "memo", sp=8)
+    assert estimate(job.at(found["memo"].tokens), small, "memo").fits
+    longer = estimate(job.at(found["memo"].tokens + 8 * 1024), small, "memo")
     assert not longer.fits and longer.why == found["memo"].why_not
     assert found["offload-all"].why_not.startswith("host memory")
 
@@ -155,15 +160,17 @@ def test_longest_sequence_ranks_memo_above_the_baselines():
 def test_impossible_settings_are_clear_errors(kwargs, message):
     args = {"seq": 1 << 20, "gpus": 8, "system": "memo", "sp": None, **kwargs}
     with pytest.raises(ValueError, match=message):
-        estimate(GPT7B, args["seq"], args["gpus"], A800, args["system"], args["sp"])
+        estimate(Job(model=GPT7B, seq=args["seq"], gpus=args["gpus"], sp=args["sp"]), A800, args["system"])
 
 
 def test_a_layout_one_system_cannot_run_is_reported_not_raised():
     gpt13b = ModelConfig.preset("gpt-13b")  # 40 heads: Ulysses cannot split them over 16 GPUs, Megatron (tp=8) can
-    ulysses = estimate(gpt13b, 1 << 20, 16, A800, "memo", sp=16)
+    split16 = Job(model=gpt13b, seq=1 << 20, gpus=16, sp=16)
+    ulysses = estimate(split16, A800, "memo")
     assert not ulysses.fits and "40 attention heads cannot be split over 16 GPUs" in ulysses.why
-    assert estimate(gpt13b, 1 << 20, 16, A800, "megatron", sp=16).why != ulysses.why
-    searched = estimate(gpt13b, 1 << 18, 16, A800, "memo")  # without --sp: Ulysses over 8, two sequences at once
+    assert estimate(split16, A800, "megatron").why != ulysses.why
+    # without --sp: Ulysses over 8, two sequences at once
+    searched = estimate(Job(model=gpt13b, seq=1 << 18, gpus=16), A800, "memo")
     assert searched.sp == 8 and searched.layout.startswith("ulysses=8")
 
 
@@ -300,11 +307,12 @@ H100 = GPUS["H100-SXM"]
 
 
 def test_shorter_documents_shorten_attention_not_matmuls_nor_memory():
-    tiny, seq, layout = ModelConfig.preset("tiny"), 16384, Layout(recompute="full")
+    tiny, seq, layout = ModelConfig.preset("tiny"), 16384, Layout(system="deepspeed", recompute="full")
     eff = published_band(H100, tiny, seq, tiny.n_heads)  # one efficiency for all: seconds scale with FLOPs
     runs = [None, 4096, 1024, 256, 1]
     packed = [n and DocumentLengths(n) for n in runs]
-    es = [estimate(tiny, seq, 1, H100, "deepspeed", eff=eff, layout=layout, documents=d) for d in packed]
+    pricing = Pricing(band=eff)
+    es = [estimate(Job(model=tiny, seq=seq, documents=d), H100, "deepspeed", pricing, layout) for d in packed]
     whole = es[0]
     for n, e in zip(runs[1:], es[1:]):
         fraction = DocumentLengths(n).squares(seq) / seq**2
@@ -322,9 +330,9 @@ def test_shorter_documents_shorten_attention_not_matmuls_nor_memory():
 
 def test_packed_attention_runs_at_the_published_speed_of_the_documents_length():
     tiny, seq = ModelConfig.preset("tiny"), 16384
-    layout = Layout(recompute="full")
+    layout = Layout(system="deepspeed", recompute="full")
     for n, length in [(None, seq), (1024, 1024), (2048, 2048), (100, 512)]:  # below 512: the shortest published
-        e = estimate(tiny, seq, 1, H100, "deepspeed", layout=layout, documents=n and DocumentLengths(n))
+        e = estimate(Job(model=tiny, seq=seq, documents=n and DocumentLengths(n)), H100, "deepspeed", layout=layout)
         kernel = "flash" if n else "cudnn"  # "auto" on H100: cuDNN, but flash's one call over packed documents
         assert e.attention_kernel == kernel
         band = published_band(H100, tiny, seq, tiny.n_heads, kernel, rows=seq, length=length)
@@ -379,13 +387,13 @@ def test_estimate_cli_sweeps_and_searches_lengths_of_packed_documents(capsys, mo
     assert "| seq | E[Σd²]/s² | memo MFU |" in out and "| 32K | 3.125% |" in out and f"MFU: {MFU_PACKED}" in out
     asked = {}
 
-    def longest(*args, **kwargs):
-        asked.update(kwargs)
+    def longest(job, *args, **kwargs):
+        asked["job"] = job
         return {"low": 1024, "mid": 2048, "high": 4096, "why_not": "device memory", "attention_kernel": "cudnn"}
 
     monkeypatch.setattr("memo.cli.max_seq_range", longest)
     assert main([*argv, "--max-seq", "--mean-document-tokens", "2K"]) == 0
-    assert asked["documents"] == DocumentLengths(2048)
+    assert asked["job"].documents == DocumentLengths(2048)
     assert "packed documents of 2K tokens: memory per token as unpacked" in capsys.readouterr().out
 
 
@@ -516,17 +524,18 @@ def _ulysses_loss(logits, targets):
 
 
 @pytest.mark.parametrize(
-    "system, layout, loss",
+    "layout, loss",
     [
-        ("megatron", Layout(8), _megatron_loss),
-        ("deepspeed", Layout(ulysses=8), _ulysses_loss),
+        (Layout(system="megatron", tp=8), _megatron_loss),
+        (Layout(system="deepspeed", ulysses=8), _ulysses_loss),
     ],
+    ids=["megatron", "deepspeed"],
 )
-def test_materialised_loss_term_against_a_traced_loss(system, layout, loss):
+def test_materialised_loss_term_against_a_traced_loss(layout, loss):
     cfg, tokens = ModelConfig.preset("tiny-gpt"), 2048
     traced = _traced_loss_peak(loss, tokens, cfg)
     hidden = 2 * tokens * cfg.hidden_size * 2  # the final hidden state and its norm
-    modelled = _loss_peak(cfg, tokens, system, layout) - hidden
+    modelled = _loss_peak(cfg, tokens, layout) - hidden
     assert modelled == pytest.approx(traced, rel=0.05)
 
 
@@ -563,10 +572,10 @@ def test_memory_bound_traffic_extrapolates_to_a_deeper_model():
 @pytest.mark.parametrize("preset, gpus", [("gpt-13b", 16), ("llama3-8b", 16), ("gpt-7b", 8)])
 def test_layout_search_returns_only_layouts_the_system_supports(system, preset, gpus):
     cfg, seq = ModelConfig.preset(preset), 1 << 20
-    found = layouts(cfg, seq, gpus, A800, system)
+    found = layouts(Job(model=cfg, seq=seq, gpus=gpus), A800, system)
     assert found and len(set(found)) == len(found)
     for lay in found:
-        assert gpus % lay.sp == 0 and seq % lay.sp == 0
+        assert lay.system == system and gpus % lay.sp == 0 and seq % lay.sp == 0
         if system == "megatron":
             assert lay.ulysses == 1 and lay.tp <= A800.gpus_per_node
             assert cfg.n_heads % lay.tp == 0 and cfg.n_kv_heads % lay.tp == 0
@@ -576,26 +585,27 @@ def test_layout_search_returns_only_layouts_the_system_supports(system, preset, 
             assert lay.tp == lay.cp == 1 and cfg.n_heads % lay.ulysses == 0
             if system == "deepspeed":
                 assert cfg.n_kv_heads % lay.ulysses == 0 and lay.recompute in ("none", "full")
-    assert all(lay.sp == 4 for lay in layouts(cfg, seq, gpus, A800, system, sp=4))
+    assert all(lay.sp == 4 for lay in layouts(Job(model=cfg, seq=seq, gpus=gpus, sp=4), A800, system))
 
 
 def test_the_estimate_keeps_the_fastest_layout_that_fits():
-    best = estimate(GPT7B, 256 * 1024, 8, A800, "megatron")
-    for lay in layouts(GPT7B, 256 * 1024, 8, A800, "megatron"):
-        other = estimate(GPT7B, 256 * 1024, 8, A800, "megatron", layout=lay)
+    job = Job(model=GPT7B, seq=256 * 1024, gpus=8)
+    best = estimate(job, A800, "megatron")
+    for lay in layouts(job, A800, "megatron"):
+        other = estimate(job, A800, "megatron", layout=lay)
         assert not other.fits or other.tokens_per_s <= best.tokens_per_s
     assert best.fits and best.layout
 
 
 def test_every_prediction_has_a_range_and_names_its_dominant_term():
-    est = estimate(GPT7B, 1 << 20, 8, A800, "memo", layout=ULYSSES8)
+    est = estimate(GPT7B_1M, A800, "memo", layout=ULYSSES8)
     for key in ("step_seconds", "tokens_per_s", "mfu"):
         low, high = est.ranges[key]
         assert low < high
     assert est.ranges["mfu"][0] < est.mfu < est.ranges["mfu"][1]
     assert est.dominant.endswith("attention") and int(est.dominant.split("%")[0]) > 90
     assert "FlashAttention-2" in est.efficiency["source"]
-    found = max_seq_range(LLAMA1B, 8, SMALL, "memo", sp=8)
+    found = max_seq_range(Job(model=LLAMA1B, seq=8 * 1024, gpus=8, sp=8), SMALL, "memo")
     assert 0 < found["low"] <= found["mid"] <= found["high"]
 
 
@@ -657,7 +667,7 @@ def test_a_kernel_without_published_speeds_on_a_gpu_is_refused(gpu_name, kernel,
     with pytest.raises(ValueError, match=re.escape(message)):
         published_band(spec, GPT7B, 16384, 32, kernel)
     with pytest.raises(ValueError, match="`--attention` must be one of auto, flash, cudnn, fa4, efficient"):
-        estimate(GPT7B, 1 << 20, 8, spec, "memo", attention="flash3")
+        estimate(Job(model=GPT7B, seq=1 << 20, gpus=8, attention="flash3"), spec, "memo")
 
 
 def test_hopper_kernels_shorten_the_step_at_1m_tokens():
@@ -666,7 +676,7 @@ def test_hopper_kernels_shorten_the_step_at_1m_tokens():
     steps = {}
     for kernel in ("flash", "cudnn", "fa4"):
         eff = published_band(h100, llama, seq, llama.n_heads // 8, kernel, rows=16384).mid
-        steps[kernel] = sum(_step_seconds(llama, seq, seq // 8, "memo", 8, layout, h100, eff, None).values())
+        steps[kernel] = sum(_step_seconds(Job(model=llama, seq=seq, gpus=8), layout, h100, eff, None).values())
     assert steps["fa4"] < steps["cudnn"] < steps["flash"]
 
 
@@ -688,12 +698,14 @@ def test_estimate_names_its_attention_kernel_in_the_table_and_the_json(tmp_path,
 
 def test_device_terms_of_each_system():
     seq = 256 * 1024
-    megatron = device_bytes(GPT7B, seq, 8, "megatron", Layout(tp=4, cp=2, recompute="full"))
+    job = Job(model=GPT7B, seq=seq, gpus=8)
+    megatron = device_bytes(job, Layout(system="megatron", tp=4, cp=2, recompute="full"))
     assert megatron["gather_buffer"] == (seq // 2) * GPT7B.hidden_size * 2
-    deepspeed = device_bytes(GPT7B, seq, 8, "deepspeed", Layout(ulysses=8, recompute="full"))
+    ulysses = Layout(system="deepspeed", ulysses=8, recompute="full")
+    deepspeed = device_bytes(job, ulysses)
     assert deepspeed["gather_buffer"] == 0 and deepspeed["runtime"] > 0
     assert deepspeed["total"] == sum(v for k, v in deepspeed.items() if k != "total")
-    arena = device_bytes(GPT7B, seq, 8, "deepspeed", Layout(ulysses=8, recompute="full"), fragmentation=False)
+    arena = device_bytes(job, ulysses, fragmentation=None)
     assert arena["fragmentation"] == 0 and arena["total"] < deepspeed["total"]
 
 
@@ -733,18 +745,19 @@ def _parameters(c: ModelConfig, lora: LoraConfig | None) -> dict[str, int]:
 def test_offloaded_states_are_the_models_own_parameters_in_host_memory(preset, lora):
     cfg = ModelConfig.preset(preset)
     real = _parameters(cfg, lora)
-    offloaded, on_device = States(lora, offload=True), States(lora)
-    assert trained(cfg, offloaded) == (real["trained"], real["frozen"]) and root_parameters(cfg) == real["root"]
+    on_device = Job(model=cfg, seq=1024, lora=lora)
+    offloaded = dataclasses.replace(on_device, offload_states=True)
+    assert trained(offloaded) == (real["trained"], real["frozen"]) and root_parameters(cfg) == real["root"]
     # fp32 parameter, gradient and two moments per trained weight; a frozen one in bf16
-    assert state_host_bytes(cfg, 4, offloaded) == (real["trained"] * 16 + real["frozen"] * 2) // 4
-    assert state_host_bytes(cfg, 4, on_device) == 0
-    assert state_device_bytes(cfg, 1, on_device) >= real["trained"] * 18 + real["frozen"] * 2
-    assert state_device_bytes(cfg, 1, offloaded) < state_device_bytes(cfg, 1, on_device)
+    assert state_host_bytes(dataclasses.replace(offloaded, gpus=4)) == (real["trained"] * 16 + real["frozen"] * 2) // 4
+    assert state_host_bytes(dataclasses.replace(on_device, gpus=4)) == 0
+    assert state_device_bytes(on_device) >= real["trained"] * 18 + real["frozen"] * 2
+    assert state_device_bytes(offloaded) < state_device_bytes(on_device)
 
 
 def test_offloaded_states_of_an_8b_model_leave_a_few_layers_on_the_device():
     cfg = ModelConfig.preset("llama3.1-8b")
-    full, offloaded = (state_device_bytes(cfg, 1, States(offload=o)) for o in (False, True))
+    full, offloaded = (state_device_bytes(Job(model=cfg, seq=1024, offload_states=o)) for o in (False, True))
     assert full > 130 * 2**30 and offloaded < 10 * 2**30  # the root unit (embedding, head) is most of it
     assert offloaded > 2 * root_parameters(cfg) * 2  # the root's bf16 weights and gradients, for the whole step
 
@@ -752,35 +765,35 @@ def test_offloaded_states_of_an_8b_model_leave_a_few_layers_on_the_device():
 def test_the_cpu_optimizer_step_and_the_weights_copies_are_in_the_step_time():
     cfg, tokens = ModelConfig.preset("llama3.2-1b"), 8192
     layout = Layout(recompute="memo")
-    on_device = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=1 << 40)
-    offloaded = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=1 << 40, states=States(offload=True))
+    job = Job(model=cfg, seq=tokens, host_memory=1 << 40)
+    on_device = estimate(job, SMALL, "memo", layout=layout)
+    offloaded = estimate(dataclasses.replace(job, offload_states=True), SMALL, "memo", layout=layout)
     assert on_device.seconds["optimizer"] == 0 and not on_device.fits  # 22 GB of states on a 12 GiB GPU
     assert offloaded.fits
     assert offloaded.seconds["optimizer"] == pytest.approx(cfg.num_parameters() * CPU_ADAM_SECONDS_PER_PARAM)
     # at 8K tokens a layer's compute is shorter than its weights' copies: the copies show
     assert offloaded.seconds["exposed_copy"] > on_device.seconds["exposed_copy"]
-    assert offloaded.host_state_bytes_per_node == state_host_bytes(cfg, 1, States(offload=True))
+    assert offloaded.host_state_bytes_per_node == state_host_bytes(Job(model=cfg, seq=tokens, offload_states=True))
     assert offloaded.host_bytes_per_node >= offloaded.host_state_bytes_per_node
 
 
 def test_states_and_the_activation_pool_share_the_host_and_a_refusal_names_both():
-    cfg, tokens, states = ModelConfig.preset("llama3.2-1b"), 8192, States(offload=True)
+    job = Job(model=ModelConfig.preset("llama3.2-1b"), seq=8192, offload_states=True)
     layout = Layout(recompute="memo")
-    need = state_host_bytes(cfg, 1, states)
-    alone = estimate(cfg, tokens, 1, SMALL, "memo", layout=layout, host_memory=need, states=states)
+    need = state_host_bytes(job)
+    alone = estimate(dataclasses.replace(job, host_memory=need), SMALL, "memo", layout=layout)
     assert not alone.fits and "the model states alone need" in alone.why
     # room for the states and a little more: the plan's pool gets what they leave
-    tight = estimate(
-        cfg, 64 * 1024, 1, SMALL, "memo", layout=layout, host_memory=int(need / 0.9) + (64 << 20), states=states
-    )
+    roomier = dataclasses.replace(job, seq=64 * 1024, host_memory=int(need / 0.9) + (64 << 20))
+    tight = estimate(roomier, SMALL, "memo", layout=layout)
     assert not tight.fits and tight.why.startswith("host memory") and "model states take" in tight.why
 
 
 def test_lora_computes_no_weight_gradients_and_trains_few_states():
-    cfg, tokens = ModelConfig.preset("llama3.2-1b"), 16384
+    job = Job(model=ModelConfig.preset("llama3.2-1b"), seq=16384)
     layout = Layout(recompute="memo")
-    full = estimate(cfg, tokens, 1, A800, "memo", layout=layout)
-    lora = estimate(cfg, tokens, 1, A800, "memo", layout=layout, states=States(LORA))
+    full = estimate(job, A800, "memo", layout=layout)
+    lora = estimate(dataclasses.replace(job, lora=LORA), A800, "memo", layout=layout)
     assert lora.device_bytes["model_states"] < full.device_bytes["model_states"] / 5
     # frozen projections and head: forward and input gradient, 2/3 of full fine-tuning's matmuls; plus the
     # adapters' memory-bound rank-8 GEMMs

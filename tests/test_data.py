@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from memo.config import ModelConfig
+from memo.loss import IGNORE_INDEX
 from memo.model import Transformer
 from memo.policy import ActivationPolicy
+from memo.token_files import read_token_file, token_file_separator, token_file_tokenizer
 from memo.train.data import (
-    IGNORE,
     ByteTokenizer,
     HFTokenizer,
     RetrievalTask,
@@ -17,15 +18,12 @@ from memo.train.data import (
     TokenDataset,
     check_vocab,
     make_source,
-    read_token_file,
     retrieval_accuracy,
     retrieval_batch,
     separator_kind,
     split_documents,
     text_files,
     token_dataset,
-    token_file_separator,
-    token_file_tokenizer,
     tokenizer_identity,
     write_token_file,
 )
@@ -79,19 +77,19 @@ def test_packing_masks_labels_that_cross_document_boundaries():
     ids, labels, positions = data.sequence(0)
     assert positions is None  # concat packing: attention crosses documents
     assert ids.tolist() == [10, 11, 12, 20]
-    assert labels.tolist() == [10, 11, 12, IGNORE]  # 12 -> 20 crosses into document 2
+    assert labels.tolist() == [10, 11, 12, IGNORE_INDEX]  # 12 -> 20 crosses into document 2
     ids, labels, _ = data.sequence(1)
     assert ids.tolist() == [21, 30, 31, 32]
-    assert labels.tolist() == [21, IGNORE, 31, 32]  # 21 -> 30 crosses into document 3
+    assert labels.tolist() == [21, IGNORE_INDEX, 31, 32]  # 21 -> 30 crosses into document 3
     ids, labels, _ = data.sequence(2)
     assert ids.tolist() == [33, 34, 0, 0]
-    assert labels.tolist() == [33, 34, IGNORE, IGNORE]  # padding is never a target
+    assert labels.tolist() == [33, 34, IGNORE_INDEX, IGNORE_INDEX]  # padding is never a target
 
 
 def test_packed_loss_equals_per_document_loss_on_boundary_free_targets():
     tokens = np.array([1, 2, 3, 4, 5, 6])
     ids, labels, _ = TokenDataset(tokens, np.array([0, 2]), seq_len=6).sequence(0)
-    targets = [(t, int(labels[t + 1])) for t in range(5) if labels[t + 1] != IGNORE]
+    targets = [(t, int(labels[t + 1])) for t in range(5) if labels[t + 1] != IGNORE_INDEX]
     assert targets == [(0, 2), (2, 4), (3, 5), (4, 6)]  # never predicts 3 from 2
 
 
@@ -111,13 +109,13 @@ def test_mask_packing_restarts_positions_at_each_document_each_chunk_and_the_pad
     concat = TokenDataset(tokens, starts, seq_len=4)
     assert [mask.sequence(i)[2].tolist() for i in range(3)] == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 0, 1]]
     assert [mask.sequence(i)[2].tolist() for i in range(3)] == _chunk_positions([3, 2, 5], 4)
-    for i in range(3):  # the same ids and labels: a document's first label is IGNORE in both
+    for i in range(3):  # the same ids and labels: a document's first label is IGNORE_INDEX in both
         assert _same(mask.sequence(i)[:2], concat.sequence(i)[:2]) and concat.sequence(i)[2] is None
     ids, labels, positions = mask.batch(1, 3)
     assert positions.shape == ids.shape == (3, 4) and positions.dtype == torch.long
     assert concat.batch(1, 3)[2] is None
     padding = mask.eval_batches(1, 4)[0]  # three chunks and a row of padding: one document of its own
-    assert padding[2][3].tolist() == [0, 1, 2, 3] and (padding[1][3] == IGNORE).all()
+    assert padding[2][3].tolist() == [0, 1, 2, 3] and (padding[1][3] == IGNORE_INDEX).all()
 
 
 def test_mask_packing_of_a_held_out_split_restarts_at_the_documents_of_each_part():
@@ -137,7 +135,8 @@ def test_max_documents_per_sequence_joins_later_documents_to_the_last_kept_one()
     data = TokenDataset(tokens, np.arange(0, 16, 2), seq_len=8, pack_documents="mask", max_documents=2)
     ids, labels, positions = data.sequence(0)
     assert positions.tolist() == [0, 1, 0, 1, 2, 3, 4, 5]
-    assert labels.tolist() == [0, 1, IGNORE, 3, IGNORE, 5, IGNORE, 7]  # still no target across a boundary
+    no = IGNORE_INDEX
+    assert labels.tolist() == [0, 1, no, 3, no, 5, no, 7]  # still no target across a boundary
     assert ids.tolist() == list(range(8))
     assert data.joined_documents() == (4, 2)  # two of the four documents of each of the two chunks
     cut = TokenDataset(tokens, np.array([0, 5, 6]), seq_len=4, pack_documents="mask", max_documents=2)
@@ -202,7 +201,7 @@ def test_hf_separators_bos_from_the_template_else_end_of_text(tmp_path):
         source = make_source(data, seq_len=6, tokenizer_path=tmp_path / f"{style}.json", pack_documents="mask")
         ids, labels, positions = source.sequence(0)
         assert ids.tolist() == tokens and source.doc_starts.tolist() == [0, 3]
-        assert labels[3] == IGNORE and positions.tolist() == [0, 1, 2, 0, 1, 2]
+        assert labels[3] == IGNORE_INDEX and positions.tolist() == [0, 1, 2, 0, 1, 2]
     plain = make_source(data, seq_len=4, tokenizer_path=tmp_path / "gpt.json", separator="none")
     assert plain.sequence(0)[0].tolist() == [2, 3, 4, 5]
 
@@ -249,7 +248,7 @@ def test_make_source_tokenizes_jsonl_with_a_tokenizer_json(tmp_path):
     source = make_source(data, seq_len=5, tokenizer_path=path, text_field="body")
     expected = reference.encode("the cat").ids + reference.encode("dog sat on").ids
     assert source.sequence(0)[0].tolist() == expected
-    assert source.sequence(0)[1].tolist() == expected[:2] + [IGNORE] + expected[3:]
+    assert source.sequence(0)[1].tolist() == expected[:2] + [IGNORE_INDEX] + expected[3:]
     assert source.vocab_size_needed == max(expected) + 1
 
 
@@ -259,7 +258,7 @@ def test_txt_file_is_one_document_and_a_directory_is_many(tmp_path):
     source = make_source(tmp_path, seq_len=8)
     ids, labels, _ = source.sequence(0)
     assert ids.tolist() == list(b"ab\n\ncdef")
-    assert labels.tolist() == list(b"ab\n\ncd") + [IGNORE, ord("f")]
+    assert labels.tolist() == list(b"ab\n\ncd") + [IGNORE_INDEX, ord("f")]
 
 
 # ------------------------------------------------------------------------------------------------- parquet
@@ -381,7 +380,7 @@ def test_eval_batches_are_the_first_chunks_in_order_padded_to_full_batches():
     batches = source.eval_batches(n_batches=4, batch_size=2)
     assert len(batches) == 3  # the stream runs out during the third batch
     assert [row[0] for ids, _, _ in batches for row in ids.tolist()] == [0, 4, 8, 12, 16, 0]
-    assert (batches[-1][1][1] == IGNORE).all()  # the padding row is never a target
+    assert (batches[-1][1][1] == IGNORE_INDEX).all()  # the padding row is never a target
     again = source.eval_batches(n_batches=4, batch_size=2)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
 
@@ -500,18 +499,6 @@ def test_bad_jsonl_lines_name_file_and_line(tmp_path):
         make_source(path, seq_len=8)
 
 
-def test_bin_without_sidecar_or_with_wrong_size_is_rejected(tmp_path):
-    (tmp_path / "d.txt").write_text("abc")
-    write_token_file(tmp_path / "d.txt", tmp_path / "c.bin")
-    with open(tmp_path / "c.bin", "ab") as f:
-        f.write(b"\0\0")
-    with pytest.raises(ValueError, match="size does not match"):
-        read_token_file(tmp_path / "c.bin")
-    (tmp_path / "c.json").unlink()
-    with pytest.raises(ValueError, match="sidecar"):
-        read_token_file(tmp_path / "c.bin")
-
-
 def test_token_ids_beyond_the_model_vocabulary_are_rejected(tmp_path):
     path, _ = _word_level_tokenizer(tmp_path)
     (tmp_path / "d.txt").write_text("héllo")
@@ -536,7 +523,7 @@ def test_retrieval_labels_sit_only_on_answers_and_answers_match_their_facts():
     assert ids.shape == labels.shape == (4, 200)
     assert int(ids.max()) < task.vocab_size_needed == 50 + 10 + 5 + 3
     for row_ids, row_labels in zip(ids.tolist(), labels.tolist()):
-        labelled = [t for t, label in enumerate(row_labels) if label != IGNORE]
+        labelled = [t for t, label in enumerate(row_labels) if label != IGNORE_INDEX]
         assert labelled == list(range(context + 1, 200, 2))
         facts = {t // 5: t % 5 for t in row_ids[:context] if t < n_facts}
         assert len(facts) == 6 and all(filler0 <= t or t < n_facts for t in row_ids[:context])
@@ -551,10 +538,10 @@ def test_retrieval_curriculum_keeps_early_tasks_in_a_short_span_and_evaluates_fu
     assert [task.span(s) for s in (0, 10, 15, 20, 99)] == [256, 256, 640, 1024, 1024]
     ids, labels, _ = task.batch(0, 2)
     assert ids.shape == (2, 1024)
-    assert (labels[:, 256:] == IGNORE).all() and (labels[:, 256 - 32 + 1 : 256 : 2] != IGNORE).all()
+    assert (labels[:, 256:] == IGNORE_INDEX).all() and (labels[:, 256 - 32 + 1 : 256 : 2] != IGNORE_INDEX).all()
     assert (ids[:, 256:] == task.vocab_size_needed - 1).all()  # filler after the queries
     ids, labels, _ = task.eval_batches(1, 2)[0]
-    assert (labels[:, 1024 - 32 + 1 :: 2] != IGNORE).all()
+    assert (labels[:, 1024 - 32 + 1 :: 2] != IGNORE_INDEX).all()
 
 
 def test_retrieval_batch_rejects_too_many_pairs():

@@ -1,12 +1,18 @@
 """Packed documents (memo.documents): loss and every gradient against the plain-autograd reference with an explicit
 block-diagonal causal mask and positions restarting per document, for every memory strategy, tile and per-layer
-plan; one document per sequence is today's path bitwise; transformers' own packed forward (position_ids) agrees."""
+plan; one document per sequence is today's path bitwise; transformers' own packed forward (position_ids) agrees.
+The lengths of a corpus's documents (`DocumentLengths`): their expected attention work against brute force."""
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from test_layer_gradients import DEVICE, FP32_TOL, POLICIES, TILED, _config, _pair
 
-from memo.documents import Documents, attended_tokens, document_positions
+from memo.documents import DocumentLengths, Documents, attended_tokens, document_positions
+from memo.plan.phases import attach
+from memo.train.data import write_token_file
 
 # two sequences of 29 tokens: documents of every size, one-token ones among them, cut differently per row. RoPE
 # is relative, so restarting positions shows only where the frequencies depend on the length: dynamic RoPE
@@ -105,9 +111,9 @@ def test_documents_are_read_from_positions_and_bad_positions_are_refused():
         Documents.of(torch.zeros(1, 5, dtype=torch.long), 1, 6, "cpu")
 
 
-def test_the_planned_arena_runs_packed_batches_unplanned_and_exact(caplog):
+def test_the_phase_planner_runs_packed_batches_unplanned_and_exact(caplog):
     ref, model = _pair("tiny", "memo-a0.37-tile-8")
-    model.plan_memory()
+    attach(model)
     ids, labels, positions = _batch(LAYOUTS)
     model(ids, labels=labels, positions=positions).backward()
     assert "packed batches use the allocator" in caplog.text
@@ -205,3 +211,83 @@ def test_a_document_across_the_ulysses_rank_boundary_matches_transformers(tmp_pa
 
     test_hf._saved(tmp_path, "qwen3", "dynamic", num_hidden_layers=4)
     mp.spawn(_sp_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+
+
+# ---- document lengths: the attention work of sequences cut from a corpus's documents ----------------------------
+
+
+def _pieces(lengths: list[int], start: int, seq: int) -> list[int]:
+    """Returns the lengths of the pieces of documents in the window [start, start + seq) of the documents' stream
+    taken as a cycle, walked token by token."""
+    first = set(np.cumsum([0, *lengths[:-1]]).tolist())
+    total, pieces = sum(lengths), []
+    for i in range(seq):
+        if i == 0 or (start + i) % total in first:
+            pieces.append(0)
+        pieces[-1] += 1
+    return pieces
+
+
+@pytest.mark.parametrize("seq", [1, 4, 10, 29, 30, 64])
+def test_expected_squares_of_a_histogram_are_the_mean_over_every_cut_of_the_stream(seq):
+    lengths = [3, 7, 1, 12, 5, 1, 1]  # 30 tokens: windows shorter and longer than the stream
+    brute = [sum(d * d for d in _pieces(lengths, start, seq)) for start in range(sum(lengths))]
+    assert DocumentLengths.of_lengths(lengths).squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
+    shuffled = DocumentLengths.of_lengths(lengths[::-1])  # the order of the documents does not matter
+    assert shuffled.squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
+
+
+def test_sequences_cut_at_fixed_bounds_of_a_long_stream_average_to_the_expectation():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 700, size=40_000)  # 14M tokens
+    seq = 2048
+    bounds = np.union1d(np.cumsum(lengths)[:-1], np.arange(seq, lengths.sum(), seq))
+    pieces = np.diff(np.concatenate(([0], bounds, [lengths.sum()])))
+    cut = np.concatenate(([0], bounds))  # each piece's start: it belongs to the sequence its start is in
+    whole = lengths.sum() // seq
+    squares = np.bincount(cut // seq, weights=pieces.astype(float) ** 2)[:whole]
+    assert squares.mean() == pytest.approx(DocumentLengths.of_lengths(lengths).squares(seq), rel=0.01)
+
+
+def test_documents_of_a_mean_length_fill_a_sequence_whole_and_the_last_one_cut():
+    assert DocumentLengths(mean=4).squares(10) == 4 * 4 + 4 * 4 + 2 * 2  # 10 = 2·4 + 2
+    assert DocumentLengths(mean=5).squares(10) == 2 * 5 * 5
+    assert DocumentLengths(mean=1).squares(10) == 10  # each token attends to itself
+    assert DocumentLengths(mean=10).squares(10) == DocumentLengths(mean=1 << 20).squares(10) == 100  # unpacked
+    assert DocumentLengths(mean=1024).attended(1 << 20) == 1024  # what a token attends to
+    # the same documents as a histogram are a stream cut anywhere, not from a document's start: a cut u tokens into
+    # one splits it (u uniform in 0..3), so 64·4 tokens hold 63 whole ones and the two pieces, (4 - u)² + u²
+    assert DocumentLengths.of_lengths([4] * 1000).squares(4 * 64) == 63 * 16 + (16 + 10 + 8 + 10) / 4
+
+
+def test_document_lengths_of_a_token_file_are_its_documents(tmp_path):
+    texts = ["a" * 5, "bb" * 40, "c" * 7, "d" * 300, "e" * 7]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    write_token_file(tmp_path / "d.jsonl", tmp_path / "c.bin")  # bytes: one token per character
+    documents = DocumentLengths.of_file(tmp_path / "c.bin")
+    assert documents.histogram == ((5, 1), (7, 2), (80, 1), (300, 1)) and documents.mean_tokens == 399 / 5
+    lengths = [len(t) for t in texts]
+    for seq in (64, 512):
+        brute = [sum(d * d for d in _pieces(lengths, start, seq)) for start in range(sum(lengths))]
+        assert documents.squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
+    np.save(tmp_path / "one.npy", np.arange(100))  # a .npy without document starts: one document
+    assert DocumentLengths.of_file(tmp_path / "one.npy").histogram == ((100, 1),)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: DocumentLengths(mean=0), "`--mean-document-tokens` must be a positive integer, got 0"),
+        (lambda p: DocumentLengths(mean=1.5), "`--mean-document-tokens` must be a positive integer, got 1.5"),
+        (lambda p: DocumentLengths(), "one of a mean length and a histogram"),
+        (lambda p: DocumentLengths.of_file(p / "missing.bin"), "`--document-lengths` file"),
+        (lambda p: DocumentLengths.of_file(p / "d.jsonl"), "`--document-lengths` takes a memo token file"),
+        (lambda p: DocumentLengths.of_file(p / "c.bin"), "`--document-lengths`: a .bin token file needs its sidecar"),
+    ],
+)
+def test_bad_document_lengths_are_one_line_naming_the_flag(tmp_path, make, message):
+    (tmp_path / "d.jsonl").write_text('{"text": "abc"}\n')
+    (tmp_path / "c.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="^[^\n]*$") as err:
+        make(tmp_path)
+    assert message in str(err.value)

@@ -1,7 +1,5 @@
 """The FLOPs formulas against torch's FlopCounterMode on tiny models, recomputation included."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -9,17 +7,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cost.flops import (
-    DocumentLengths,
     counted_flops_per_token,
     layer_forward_flops,
     linear_params_per_layer,
     model_flops_per_token,
     recompute_flops,
 )
-from memo.documents import document_positions
+from memo.documents import DocumentLengths, document_positions
 from memo.policy import mode_alphas
 from memo.reference import ReferenceTransformer
-from memo.train.data import write_token_file
 
 aten = torch.ops.aten
 
@@ -118,83 +114,6 @@ def test_published_conventions_against_the_counted_flops(preset):
 
 
 # ---- packed documents: attention over Σ d_i², not s² ----------------------------------------------------------
-
-
-def _pieces(lengths: list[int], start: int, seq: int) -> list[int]:
-    """Returns the lengths of the pieces of documents in the window [start, start + seq) of the documents' stream
-    taken as a cycle, walked token by token."""
-    first = set(np.cumsum([0, *lengths[:-1]]).tolist())
-    total, pieces = sum(lengths), []
-    for i in range(seq):
-        if i == 0 or (start + i) % total in first:
-            pieces.append(0)
-        pieces[-1] += 1
-    return pieces
-
-
-@pytest.mark.parametrize("seq", [1, 4, 10, 29, 30, 64])
-def test_expected_squares_of_a_histogram_are_the_mean_over_every_cut_of_the_stream(seq):
-    lengths = [3, 7, 1, 12, 5, 1, 1]  # 30 tokens: windows shorter and longer than the stream
-    brute = [sum(d * d for d in _pieces(lengths, start, seq)) for start in range(sum(lengths))]
-    assert DocumentLengths.of_lengths(lengths).squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
-    shuffled = DocumentLengths.of_lengths(lengths[::-1])  # the order of the documents does not matter
-    assert shuffled.squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
-
-
-def test_sequences_cut_at_fixed_bounds_of_a_long_stream_average_to_the_expectation():
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 700, size=40_000)  # 14M tokens
-    seq = 2048
-    bounds = np.union1d(np.cumsum(lengths)[:-1], np.arange(seq, lengths.sum(), seq))
-    pieces = np.diff(np.concatenate(([0], bounds, [lengths.sum()])))
-    cut = np.concatenate(([0], bounds))  # each piece's start: it belongs to the sequence its start is in
-    whole = lengths.sum() // seq
-    squares = np.bincount(cut // seq, weights=pieces.astype(float) ** 2)[:whole]
-    assert squares.mean() == pytest.approx(DocumentLengths.of_lengths(lengths).squares(seq), rel=0.01)
-
-
-def test_documents_of_a_mean_length_fill_a_sequence_whole_and_the_last_one_cut():
-    assert DocumentLengths(mean=4).squares(10) == 4 * 4 + 4 * 4 + 2 * 2  # 10 = 2·4 + 2
-    assert DocumentLengths(mean=5).squares(10) == 2 * 5 * 5
-    assert DocumentLengths(mean=1).squares(10) == 10  # each token attends to itself
-    assert DocumentLengths(mean=10).squares(10) == DocumentLengths(mean=1 << 20).squares(10) == 100  # unpacked
-    assert DocumentLengths(mean=1024).attended(1 << 20) == 1024  # what a token attends to
-    # the same documents as a histogram are a stream cut anywhere, not from a document's start: a cut u tokens into
-    # one splits it (u uniform in 0..3), so 64·4 tokens hold 63 whole ones and the two pieces, (4 - u)² + u²
-    assert DocumentLengths.of_lengths([4] * 1000).squares(4 * 64) == 63 * 16 + (16 + 10 + 8 + 10) / 4
-
-
-def test_document_lengths_of_a_token_file_are_its_documents(tmp_path):
-    texts = ["a" * 5, "bb" * 40, "c" * 7, "d" * 300, "e" * 7]
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    write_token_file(tmp_path / "d.jsonl", tmp_path / "c.bin")  # bytes: one token per character
-    documents = DocumentLengths.of_file(tmp_path / "c.bin")
-    assert documents.histogram == ((5, 1), (7, 2), (80, 1), (300, 1)) and documents.mean_tokens == 399 / 5
-    lengths = [len(t) for t in texts]
-    for seq in (64, 512):
-        brute = [sum(d * d for d in _pieces(lengths, start, seq)) for start in range(sum(lengths))]
-        assert documents.squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
-    np.save(tmp_path / "one.npy", np.arange(100))  # a .npy without document starts: one document
-    assert DocumentLengths.of_file(tmp_path / "one.npy").histogram == ((100, 1),)
-
-
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        (lambda p: DocumentLengths(mean=0), "`--mean-document-tokens` must be a positive integer, got 0"),
-        (lambda p: DocumentLengths(mean=1.5), "`--mean-document-tokens` must be a positive integer, got 1.5"),
-        (lambda p: DocumentLengths(), "one of a mean length and a histogram"),
-        (lambda p: DocumentLengths.of_file(p / "missing.bin"), "`--document-lengths` file"),
-        (lambda p: DocumentLengths.of_file(p / "d.jsonl"), "`--document-lengths` takes a memo token file"),
-        (lambda p: DocumentLengths.of_file(p / "c.bin"), "`--document-lengths`: a .bin token file needs its sidecar"),
-    ],
-)
-def test_bad_document_lengths_are_one_line_naming_the_flag(tmp_path, make, message):
-    (tmp_path / "d.jsonl").write_text('{"text": "abc"}\n')
-    (tmp_path / "c.bin").write_bytes(b"\0\0")
-    with pytest.raises(ValueError, match="^[^\n]*$") as err:
-        make(tmp_path)
-    assert message in str(err.value)
 
 
 def test_shorter_documents_do_less_attention_and_the_same_matmuls():

@@ -19,6 +19,7 @@ from memo import ActivationPolicy, ModelConfig, Transformer, from_hf, to_hf
 from memo.cli import main
 from memo.config import RopeScaling
 from memo.hf import config_from_hf, config_to_hf, hf_name, save_hf, special_token_ids
+from memo.plan.phases import attach
 from memo.train import checkpoint
 from memo.train.config import TrainConfig
 
@@ -207,10 +208,10 @@ def test_policies_on_a_loaded_checkpoint_match_transformers(tmp_path, family, ro
     assert model.swap_stats().tokens_recomputed > 0  # the policy really recomputed part of the layers
 
 
-def test_planned_arena_on_a_loaded_checkpoint_matches_transformers(tmp_path):
+def test_phase_planner_on_a_loaded_checkpoint_matches_transformers(tmp_path):
     hf = _saved(tmp_path, "qwen3", "yarn")
     model = from_hf(tmp_path, policy=ActivationPolicy("memo", alpha=0.5))
-    model.plan_memory(debug=True, time_limit=0.2)
+    attach(model, debug=True, time_limit=0.2)
     _assert_matches_hf(model, hf)
 
 

@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from memo.cli import main
+from memo.token_files import read_token_file
 from memo.train import checkpoint
-from memo.train.data import read_token_file, write_token_file
+from memo.train.data import write_token_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}

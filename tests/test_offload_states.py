@@ -24,8 +24,9 @@ from memo import ModelConfig, Transformer
 from memo import device as dev
 from memo.cli import main
 from memo.cost.memory import training_lower_bound
+from memo.cost.states import host_bytes
+from memo.job import Job
 from memo.lora import LoraConfig, apply_lora
-from memo.parallel import state_bytes
 from memo.train.config import TrainConfig
 from memo.train.loop import Trainer, check_memory
 from memo.train.metrics import read_metrics
@@ -120,11 +121,18 @@ def test_offloaded_states_give_two_ranks_the_losses_of_states_on_the_devices(tmp
     assert _two_ranks(tmp_path / "offloaded", "--offload-states") == sharded
 
 
+def _host_state_bytes(model: torch.nn.Module, ranks: int, dtype: torch.dtype) -> int:
+    """Returns one rank's even shard of the model's states in host memory, counted from its parameters: a trainable
+    one's fp32 value, gradient and two AdamW moments (16 bytes), a frozen one's value in the training `dtype`."""
+    return sum(p.numel() * (16 if p.requires_grad else dtype.itemsize) for p in model.parameters()) // ranks
+
+
 def test_states_that_do_not_fit_beside_the_activation_pool_are_refused_in_one_line(tmp_path, capsys):
     with torch.device("meta"):
-        states = state_bytes(Transformer(ModelConfig.preset("tiny")), 1, torch.float32)
+        states = _host_state_bytes(Transformer(ModelConfig.preset("tiny")), 1, torch.float32)
     cfg = TrainConfig.from_dict({**RUN, "alpha": 0.5})
-    pool = training_lower_bound(ModelConfig.preset("tiny"), 2 * 64, cfg.policy(), torch.float32)["host_pool"]
+    job = Job(model=ModelConfig.preset("tiny"), seq=64, micro_batch=2, dtype="float32", policy=cfg.policy())
+    pool = training_lower_bound(job)["host_pool"]
     budget = max(states, pool) + min(states, pool) // 2  # either fits alone, not both
     out = tmp_path / "run"
     flags = [*FLAGS, "--alpha", "0.5", "--offload-states", "--host-budget", str(budget), "--out", str(out)]
@@ -137,12 +145,13 @@ def test_states_that_do_not_fit_beside_the_activation_pool_are_refused_in_one_li
 
 def test_offloaded_states_leave_on_the_device_only_the_weights_fsdp_gathers(monkeypatch):
     cfg = TrainConfig.from_dict({**RUN, "dtype": "bfloat16"})
-    need = training_lower_bound(ModelConfig.preset("tiny"), 2 * 64, cfg.policy(), torch.bfloat16)
+    job = Job(model=ModelConfig.preset("tiny"), seq=64, micro_batch=2, dtype="bfloat16", policy=cfg.policy())
+    need = training_lower_bound(job)
     monkeypatch.setattr(dev, "free_memory_bytes", lambda device: need["activations"] + need["states"] // 2)
     with pytest.raises(ValueError, match="needs at least"):
-        check_memory(cfg, torch.device("cuda"), None)  # sharded over one GPU, the states would not fit
+        check_memory(cfg, cfg.job(), torch.device("cuda"), None)  # sharded over one GPU, the states would not fit
     offloaded = TrainConfig.from_dict({**RUN, "dtype": "bfloat16", "offload_states": True})
-    check_memory(offloaded, torch.device("cuda"), None)
+    check_memory(offloaded, offloaded.job(), torch.device("cuda"), None)
 
 
 def test_lora_offloads_fp32_adapters_with_their_moments_and_a_frozen_base_in_the_training_dtype(tmp_path):
@@ -156,17 +165,7 @@ def test_lora_offloads_fp32_adapters_with_their_moments_and_a_frozen_base_in_the
     moments = [t for s in trainer.optimizer.adamw.state.values() for k, t in s.items() if k != "step"]
     held = sum(p.to_local().nbytes for p in params) + sum(4 * p.numel() for p in trainable)
     held += sum(m.to_local().nbytes for m in moments)
-    with torch.device("meta"):
-        meta = apply_lora(Transformer(ModelConfig.preset("tiny")), LoraConfig(4))
-    assert state_bytes(meta, 1, torch.bfloat16) == held
-
-
-def test_state_bytes_are_each_ranks_padded_shard():
-    with torch.device("meta"):
-        model = torch.nn.Linear(3, 5)  # 5 rows over 2 ranks: shards of 3 rows, as FSDP pads them
-    assert state_bytes(model, 2, torch.bfloat16) == 16 * (3 * 3 + 3)
-    model.weight.requires_grad_(False)
-    assert state_bytes(model, 2, torch.bfloat16) == 2 * 3 * 3 + 16 * 3
+    assert host_bytes(trainer.job) == held  # the trainer's own count of its host budget's states
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host states and a CPU optimizer step of a GPU run")
@@ -180,15 +179,15 @@ def test_on_a_gpu_states_live_in_pinned_host_memory_and_train_to_the_losses_of_s
         torch.testing.assert_close(got[step], want[step], rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("lora", [None, LoraConfig(8)], ids=["full", "lora"])
-def test_the_cost_models_host_states_are_the_bytes_fsdp_keeps(lora):
-    """cost.states counts from the config what parallel.state_bytes counts from the model (even shards)."""
-    from memo.cost.states import States, host_bytes
-
+def test_the_cost_models_host_states_are_the_bytes_of_the_models_parameters(lora, dtype):
+    """cost.states counts from the config what the real model's parameters take (ranks that split rows evenly)."""
     config = ModelConfig.preset("llama3.2-1b")
     with torch.device("meta"):
         model = Transformer(config)
     if lora is not None:
         apply_lora(model, lora)
     for ranks in (1, 2):
-        assert host_bytes(config, ranks, States(lora, True)) == state_bytes(model, ranks, torch.bfloat16)
+        job = Job(model=config, seq=1024, gpus=ranks, dtype=dtype, lora=lora, offload_states=True)
+        assert host_bytes(job) == _host_state_bytes(model, ranks, job.torch_dtype)

@@ -16,18 +16,21 @@ import torch
 import torch.multiprocessing as mp
 
 from memo import ActivationPolicy, ModelConfig, Transformer
+from memo.loss import IGNORE_INDEX
 from memo.parallel import (
     check_host_budget,
     clip_grad_norm,
     full_gradients,
     host_budget_per_rank,
     init_mesh,
+    mesh,
     offload_bytes,
     parallelize,
     shard_batch,
 )
 from memo.parallel.mesh import Shard
 from memo.parallel.ulysses import Ulysses
+from memo.plan.phases import attach
 
 POLICIES = {
     "none": ActivationPolicy("none"),
@@ -58,8 +61,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=g)
     labels = ids.clone()
-    labels[0, :5] = -100  # uneven ignored tokens: ranks hold different target counts
-    labels[1, 17:19] = -100
+    labels[0, :5] = IGNORE_INDEX  # uneven ignored tokens: ranks hold different target counts
+    labels[1, 17:19] = IGNORE_INDEX
     return ids, labels
 
 
@@ -93,7 +96,7 @@ def _check_layout(dp: int, sp: int) -> None:
                 _check_clip_and_step(single, model, where)
             if sp > 1 and name == "none":
                 with pytest.raises(ValueError, match="sequence parallelism"):
-                    model.plan_memory()
+                    attach(model)
 
 
 def _check_clip_and_step(single: Transformer, model: Transformer, where: str) -> None:
@@ -107,12 +110,12 @@ def _check_clip_and_step(single: Transformer, model: Transformer, where: str) ->
         torch.testing.assert_close(state[name], p.detach(), **TOL, msg=lambda m: f"{where} step {name}: {m}")
 
 
-def _check_planned_arena_under_fsdp() -> None:
+def _check_phase_planner_under_fsdp() -> None:
     """The planned arena (docs/method.md §5) runs inside FSDP's unsharded layers as in one process."""
     mesh = init_mesh(1)
     ids, labels = _batch()
     single, model = _models("tiny", POLICIES["memo"])
-    model.plan_memory(time_limit=0.2)
+    attach(model, time_limit=0.2)
     parallelize(model, mesh)
     local_ids, targets = shard_batch(ids, labels, mesh)
     single(ids, labels=labels).backward()
@@ -157,7 +160,7 @@ def _run(rank: int, world: int, port: int, layouts: list[tuple[int, int]]) -> No
         for dp, sp in layouts:
             _check_layout(dp, sp)
         if world == 2:
-            _check_planned_arena_under_fsdp()
+            _check_phase_planner_under_fsdp()
             _check_mixed_precision()
         with pytest.raises(ValueError, match="`--sp` must be a positive divisor"):
             init_mesh(3)
@@ -182,6 +185,24 @@ def test_shard_holds_contiguous_tokens_and_rows_and_refuses_uneven_splits():
         shard.tokens(30)
     with pytest.raises(ValueError, match="multiple of the data-parallel size"):
         shard.rows(3)
+
+
+LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launch_view() -> tuple:
+    ranks = mesh.rank(), mesh.local_rank(), mesh.world_size(), mesh.local_world_size()
+    return *ranks, mesh.launched(), mesh.rendezvous()
+
+
+def test_the_launch_environment_reads_as_one_process_alone_outside_a_launch(monkeypatch):
+    for name in LAUNCH:
+        monkeypatch.delenv(name, raising=False)
+    assert _launch_view() == (0, 0, 1, 1, False, None)
+    values = ("5", "1", "8", "4", "node0", "29500")
+    for name, value in zip(LAUNCH, values):
+        monkeypatch.setenv(name, value)
+    assert _launch_view() == (5, 1, 8, 4, True, ("node0", 29500))
 
 
 def test_host_budget_is_split_among_local_ranks(monkeypatch):

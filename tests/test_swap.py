@@ -5,7 +5,7 @@ import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.plan.trace import trace_iteration
-from memo.swap import HostPool, pack_layout, store_layout
+from memo.swap import HostPool, LayerSwap, layer_swaps, pack_layout, store_layout
 
 
 def _run(policy, batch=2, seq=40, preset="tiny", n_layers=4):
@@ -219,10 +219,28 @@ def test_gpt_7b_at_one_million_tokens_runs_on_meta_without_memory():
     assert model.layers[0].wq.weight.grad.is_meta
 
 
+def test_layer_swaps_say_per_layer_what_goes_to_host_and_what_comes_back():
+    modes, alphas = ["checkpoint", "memo", "keep", "memo", "memo"], [0.0, 0.5, 1.0, 0.5, 0.5]
+    # layers 3 and 4 keep their rounding buffers; untiled, their tensors all stay in them: α = 1, nothing sent
+    untiled = layer_swaps(modes, alphas, seq=10, tile=10)
+    assert untiled == (
+        LayerSwap(mode="checkpoint", alpha=0.0, split=0, sent=True, reloaded=True, survives=False),
+        LayerSwap(mode="memo", alpha=0.5, split=5, sent=True, reloaded=True, survives=False),
+        LayerSwap(mode="keep", alpha=1.0, split=0, sent=False, reloaded=False, survives=False),
+        LayerSwap(mode="memo", alpha=1.0, split=10, sent=False, reloaded=False, survives=True),
+        LayerSwap(mode="memo", alpha=1.0, split=10, sent=False, reloaded=False, survives=True),
+    )
+    tiled = layer_swaps(modes, alphas, seq=10, tile=4, offload_last=True)  # every buffered layer sends
+    assert [(s.alpha, s.split, s.sent, s.survives) for s in tiled[3:]] == [(0.5, 5, True, False)] * 2
+    assert [s.reloaded for s in tiled] == [s.reloaded for s in untiled]
+
+
 def test_store_layout_is_what_the_store_allocates():
     model = _run(ActivationPolicy("memo", alpha=0.3, plan=("memo", "keep", "memo", "checkpoint"), tile_tokens=7))
     store = model.store
-    layout = store_layout(store.specs, store.modes, store.stats.alphas, 7)
+    swaps = layer_swaps(["memo", "keep", "memo", "checkpoint"], [0.3, 1.0, 0.3, 0.0], 40, 7)  # no store needed
+    assert swaps == store.swaps
+    layout = store_layout(store.specs, swaps, 7)
     assert layout == store.layout
     views = [t for slot in (*store._buffers, *store._keep.values()) for t in slot.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in views}

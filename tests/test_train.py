@@ -162,19 +162,19 @@ def test_resume_may_switch_between_float32_and_bf16_with_master_weights(tmp_path
 
 
 def test_learning_rate_warms_up_linearly_then_decays_to_min_lr():
-    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4).optimizer()
     assert learning_rate(cfg, 5) == pytest.approx(5e-4)
     assert learning_rate(cfg, 10) == pytest.approx(1e-3)
     assert learning_rate(cfg, 60) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 2)))
     assert learning_rate(cfg, 110) == pytest.approx(1e-4)
-    linear = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=0.0, schedule="linear")
+    linear = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=0.0, schedule="linear").optimizer()
     assert learning_rate(linear, 60) == pytest.approx(5e-4)
 
 
 def test_bf16_training_keeps_fp32_master_weights_that_the_model_copies():
     cfg = TrainConfig(dtype="bfloat16", lr=1e-2, warmup_steps=0)
     model = Transformer(ModelConfig.preset("tiny")).to(torch.bfloat16)
-    opt = MasterAdamW(model, cfg)
+    opt = MasterAdamW(model, cfg.optimizer())
     ids = torch.randint(0, 256, (1, 16))
     model(ids, labels=ids).backward()
     opt.step(1e-2, 1.0, torch.tensor(1.0))
@@ -187,7 +187,7 @@ def test_bf16_training_keeps_fp32_master_weights_that_the_model_copies():
 
 def test_bf16_micro_batches_accumulate_their_gradients_in_fp32():
     model = Transformer(ModelConfig.preset("tiny")).to(torch.bfloat16)
-    opt = MasterAdamW(model, TrainConfig(dtype="bfloat16"))
+    opt = MasterAdamW(model, TrainConfig(dtype="bfloat16").optimizer())
     parts = []
     for seed in (1, 2, 3):  # three micro-batches' bf16 gradients, summed exactly in fp32
         torch.manual_seed(seed)

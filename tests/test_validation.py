@@ -9,6 +9,7 @@ from memo.cli import main
 from memo.config import ModelConfig
 from memo.cost import memory
 from memo.cost.memory import Traced, training_lower_bound, transient_peak
+from memo.job import Job
 from memo.policy import ActivationPolicy
 from memo.train import loop
 
@@ -173,16 +174,19 @@ def test_training_lower_bound_counts_states_and_the_stores_buffers():
             if (group is None or sp.group == group) and (role is None or sp.role == role)
         )
 
-    none = training_lower_bound(cfg, tokens, ActivationPolicy("none"), torch.bfloat16)
+    def bound(policy: ActivationPolicy, grad_accum: int = 1) -> dict[str, int]:
+        return training_lower_bound(Job(model=cfg, seq=tokens, policy=policy, grad_accum=grad_accum))
+
+    none = bound(ActivationPolicy("none"))
     assert none["states"] == cfg.num_parameters() * (2 + 2 + 8 + 4)  # bf16 weights, grads; m, v, fp32 masters
-    accumulating = training_lower_bound(cfg, tokens, ActivationPolicy("none"), torch.bfloat16, micro_batches=2)
+    accumulating = bound(ActivationPolicy("none"), grad_accum=2)
     assert accumulating["states"] == none["states"] + cfg.num_parameters() * 4  # + the masters' fp32 gradients
     assert 0 <= none["activations"] - n * total() < n * align and none["host_pool"] == 0
-    memo = training_lower_bound(cfg, tokens, ActivationPolicy("memo", alpha=0.0), torch.bfloat16)
+    memo = bound(ActivationPolicy("memo", alpha=0.0))
     tile = 8192  # two rounding buffers: the whole-length tensors and two tile slots of the larger group
     buffers = 2 * (total("whole") + 2 * total("mlp", rows=tile))
     assert 0 <= memo["activations"] - buffers < 2 * align
     host = (n - 2) * (total(role="input") + total(role="attention"))  # α = 0: inputs and attention outputs
     assert 0 <= memo["host_pool"] - host < n * align
-    solved = training_lower_bound(cfg, tokens, ActivationPolicy("memo"), torch.bfloat16)
+    solved = bound(ActivationPolicy("memo"))
     assert 0 <= solved["host_pool"] - (n - 2) * total(role="input") < n * align  # the least: layer inputs alone

@@ -6,9 +6,10 @@ import os
 import sys
 
 from .cli import main
+from .parallel.mesh import launched
 
 code = main()
-if "LOCAL_RANK" in os.environ:
+if launched():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

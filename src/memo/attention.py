@@ -15,7 +15,7 @@ Kernels (`--attention`, default "auto"):
 - "fa4": FlashAttention-4 (`flash-attn-4`, an optional extra) on sm90 / sm100, called as PyTorch's own FA4
   backend calls it (torch/nn/attention/_fa4.py: `_flash_attn_fwd` / `_flash_attn_bwd` on (b, s, h, d) views,
   which memo's token-major buffers already are), wrapped as the custom op `memo::fa4_attention` so a meta trace
-  and the run-time arena see one op.
+  and the phase planner see one op.
 - "efficient": the memory-efficient kernel, the one that takes fp32 on CUDA; k, v repeated to the query heads;
   its LSE is padded to a multiple of 32 tokens.
 
@@ -269,7 +269,7 @@ def _fa4_run_backward(
 
 
 # one op each on every device (a test registers `_fa4_run` for the CPU with a stand-in module), with a fake
-# kernel so a meta trace and the arena's replay see FA4 as one op
+# kernel so a meta trace and the phase planner's replay see FA4 as one op
 fa4_attention = torch.library.custom_op("memo::fa4_attention", _fa4_run, mutates_args=(), device_types="cuda")
 fa4_attention_backward = torch.library.custom_op(
     "memo::fa4_attention_backward", _fa4_run_backward, mutates_args=(), device_types="cuda"

@@ -225,19 +225,27 @@ def _param_shapes_numel(c: ModelConfig) -> list[int]:
 
 
 def _gpt(name: str, n_layers: int, hidden: int, heads: int) -> ModelConfig:
-    return ModelConfig("gpt", n_layers, hidden, heads, 4 * hidden, 50257, name=name)
+    return ModelConfig(
+        arch="gpt",
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=heads,
+        ffn_hidden_size=4 * hidden,
+        vocab_size=50257,
+        name=name,
+    )
 
 
 def _llama3(name: str, n_layers: int, hidden: int, heads: int, ffn: int, factor: float, **kw) -> ModelConfig:
     """Returns a Llama 3.1/3.2 shape: 8 kv heads, 128K vocabulary, θ = 500000, llama3 RoPE scaling from 8K."""
     scaling = RopeScaling("llama3", factor, original_max_positions=8192)
     return ModelConfig(
-        "llama",
-        n_layers,
-        hidden,
-        heads,
-        ffn,
-        128256,
+        arch="llama",
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=heads,
+        ffn_hidden_size=ffn,
+        vocab_size=128256,
         n_kv_heads=8,
         rope_theta=500000.0,
         name=name,
@@ -255,19 +263,38 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-30b": _gpt("gpt-30b", 48, 7168, 56),
     "gpt-65b": _gpt("gpt-65b", 80, 8192, 64),
     # published Llama configs
-    "llama2-7b": ModelConfig("llama", 32, 4096, 32, 11008, 32000, n_kv_heads=32, name="llama2-7b"),
-    "llama3-8b": ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, rope_theta=500000.0, name="llama3-8b"),
+    "llama2-7b": ModelConfig(
+        arch="llama",
+        n_layers=32,
+        hidden_size=4096,
+        n_heads=32,
+        ffn_hidden_size=11008,
+        vocab_size=32000,
+        n_kv_heads=32,
+        name="llama2-7b",
+    ),
+    "llama3-8b": ModelConfig(
+        arch="llama",
+        n_layers=32,
+        hidden_size=4096,
+        n_heads=32,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        n_kv_heads=8,
+        rope_theta=500000.0,
+        name="llama3-8b",
+    ),
     # the released checkpoints people extend (their config.json shapes; vocabularies as shipped)
     "llama3.1-8b": _llama3("llama3.1-8b", 32, 4096, 32, 14336, factor=8.0),
     "llama3.2-1b": _llama3("llama3.2-1b", 16, 2048, 32, 8192, factor=32.0, kv_channels=64, tie_embeddings=True),
     "llama3.2-3b": _llama3("llama3.2-3b", 28, 3072, 24, 8192, factor=32.0, kv_channels=128, tie_embeddings=True),
     "qwen2.5-7b": ModelConfig(
-        "llama",
-        28,
-        3584,
-        28,
-        18944,
-        152064,
+        arch="llama",
+        n_layers=28,
+        hidden_size=3584,
+        n_heads=28,
+        ffn_hidden_size=18944,
+        vocab_size=152064,
         n_kv_heads=4,
         norm_eps=1e-6,
         rope_theta=1e6,
@@ -277,12 +304,12 @@ PRESETS: dict[str, ModelConfig] = {
         hf_model_type="qwen2",
     ),
     "qwen3-8b": ModelConfig(
-        "llama",
-        36,
-        4096,
-        32,
-        12288,
-        151936,
+        arch="llama",
+        n_layers=36,
+        hidden_size=4096,
+        n_heads=32,
+        ffn_hidden_size=12288,
+        vocab_size=151936,
         n_kv_heads=8,
         norm_eps=1e-6,
         rope_theta=1e6,
@@ -293,12 +320,12 @@ PRESETS: dict[str, ModelConfig] = {
         hf_model_type="qwen3",
     ),
     "mistral-7b": ModelConfig(
-        "llama",
-        32,
-        4096,
-        32,
-        14336,
-        32768,
+        arch="llama",
+        n_layers=32,
+        hidden_size=4096,
+        n_heads=32,
+        ffn_hidden_size=14336,
+        vocab_size=32768,
         n_kv_heads=8,
         rope_theta=1e6,
         name="mistral-7b",
@@ -306,6 +333,17 @@ PRESETS: dict[str, ModelConfig] = {
         hf_model_type="mistral",
     ),
     # CPU-sized debug presets used by tests and the default training job
-    "tiny": ModelConfig("llama", 4, 64, 4, 176, 256, n_kv_heads=2, name="tiny"),
-    "tiny-gpt": ModelConfig("gpt", 4, 64, 4, 256, 256, name="tiny-gpt"),
+    "tiny": ModelConfig(
+        arch="llama",
+        n_layers=4,
+        hidden_size=64,
+        n_heads=4,
+        ffn_hidden_size=176,
+        vocab_size=256,
+        n_kv_heads=2,
+        name="tiny",
+    ),
+    "tiny-gpt": ModelConfig(
+        arch="gpt", n_layers=4, hidden_size=64, n_heads=4, ffn_hidden_size=256, vocab_size=256, name="tiny-gpt"
+    ),
 }

@@ -32,6 +32,7 @@ REGISTER_CHUNK = 64 << 30  # bytes per cudaHostRegister call (a multiple of PAGE
 PREFAULT_PIECE = 64 << 20  # the fewest bytes worth a thread of their own when faulting pages in
 MADV_POPULATE_WRITE = 23  # madvise: fault a range in for writing (Linux >= 5.14)
 CUDA_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # `--dtype` names
 
 
 def is_cuda(device: torch.device) -> bool:
@@ -41,7 +42,7 @@ def is_cuda(device: torch.device) -> bool:
 @contextlib.contextmanager
 def meta_kernels(device_type: str):
     """Makes ops on `meta` tensors stand for the kernels of `device_type`, so a meta trace of a CUDA step
-    allocates what the CUDA kernels allocate (the arena and the cost model plan a run before it happens)."""
+    allocates what the CUDA kernels allocate (the phase planner and the cost model plan a run before it happens)."""
     token = _META_KERNELS.set(device_type)
     try:
         yield

@@ -29,6 +29,7 @@ their no-grad path, without the activation store.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -42,16 +43,16 @@ import torch.nn.functional as F
 
 from . import device as dev
 from .figures import pyplot, save
+from .flags import flag
 from .hf import CONFIG_NAME, from_hf
 from .lora import merge_adapters
 from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
 from .train import checkpoint
 from .train.config import BEFORE_PACKING, check_inputs
-from .train.data import MAX_DOCUMENTS, TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
-from .units import format_bytes, format_count
+from .train.data import MAX_DOCUMENTS, PACKINGS, TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
+from .units import format_bytes, format_count, parse_length, parse_size
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_NAME = "tokenizer.json"
 FILLER = (
     "The grass is green.",
@@ -107,6 +108,103 @@ DEFAULTS = {
 def defaults(device: torch.device) -> Defaults:
     """Returns the defaults for `device`: the GPU's on CUDA, the CPU's on anything else."""
     return DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def _by_device(name: str, show=str) -> str:
+    """Returns a default that depends on the device, as help text: "256,1K on CPU; 1K,4K,16K on CUDA"."""
+    spell = lambda v: ",".join(map(show, v)) if isinstance(v, tuple) else show(v)  # noqa: E731
+    cpu, cuda = (getattr(DEFAULTS[kind], name) for kind in ("cpu", "cuda"))
+    return f"{spell(cpu)} on CPU; {spell(cuda)} on CUDA"
+
+
+def numbers(text: str) -> tuple[float, ...]:
+    """Returns numbers written separated by commas."""
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRequest:
+    """`memo eval`'s flags, checked before any work; `lengths`, `depths`, `trials` and `max_sequences` left None
+    take the device's defaults (`with_defaults`)."""
+
+    path: str = flag(
+        help="a `memo train` run directory, or a Hugging Face folder (config.json + safetensors)",
+        path=True,
+        positional=True,
+    )
+    tokenizer: str | None = flag(
+        None, "Hugging Face tokenizer.json (default: the run's, the folder's tokenizer.json, else bytes)", path=True
+    )
+    lengths: tuple[int, ...] | None = flag(
+        None,
+        f"prompt lengths in tokens (default: {_by_device('lengths', format_count)})",
+        parse=lambda text: tuple(parse_length(t) for t in text.split(",")),
+    )
+    depths: tuple[float, ...] | None = flag(
+        None,
+        "needle depths in [0, 1]; 0 opens the prompt, 1 ends it before the question "
+        f"(default: {_by_device('depths', '{:g}'.format)})",
+        parse=numbers,
+    )
+    trials: int | None = flag(
+        None, f"prompts per length and depth; 0: no pass key (default: {_by_device('trials')})", parse=int
+    )
+    seed: int = flag(0, "seed of keys and filler (default: %(default)s)", parse=int)
+    batch_size: int = flag(1, "prompts decoded together (default: %(default)s)", parse=int)
+    passkey_pack: int = flag(
+        1,
+        "pass-key prompts of a cell packed in one sequence, each its own document (it attends only to itself, "
+        "positions from 0): the same answers as one at a time, most in one forward (default: %(default)s)",
+        parse=int,
+    )
+    ppl_file: str | None = flag(
+        None, "held-out text (as --data takes it): loss by position over sequences of max(--lengths)", path=True
+    )
+    pack_documents: str | None = flag(
+        None,
+        "how --ppl-file's documents share a sequence, as `memo train --pack-documents`: mask (each attends "
+        "only to itself; loss by position within its document) or concat (loss by position in the sequence) "
+        "(default: the run's; concat for a run from before the option, mask for a Hugging Face folder)",
+        choices=PACKINGS,
+    )
+    max_sequences: int | None = flag(
+        None,
+        "score at most this many sequences of --ppl-file, spread evenly over it "
+        f"(default: {_by_device('max_sequences')})",
+        parse=int,
+    )
+    bucket_size: int | None = flag(
+        None, "positions per loss bucket (default: doubling from 128)", parse=parse_size, name="size"
+    )
+    device: str = flag("cuda" if torch.cuda.is_available() else "cpu", "(default: %(default)s)")
+    dtype: str = flag("float32", "(default: %(default)s)", choices=tuple(dev.DTYPES))
+    plot: str | None = flag(None, "write the pass-key heatmap (length x depth) to this PNG", path=True)
+
+    def with_defaults(self, device: torch.device) -> "EvalRequest":
+        """Returns the request with the unset flags at `device`'s defaults, checked."""
+        chosen = defaults(device)
+        unset = ("lengths", "depths", "trials", "max_sequences")
+        request = dataclasses.replace(
+            self, **{name: getattr(chosen, name) for name in unset if getattr(self, name) is None}
+        )
+        request.check()
+        return request
+
+    def check(self) -> None:
+        if self.trials == 0 and not self.ppl_file:
+            raise ValueError("nothing to evaluate: `--trials 0` and no `--ppl-file`")
+        if self.plot and self.trials == 0:
+            raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
+        if self.max_sequences < 1:
+            raise ValueError(f"`--max-sequences` must be positive, got {self.max_sequences}")
+        if self.passkey_pack != 1 and self.trials == 0:
+            raise ValueError("`--passkey-pack` packs pass-key prompts: it needs `--trials` > 0")
+        if self.pack_documents and not self.ppl_file:
+            raise ValueError("`--pack-documents` packs the documents of `--ppl-file`: give one")
+        check_pack(self.passkey_pack, self.batch_size)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -616,3 +714,38 @@ def _buckets(edges: list[int], scored: list[tuple[torch.Tensor, torch.Tensor]]) 
         BucketLoss(lo, hi, int(n), float(s / n) if n else math.nan)
         for lo, hi, s, n in zip(edges[:kept], edges[1 : kept + 1], sums.tolist(), counts.tolist())
     ]
+
+
+def report_lines(report: dict, seed: int) -> str:
+    """Returns the tables `memo eval` prints of its `report`: pass-key accuracy by length and depth, and the loss by
+    position."""
+    lines = [f"model {report['model']}  tokenizer {report['tokenizer']}  {report['device']} {report['dtype']}"]
+    if report.get("interrupted"):
+        finished = report.get("passkey") or report.get("perplexity", {}).get("sequences")
+        lines.append(f"interrupted: {'the results finished' if finished else 'nothing was finished'} before Ctrl-C")
+    if report.get("passkey"):
+        cells = report["passkey"]
+        lengths = list(dict.fromkeys(c["length"] for c in cells))
+        accuracy = {(c["length"], c["depth"]): f"{c['accuracy']:.0%}" for c in cells}
+        lines.append(f"\npass key accuracy, {cells[0]['trials']} trials per cell (seed {seed})")
+        lines.append("| depth | " + " | ".join(format_count(n) for n in lengths) + " |")
+        lines.append("|---:" * (len(lengths) + 1) + "|")
+        for depth in dict.fromkeys(c["depth"] for c in cells):
+            lines.append(f"| {depth:.2f} | " + " | ".join(accuracy.get((n, depth), "-") for n in lengths) + " |")
+    if "perplexity" in report:
+        ppl = report["perplexity"]
+        of = f" of {ppl['of']}" if ppl["sequences"] < ppl["of"] else ""
+        within = ppl["pack_documents"] == "mask"
+        lines.append(
+            f"\nloss of {ppl['file']} by position{' within document' if within else ''}, {ppl['sequences']}{of} "
+            f"sequence(s) of {format_count(ppl['length'])}"
+            + (" (--max-sequences)" if of and not report.get("interrupted") else "")
+        )
+        lines.append(f"| {'position within document' if within else 'positions'} | tokens | loss | perplexity |")
+        lines.append("|---|---:|---:|---:|")
+        for b in ppl["buckets"]:
+            loss, perplexity = (f"{b['loss']:.4f}", f"{b['perplexity']:.2f}") if b["tokens"] else ("-", "-")
+            lines.append(
+                f"| [{format_count(b['start'])}, {format_count(b['end'])}) | {b['tokens']} | {loss} | {perplexity} |"
+            )
+    return "\n".join(lines)

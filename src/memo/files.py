@@ -14,10 +14,13 @@ import json
 import os
 import re
 import shutil
+import tomllib
 import uuid
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
+
+import yaml
 
 MARK = ".memo"  # in a folder memo wrote whole: {"purpose": ...}, so that it may write there again
 RUN = "run"
@@ -251,3 +254,26 @@ def write_text(path: str | Path, text: str) -> None:
     """Writes `text` to `path` atomically."""
     with atomic_output(path) as tmp:
         tmp.write_text(text)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """Returns the mapping in a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            values = tomllib.loads(text)
+        elif path.suffix == ".json":
+            values = json.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            values = yaml.safe_load(text)
+        else:
+            raise ValueError(f"config {path}: use a .yaml, .yml, .toml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"config {path} is not valid: {' '.join(str(err).split())}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config {path}: expected a mapping of field: value")
+    return values

@@ -27,7 +27,8 @@ time, so only the attention side is ever whole-length on the device:
     act  (b,r,f)    GeLU(up) or SiLU(gate)*up        -- other
 
 Where a tile's token-local tensors live (kept whole, a tile-sized slot whose α rows go to host, or fresh)
-is the store's choice, behind the `Tiles` interface; the layer only fills rows and runs their backward.
+is the store's choice, behind the `Tiles` interface, and so is where the whole-length ones wait for the backward,
+behind `Store`; the layer only fills rows and runs their backward.
 Every "other" tensor is a token-local function of x and attn, so the same `fill_qkv` / `fill_mlp` run the
 forward, the token-wise recompute (§3) and a tile. With `qk_norm` the backward recomputes q and k before
 their norm from n1 (one token-local matmul), and their per-head statistics with them.
@@ -129,6 +130,27 @@ class Tiles(Protocol):
         """Returns the group's tensors for token `rows` and the first row (within the tile) to recompute."""
 
 
+class Store(Protocol):
+    """Where a training layer's skeletal tensors live from its forward to its backward (swap.ActivationStore)."""
+
+    step: int  # the forward pass under way: a layer's backward must belong to it
+
+    def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
+        """Returns (tile length, query heads per attention call) for `seq` of `layer`'s tokens."""
+
+    def slots(self, index: int, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], Tiles]:
+        """Returns layer `index`'s whole-length tensors, x copied in (or x itself), and its tiles, to be written."""
+
+    def after_forward(self, index: int, aux: tuple) -> None:
+        """Takes the written tensors of layer `index` (e.g. starts their copy to host) and its attention aux."""
+
+    def before_backward(
+        self, index: int, step: int
+    ) -> tuple[dict[str, torch.Tensor], tuple | None, Tiles, Recompute | None]:
+        """Returns layer `index`'s whole-length tensors, attention aux (None: recompute it), tiles and what to
+        recompute, for its backward in forward pass `step`."""
+
+
 @dataclass(frozen=True)
 class FreshTiles:
     """Tiles of fresh tensors that keep nothing: inference, and the stores' tests."""
@@ -221,7 +243,7 @@ class DecoderLayer(nn.Module):
         self.w_up = nn.Linear(h, f, bias=c.mlp_bias)
         self.w_down = nn.Linear(f, h, bias=c.mlp_bias)
         self.scale = d**-0.5
-        self.arena = None  # a plan.arena.Arena: transient tensors at planned offsets (Transformer.plan_memory)
+        self.phases = None  # a plan.phases.PhasePlanner: transient tensors at planned offsets (plan.phases.attach)
         self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
         self.attention_kernel = "auto"  # the kernel asked for (`attention.CHOICES`); the model sets its policy's
         self.attention_ran: str | None = None  # the kernel the last forward's attention ran (one document a row)
@@ -350,7 +372,7 @@ class DecoderLayer(nn.Module):
                 kernel = aux[0]  # after a refusal the next calls start from the kernel that ran
         if documents is None:
             self.attention_ran = kernel
-        else:  # apart: "auto" takes the variable-length kernel for documents, the arena plans whole sequences
+        else:  # apart: "auto" takes the variable-length kernel for documents, the phase planner whole sequences
             self.packed_ran = f"{kernel}, {aux[1]}"
         return aux
 
@@ -468,16 +490,19 @@ class DecoderLayer(nn.Module):
 
     # ---- module entry -----------------------------------------------------------------------------------
     def run(self, phase, t: dict, *args):
-        """Returns `phase(self, t, *args)`, its transient tensors carved from the arena when there is one. Packed
-        documents run unplanned: their kernel calls (one per document on the CPU) differ from batch to batch."""
-        if self.arena is None or "documents" in t:
+        """Returns `phase(self, t, *args)`, its transient tensors carved from the phase planner's buffer when there
+        is one. Packed documents run unplanned: their kernel calls (one per document on the CPU) differ from batch
+        to batch."""
+        if self.phases is None or "documents" in t:
             return phase(self, t, *args)
-        return self.arena.run(self, phase, t, *args)
+        return self.phases.run(self, phase, t, *args)
 
-    def forward(self, x: torch.Tensor, store=None, documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, store: Store | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
         """Returns the layer output: without grad, straight (tile by tile); with grad, through the explicit
-        autograd function and `store` (a `swap.ActivationStore`), which keeps the skeletal tensors for the
-        backward. `documents`: the packed documents of the batch (attention within each, RoPE from each start)."""
+        autograd function and `store`, which keeps the skeletal tensors for the backward. `documents`: the packed
+        documents of the batch (attention within each, RoPE from each start)."""
         if not torch.is_grad_enabled():
             b, s = x.shape[:2]
             specs = self.skeletal_specs(b, s, x.dtype, x.device)
@@ -567,7 +592,7 @@ class LayerFunction(torch.autograd.Function):
     """One layer's forward and backward; the store decides where skeletal tensors live in between."""
 
     @staticmethod
-    def forward(ctx, x, layer: DecoderLayer, store, documents, *params):
+    def forward(ctx, x, layer: DecoderLayer, store: Store, documents, *params):
         t, tiles = store.slots(layer.index, x)
         y, aux = layer.run(forward_phase, _with_positions(layer, t, documents), tiles)
         store.after_forward(layer.index, aux)
@@ -582,5 +607,4 @@ class LayerFunction(torch.autograd.Function):
         t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
         t = _with_positions(layer, t, ctx.documents)
         dx, grads = layer.run(backward_phase, t, dy.contiguous(), aux, tiles, recompute)
-        store.after_backward(layer.index)
         return (dx, None, None, None, *(grads.get(name) for name, _ in layer.named_parameters()))  # frozen: None

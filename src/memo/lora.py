@@ -71,6 +71,22 @@ class LoraConfig:
         return [TARGETS[t][0] for t in self.targets if TARGETS[t][0] in shapes]
 
 
+def lora_of_flags(
+    rank: int, alpha: float = 16.0, targets: tuple[str, ...] | None = None, dropout: float = 0.0
+) -> LoraConfig | None:
+    """Returns the adapters the `--lora-*` flags ask for (None: full fine-tuning): the one check of them that
+    `memo train` and `memo estimate` share."""
+    if rank < 0:
+        raise ValueError(f"`--lora-rank` must not be negative, got {rank}")
+    if rank:
+        return LoraConfig(rank, alpha=alpha, targets=targets or ALL_TARGETS, dropout=dropout)
+    if dropout:
+        raise ValueError("`--lora-dropout` applies to LoRA's adapters: give `--lora-rank`")
+    if targets is not None and tuple(targets) != ALL_TARGETS:
+        raise ValueError("`--lora-targets` names the projections of LoRA's adapters: give `--lora-rank` too")
+    return None
+
+
 def targets_value(text: str) -> tuple[str, ...]:
     """Returns `--lora-targets` as written: names separated by commas (checked by LoraConfig)."""
     return tuple(part.strip() for part in text.split(","))

@@ -15,7 +15,7 @@ import torch
 from .matmul import accumulating_mm, add_to
 from .norms import norm_backward, norm_forward
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # a label no loss is taken on: padding, document starts, unlabelled tokens (torch's default)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,9 +19,6 @@ from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from .plan.arena import Arena
 
 
 class Transformer(nn.Module):
@@ -45,7 +41,7 @@ class Transformer(nn.Module):
         self.store: ActivationStore = make_store(self.policy, config.n_layers)
         self.token_reduction: TokenReduction | None = None  # memo.parallel: the loss is a mean over all ranks
         self.dropout_key = 0  # keys LoRA dropout's masks: the trainer sets one per step and micro-batch
-        self._told_unplanned = False  # that the planned arena leaves packed batches to the allocator
+        self._told_unplanned = False  # that the phase planner leaves packed batches to the allocator
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -92,8 +88,8 @@ class Transformer(nn.Module):
         sp = self.layers[0].seq_parallel
         total = s * (1 if sp is None else sp.size)
         documents = Documents.of(positions, b, total, input_ids.device)  # (b, S): every document's bounds
-        if documents is not None and self.layers[0].arena is not None and not self._told_unplanned:
-            log.warning("the planned arena serves one document per sequence: packed batches use the allocator")
+        if documents is not None and self.layers[0].phases is not None and not self._told_unplanned:
+            log.warning("the phase planner serves one document per sequence: packed batches use the allocator")
             self._told_unplanned = True
         self.config.check_length(total if documents is None else documents.max_length)
         x = self.embed(input_ids)  # (b, s, h)
@@ -108,18 +104,6 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """Returns the LM head's weight (vocab, h): the token embedding itself when they are tied."""
         return self.embed.weight if self.head is None else self.head.weight
-
-    def plan_memory(self, debug: bool = False, time_limit: float = 2.0) -> Arena:
-        """From now on, carves every layer phase's transient tensors from one planned arena (§5); `debug`
-        proves at run time that no two live planned tensors overlap."""
-        if any(layer.seq_parallel is not None for layer in self.layers):
-            raise ValueError("the planned arena does not support sequence parallelism (`--sp` > 1)")
-        from .plan.arena import Arena  # the planner (numba, HiGHS) loads only for runs that use it
-
-        arena = Arena(time_limit, debug)
-        for layer in self.layers:
-            layer.arena = arena
-        return arena
 
     def attention_report(self) -> str:
         """Returns the attention kernel(s) the last forwards ran (over packed documents: which, and how), and any

@@ -4,7 +4,7 @@ The forward returns the per-token statistics its backward needs, (b, s, k) in fl
 keeps (mean, rstd), k = 2; RMSNorm keeps rstd, k = 1. The layer keeps them as skeletal tensors, so the
 backward neither reruns the forward nor recomputes them.
 
-The run-time arena (plan/arena.py) replays a phase's op sequence traced on `meta`, so a norm must be the
+The phase planner (plan/phases.py) replays a phase's op sequence traced on `meta`, so a norm must be the
 same ops on meta as on the device. `aten._fused_rms_norm` is one kernel on CUDA but a decomposition on
 CPU and meta; `memo::rms_norm` wraps it as one custom op whose fake kernel stands in for it on meta.
 """

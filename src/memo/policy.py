@@ -39,7 +39,8 @@ class ActivationPolicy:
       whole-length tensors in its rounding buffer through its backward unless `offload_last_layers`.
 
     `tile_tokens` is the length of the token tiles of the token-local work (default `DEFAULT_TILE_TOKENS`,
-    or the whole sequence when shorter); `attention_heads` how many query heads each attention kernel call
+    or the whole sequence when shorter; None: untiled, as the cost model's `Layout.tile` and `Traced.tile`
+    say); `attention_heads` how many query heads each attention kernel call
     takes at most (default `attention.heads_per_call`: on a GPU about a tile's rows of every head);
     `attention` the attention kernel (`attention.CHOICES`, default the fastest that runs).
     """
@@ -49,7 +50,7 @@ class ActivationPolicy:
     host_budget_bytes: int | None = None
     offload_last_layers: bool = False
     plan: tuple[str, ...] | None = None
-    tile_tokens: int | None = None
+    tile_tokens: int | None = DEFAULT_TILE_TOKENS  # None: untiled, the whole sequence (shard) at once
     device_budget_bytes: int | None = None
     attention_heads: int | None = None
     attention: str = "auto"
@@ -114,7 +115,22 @@ class ActivationPolicy:
 
     def tile_for(self, seq: int) -> int:
         """Returns the tile length for a sequence (shard) of `seq` tokens."""
-        return min(seq, self.tile_tokens or DEFAULT_TILE_TOKENS)
+        return min(seq, self.tile_tokens or seq)
+
+
+def plan_runs(modes: list[str] | None, alphas: list[float] | None) -> str:
+    """Returns each layer's mode (and α) as runs, e.g. 'checkpoint x3, memo (0.40) x27, keep x2' ('-' when
+    nothing is offloaded)."""
+    if not modes:
+        return "-"
+    runs: list[list] = []
+    for mode, a in zip(modes, alphas):
+        label = f"memo ({a:.2f})" if mode == "memo" else mode
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return ", ".join(f"{label} x{k}" for label, k in runs)
 
 
 def reloaded(modes: list[str]) -> list[bool]:

@@ -12,9 +12,10 @@
 - A `keep` layer has a slot of its own holding every tensor whole; `recompute` layers (strategy `full`) keep
   their input and rebuild the rest in rounding buffer 0.
 
-`StoreLayout` sizes all of it from the layer's skeletal specs: what `_reserve` allocates is what the cost
-model predicts. Every call comes from `LayerFunction`:
-`begin_step` → per layer `slots` / `after_forward` → per layer (reverse) `before_backward` / `after_backward`.
+`layer_swaps` gives each layer's `LayerSwap` (its mode, α and what goes to host and comes back) and
+`StoreLayout` sizes all of it from the layer's skeletal specs: what `_reserve` allocates is what the cost model
+predicts. Every call comes from `LayerFunction` (the `layer.Store` protocol):
+`begin_step` → per layer `slots` / `after_forward` → per layer (reverse) `before_backward`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .layer import DecoderLayer, FreshTiles, Recompute, SkeletalSpec, bytes_by_r
 from .policy import (
     BUFFERED,
     ActivationPolicy,
+    Mode,
     PlanProblem,
     mode_alphas,
     offloaded,
@@ -85,18 +87,43 @@ def carve(buffer: torch.Tensor, offsets: dict[str, int], specs: dict[str, Skelet
     }
 
 
-def host_specs(
-    specs: dict[str, SkeletalSpec], mode: str, sent: bool, split: int, survives: bool = False
-) -> dict[str, SkeletalSpec]:
-    """Returns what a layer keeps in its host slot: memo sends x, attn, lse and the first `split` rows of the
-    other tensors (of its whole-length ones only when `sent`; of its token-local ones unless they survive in
-    its tile slot), checkpoint sends x."""
-    if mode == "memo":
-        kept = {n: (sp.rows(split) if sp.role == "other" else sp) for n, sp in specs.items()}
-        return {n: sp for n, sp in kept.items() if (sent if sp.group == "whole" else not survives)}
-    if mode == "checkpoint" and sent:
-        return {"x": specs["x"]}
-    return {}
+@dataclass(frozen=True, kw_only=True)
+class LayerSwap:
+    """Where one layer's skeletal tensors live from its forward to its backward (docs/method.md §3-4)."""
+
+    mode: Mode
+    alpha: float  # the plan's α; 1 for a memo layer that sends nothing (its tensors all stay on the device)
+    split: int  # memo: how many leading token rows of q, k, v and the token-local tensors go to host; else 0
+    sent: bool  # its whole-length host part (input; memo: attention output and q, k, v rows) goes to host
+    reloaded: bool  # a later layer overwrites its rounding buffer before its backward: the host part comes back
+    survives: bool  # its token-local tensors are still in its tile slot at its backward (one tile, not reloaded)
+
+    def host_specs(self, specs: dict[str, SkeletalSpec]) -> dict[str, SkeletalSpec]:
+        """Returns what the layer keeps in its host slot: memo sends x, attn, lse and the first `split` rows of the
+        other tensors (of its whole-length ones only when `sent`; of its token-local ones unless they survive in
+        its tile slot), checkpoint sends x."""
+        if self.mode == "memo":
+            kept = {n: (sp.rows(self.split) if sp.role == "other" else sp) for n, sp in specs.items()}
+            return {n: sp for n, sp in kept.items() if (self.sent if sp.group == "whole" else not self.survives)}
+        if self.mode == "checkpoint" and self.sent:
+            return {"x": specs["x"]}
+        return {}
+
+
+def layer_swaps(
+    modes: list[str], alphas: list[float], seq: int, tile: int, offload_last: bool = False
+) -> tuple[LayerSwap, ...]:
+    """Returns each layer's `LayerSwap` for a plan (mode and α per layer) over `seq` tokens in tiles of `tile`
+    rows: what the store obeys and the cost model sizes."""
+    sent, back, survive = offloaded(modes, offload_last), reloaded(modes), slot_survives(modes, tile < seq)
+    swaps = []
+    for i, (mode, alpha) in enumerate(zip(modes, alphas)):
+        alpha = 1.0 if survive[i] and not sent[i] else alpha  # nothing of it goes to host: every row stays
+        split = split_row(alpha, seq) if mode == "memo" else 0
+        swaps.append(
+            LayerSwap(mode=mode, alpha=alpha, split=split, sent=sent[i], reloaded=back[i], survives=survive[i])
+        )
+    return tuple(swaps)
 
 
 @dataclass(frozen=True)
@@ -125,18 +152,13 @@ class StoreLayout:
         return sum(self.host_bytes)
 
 
-def store_layout(
-    specs: dict[str, SkeletalSpec], modes: list[str], alphas: list[float], tile: int, offload_last: bool = False
-) -> StoreLayout:
-    """Returns the device and host bytes of a plan for a layer's `specs` (whole-length) and `tile` rows."""
+def store_layout(specs: dict[str, SkeletalSpec], swaps: tuple[LayerSwap, ...], tile: int) -> StoreLayout:
+    """Returns the device and host bytes of the layers' `swaps` for a layer's `specs` (whole-length) and `tile`
+    rows."""
     seq = specs["x"].shape[1]
-    sent, survive = offloaded(modes, offload_last), slot_survives(modes, tile < seq)
+    modes = [swap.mode for swap in swaps]
     slot = max(pack_layout({n: sp.rows(tile) for n, sp in in_group(specs, g).items()})[1] for g in TILE_GROUPS)
     buffers = 2 if any(m in BUFFERED for m in modes) else 1 if "recompute" in modes else 0
-    host = tuple(
-        pack_layout(host_specs(specs, m, sent[i], split_row(alphas[i], seq), survive[i]))[1]
-        for i, m in enumerate(modes)
-    )
     return StoreLayout(
         whole_bytes=pack_layout(in_group(specs, "whole"))[1],
         slot_bytes=slot,
@@ -145,7 +167,7 @@ def store_layout(
         keep_bytes=pack_layout(specs)[1],
         n_keep=modes.count("keep"),
         kept_input_bytes=modes.count("recompute") * specs["x"].nbytes,
-        host_bytes=host,
+        host_bytes=tuple(pack_layout(swap.host_specs(specs))[1] for swap in swaps),
     )
 
 
@@ -317,11 +339,11 @@ def _unflatten_slot_tiles(leaves, context) -> SlotTiles:
     for (j, g, n), leaf in zip(names, leaves):
         slots[j][g][n] = leaf
     host = dict(zip(host_names, leaves[len(names) :]))
-    meta = leaves and leaves[0].device.type == "meta"  # the arena's meta twin: no streams
+    meta = leaves and leaves[0].device.type == "meta"  # the phase planner's meta twin: no streams
     return SlotTiles(slots, host, split, seq, tile, heads, None if meta else stream, survives)
 
 
-# the planned arena traces a phase on `meta` twins of its arguments: SlotTiles twins like any tensor container
+# the phase planner traces a phase on `meta` twins of its arguments: SlotTiles twins like any tensor container
 pytree.register_pytree_node(SlotTiles, _flatten_slot_tiles, _unflatten_slot_tiles)
 
 
@@ -333,15 +355,10 @@ class ActivationStore:
         self.step = 0
         self.stats = SwapStats()
         self.specs: dict[str, SkeletalSpec] = {}
-        self.modes: list[str] = []
+        self.swaps: tuple[LayerSwap, ...] = ()
         self.layout: StoreLayout | None = None
         self.pool: HostPool | None = None
         self._shape: tuple | None = None
-        self._alphas: list[float] = []
-        self._survive: list[bool] = []
-        self._split: list[int] = []
-        self._sent: list[bool] = []
-        self._back: list[bool] = []
         self._tile = self._heads = 0
         self._buffers: list[dict[str, torch.Tensor]] = []  # whole-length views per rounding buffer
         self._slots: list[tuple] = []  # two tile slots per rounding buffer
@@ -382,30 +399,25 @@ class ActivationStore:
         self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
         self._tile, self._heads = self.tiling(layers[0], seq, device)
         budget = self.policy.host_budget_bytes or int(0.8 * dev.available_host_bytes())
-        self.modes, self._alphas = self._plan(layers[0], batch, seq, budget)
-        self._sent, self._back = offloaded(self.modes, self.policy.offload_last_layers), reloaded(self.modes)
-        self._survive = slot_survives(self.modes, self._tile < seq)
-        self._alphas = [1.0 if s and not sent else a for a, s, sent in zip(self._alphas, self._survive, self._sent)]
-        self._split = [split_row(a, seq) for a in self._alphas]
-        self.layout = store_layout(self.specs, self.modes, self._alphas, self._tile, self.policy.offload_last_layers)
+        modes, alphas = self._plan(layers[0], batch, seq, budget)
+        self.swaps = layer_swaps(modes, alphas, seq, self._tile, self.policy.offload_last_layers)
+        self.layout = store_layout(self.specs, self.swaps, self._tile)
         self._allocate_device(device)
-        host = {
-            i: host_specs(self.specs, m, self._sent[i], self._split[i], self._survive[i])
-            for i, m in enumerate(self.modes)
-        }
         self.pool = HostPool(self.layout.host_total, budget, device)
         self._host, base = {}, 0
-        for i, specs in host.items():
+        for i, swap in enumerate(self.swaps):
+            specs = swap.host_specs(self.specs)
             offsets, size = pack_layout(specs)
             if size:
                 self._host[i] = carve(self.pool.buffer[base : base + size], offsets, specs)
             base += size
         self._streams = tuple(dev.new_stream(device) for _ in range(3))
+        alphas = [swap.alpha for swap in self.swaps]
         self.stats.host_pool_bytes = self.pool.nbytes
         self.stats.device_skeletal_bytes = self.layout.device_bytes
-        self.stats.modes, self.stats.tile_tokens = list(self.modes), self._tile
-        self.stats.alphas = list(self._alphas) if self.policy.strategy == "memo" else []
-        log.info("activations: modes %s, alpha %s, tile %d tokens, host pool %s", self.modes, self._alphas,
+        self.stats.modes, self.stats.tile_tokens = [swap.mode for swap in self.swaps], self._tile
+        self.stats.alphas = alphas if self.policy.strategy == "memo" else []
+        log.info("activations: modes %s, alpha %s, tile %d tokens, host pool %s", self.stats.modes, alphas,
                  self._tile, format_bytes(self.pool.nbytes))
 
     def _allocate_device(self, device: torch.device) -> None:
@@ -426,8 +438,8 @@ class ActivationStore:
         offsets, size = pack_layout(self.specs)
         self._keep = {
             i: carve(torch.empty(size, dtype=torch.uint8, device=device), offsets, self.specs)
-            for i, m in enumerate(self.modes)
-            if m == "keep"
+            for i, swap in enumerate(self.swaps)
+            if swap.mode == "keep"
         }
 
     def _plan(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> tuple[list[str], list[float]]:
@@ -460,7 +472,7 @@ class ActivationStore:
     # ---- forward ----------------------------------------------------------------------------------------
     def slots(self, index: int, x: torch.Tensor):
         """Returns (the layer's whole-length tensors with x in place, its tiles)."""
-        mode = self.modes[index]
+        mode = self.swaps[index].mode
         if mode == "keep":
             t = self._keep[index]
             t["x"].copy_(x)
@@ -480,11 +492,11 @@ class ActivationStore:
         return KeptTiles(names, self.specs["x"].shape[1], self._tile, self._heads)
 
     def _slot_tiles(self, index: int) -> SlotTiles:
-        j = 0 if self.modes[index] == "recompute" else index % 2
+        swap = self.swaps[index]
+        j = 0 if swap.mode == "recompute" else index % 2
         host = {n: h for n, h in self._host.get(index, {}).items() if self.specs[n].group != "whole"}
-        split = self._split[index] if self.modes[index] == "memo" else 0
-        seq, survives = self.specs["x"].shape[1], self._survive[index]
-        return SlotTiles(self._slots[j], host, split, seq, self._tile, self._heads, self._streams[2], survives)
+        seq, stream = self.specs["x"].shape[1], self._streams[2]
+        return SlotTiles(self._slots[j], host, swap.split, seq, self._tile, self._heads, stream, swap.survives)
 
     def after_forward(self, index: int, aux: tuple) -> None:
         """Starts the copy of the layer's whole-length host part; notes the tile copies still running."""
@@ -494,7 +506,7 @@ class ActivationStore:
             return
         j = index % 2
         busy = [dev.record_event(self._device, self._streams[2])]  # the last tile copies
-        if self._sent[index]:
+        if self.swaps[index].sent:
             ready = dev.record_event(self._device)
             offload_stream = self._streams[0]
             with dev.on_stream(offload_stream):
@@ -527,7 +539,7 @@ class ActivationStore:
     def _prefetch(self, index: int) -> None:
         """Starts the copy of layer `index`'s host slot into its rounding buffer, after everything the compute
         stream has queued (the backward of the later layer that last used the buffer)."""
-        if not (0 <= index < self.n_layers and self._back[index]) or index in self._prefetch_done:
+        if not (0 <= index < self.n_layers and self.swaps[index].reloaded) or index in self._prefetch_done:
             return
         ready = dev.record_event(self._device)
         prefetch_stream = self._streams[1]
@@ -541,7 +553,8 @@ class ActivationStore:
         """Returns (whole-length tensors, aux, tiles, what to recompute) for the layer's backward; starts the
         prefetch of the layer below."""
         self._check_step(index, step)
-        mode = self.modes[index]
+        swap = self.swaps[index]
+        mode = swap.mode
         b, s = self.specs["x"].shape[:2]
         if mode == "keep":
             return self._keep[index], self._aux.pop(index), self._kept_tiles(), None
@@ -557,11 +570,11 @@ class ActivationStore:
         host = self._host.get(index, {})
         self.pool.release(_nbytes(host))
         self.stats.bytes_prefetched += _nbytes({n: h for n, h in host.items() if self.specs[n].group != "whole"})
-        back, split = self._back[index], self._split[index] if mode == "memo" else 0
+        back, split = swap.reloaded, swap.split
         if back:
             dev.wait_event(self._prefetch_done.pop(index), device=self._device)
         attention = back and mode == "checkpoint"
-        if self._survive[index]:  # its MLP tensors are still in the tile slot: only n1 runs again
+        if swap.survives:  # its MLP tensors are still in the tile slot: only n1 runs again
             self.stats.bytes_recomputed += sum(sp.nbytes for sp in in_group(self.specs, "qkv").values())
             self.stats.tokens_recomputed += b * s
         else:
@@ -579,9 +592,6 @@ class ActivationStore:
         if attention:
             self.stats.bytes_recomputed += sum(sp.nbytes for sp in self.specs.values() if sp.role == "attention")
         self.stats.tokens_recomputed += b * rows
-
-    def after_backward(self, index: int) -> None:
-        pass
 
     def _check_step(self, index: int, step: int) -> None:
         if step != self.step:

@@ -37,12 +37,20 @@ class Shape:
         if check_int("--seq", seq) % check_int("--sp", sp) or c.n_heads % sp:
             raise ValueError(f"`--seq` ({seq}) and the {c.n_heads} heads of {c.name} must split over `--sp` {sp}")
         kv = max(c.n_kv_heads // sp, 1)
-        return cls(seq // sp, seq, c.n_heads // sp, kv, c.head_dim, c.hidden_size, c.ffn_hidden_size)
+        return cls(
+            tokens=seq // sp,
+            attention_tokens=seq,
+            heads=c.n_heads // sp,
+            kv_heads=kv,
+            head_dim=c.head_dim,
+            hidden=c.hidden_size,
+            ffn=c.ffn_hidden_size,
+        )
 
 
 GENERIC_SHAPE = {
-    "cuda": Shape(16384, 16384, 16, 16, 128, 4096, 11008),
-    "cpu": Shape(2048, 2048, 16, 16, 128, 1024, 2816),
+    "cuda": Shape(tokens=16384, attention_tokens=16384, heads=16, kv_heads=16, head_dim=128, hidden=4096, ffn=11008),
+    "cpu": Shape(tokens=2048, attention_tokens=2048, heads=16, kv_heads=16, head_dim=128, hidden=1024, ffn=2816),
 }
 
 
@@ -107,3 +115,38 @@ def calibrate(device: torch.device, shape: Shape | None = None) -> dict:
         "hbm_bytes_per_s": measure_hbm_bandwidth(device, (1 << 30) if cuda else (256 << 20)),
         "host_copy_bytes_per_s": measure_copy_bandwidth(copy_src),
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrateRequest:
+    """`memo calibrate`'s flags: the device, and the shape to time (`--model` and `--seq`, split over `--sp`
+    GPUs; none of them: a generic shape)."""
+
+    device: str
+    model: str | None = None
+    seq: int | None = None
+    sp: int | None = None
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.model is None) != (self.seq is None):
+            raise ValueError("give `--model` and `--seq` together (or neither, for a generic shape)")
+        if self.sp is not None and self.model is None:
+            raise ValueError("`--sp` splits the shape of `--model` and `--seq`: give them too")
+
+
+def calibration_lines(result: dict) -> str:
+    """Returns the lines `memo calibrate` prints of its measurements (`calibrate`)."""
+    shape = result["shape"]
+    return "\n".join(
+        [
+            f"device {result['device']} ({result['dtype']}): GEMMs of {shape['tokens']} tokens, attention over "
+            f"{shape['attention_tokens']} tokens x {shape['heads']} heads",
+            f"matmul              {result['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s",
+            f"attention forward   {result['attention_forward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)",
+            f"attention backward  {result['attention_backward_flops_per_s'] / 1e12:.2f} TFLOP/s (causal work)",
+            f"attention kernel    {result['attention_kernel']}",
+            f"memory              {result['hbm_bytes_per_s'] / 1e9:.2f} GB/s (device copy, read + write)",
+            f"host copy           {result['host_copy_bytes_per_s'] / 1e9:.2f} GB/s",
+        ]
+    )

@@ -217,7 +217,7 @@ def published_band(
     one of the tables (what older published runs used).
 
     `length` is the length the attention speeds are read at (default `tokens`): for packed documents, their
-    length (`flops.DocumentLengths.attended`). The published benchmarks time each length over a batch of that
+    length (`documents.DocumentLengths.attended`). The published benchmarks time each length over a batch of that
     many sequences of it (batch x length = 16K tokens: FlashAttention-2, arXiv 2307.08691, §4.1, and the
     FlashAttention-3 paper's benchmarks alike), which is what a sequence of packed documents of that length is to
     a variable-length kernel; below the shortest published length (512) its speed stands, an upper bound."""

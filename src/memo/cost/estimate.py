@@ -23,14 +23,14 @@ context-parallel rings overlapped with compute). Data-parallel gradient reductio
 GPU are left out (once per step, overlapped with backward in all four systems alike). Every time comes as a range
 from the efficiency band.
 
-Packed documents (`documents`, `flops.DocumentLengths`): a sequence made of documents that attend only within
+Packed documents (`Job.documents`, `DocumentLengths`): a sequence made of documents that attend only within
 themselves does E[Σ d_i²] of attention work instead of s²: every attention FLOP (model FLOPs, step time, recompute,
 MFU) counts E[Σ d_i²] / s tokens attended per token in place of s, and attention runs at the published speed of that
 length (`efficiency.published_band`'s `length`). Memory does not change: activations are per token.
 
-memo (and offload-all) also estimate two more ways of training (`states.States`): LoRA (`lora`: a frozen bf16
-base, adapters trained; frozen linears compute no weight gradient) and model states in host memory
-(`offload`: FSDP2's CPU offload; the weights' copies share the host link with the activations' and hide behind
+memo (and offload-all) also estimate two more ways of training (`Job.lora`, `Job.offload_states`): LoRA (a
+frozen bf16 base, adapters trained; frozen linears compute no weight gradient) and model states in host memory
+(FSDP2's CPU offload; the weights' copies share the host link with the activations' and hide behind
 the layers' compute as FSDP2 prefetches, the CPU optimizer step after the backward hides behind nothing).
 
 Device memory = model states + the activation store's buffers for the plan (`swap.store_layout`, what `memo
@@ -46,8 +46,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..attention import CHOICES
-from ..config import ModelConfig, check_int
-from ..lora import LoraConfig
+from ..config import ModelConfig
+from ..job import Job
 from ..policy import plan_costs, solve_plan
 from ..swap import plan_problem
 from ..units import format_bytes, format_count
@@ -59,7 +59,6 @@ from .flops import (
     MFU_FULL,
     MFU_PACKED,
     MFU_PACKED_FULL,
-    DocumentLengths,
     adapter_work,
     layer_forward_flops,
     linear_params_per_layer,
@@ -77,9 +76,9 @@ from .memory import (
     transient_floor,
     transient_peak,
 )
-from .states import States, layer_traffic, optimizer_seconds, root_traffic
 from .states import device_bytes as state_device_bytes
 from .states import host_bytes as state_host_bytes
+from .states import layer_traffic, optimizer_seconds, root_traffic
 
 SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
 ATTENTION_CHOICES = tuple(k for k in CHOICES if k == "auto" or k in TIMED_AS)  # kernels with published bf16 speeds
@@ -93,7 +92,7 @@ RECOMPUTE = {  # what each system can recompute, as it ships
 }
 TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
 OFFLOADS = ("memo", "offload")  # the recomputations that keep skeletal tensors in host memory
-STATES = ("memo", "offload-all")  # the systems estimated with LoRA or offloaded model states (`states.States`)
+STATES = ("memo", "offload-all")  # the systems estimated with LoRA or offloaded model states (`Job.full_states`)
 MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole sequence shard)
 # the caching allocator's mode each system runs: `memo train` turns on expandable segments on CUDA (as
 # torchtitan does); Megatron-LM and DeepSpeed leave PyTorch's default
@@ -108,7 +107,6 @@ ALLOCATOR_NAMES = {
 ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
 ZERO3_REDUCE_BUCKET_BYTES = 2 * 5 * 10**8
 HOST_FRACTION = 0.9  # of a node's host memory that offload may use
-MAX_GPUS = 1 << 20  # ten times the largest published training clusters (~100K GPUs); layouts search its divisors
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
 MAX_SEQ_RANGE = (
     "low at the slow end of the efficiency band, high at the fast end with memory at LOAD (no caching-allocator "
@@ -116,15 +114,16 @@ MAX_SEQ_RANGE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     """How one system splits a sequence over its GPUs, what it recomputes, and its token tile."""
 
+    system: str = "memo"
     tp: int = 1  # tensor (+ sequence) parallel
     cp: int = 1  # context parallel: ring attention
     ulysses: int = 1  # Ulysses all-to-all sequence parallel
     recompute: str = "full"
-    tile: int | None = None  # rows of token-local work at a time (None: the GPU's whole shard)
+    tile: int | None = None  # rows of token-local work at a time (None: untiled, the GPU's whole shard)
 
     @property
     def sp(self) -> int:
@@ -137,7 +136,18 @@ class Layout:
         return f"{split or 'no sequence split'}, {self.recompute} {what}{tiles}"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Pricing:
+    """Which speeds and memory model price a job: a measured efficiency `band` (`memo calibrate`; None: the
+    published one at each layout's shape), its `point` (low, mid, high) that decides the plan, α and fit, and
+    whether the caching allocator's `fragmentation` counts (False: memory served at LOAD, as an arena would)."""
+
+    band: Band | None = None
+    point: str = "mid"
+    fragmentation: bool = True
+
+
+@dataclass(kw_only=True)
 class Estimate:
     system: str
     seq: int
@@ -165,48 +175,44 @@ class Estimate:
     binds: str = ""  # the budget nearest its limit, e.g. "host memory 1.79 of 1.80 TiB per node"
     allocator: str = ""  # how device memory is served: which caching-allocator mode, or an arena at LOAD
     tokens_per_step: int = 0  # every GPU's tokens of one optimizer step (micro-batch x data-parallel groups)
-    states: str = "full fine-tuning"  # what trains and where its states live (states.States)
+    states: str = "full fine-tuning"  # what trains and where its states live (Job.states)
     host_state_bytes_per_node: int = 0  # of host_bytes_per_node: offloaded model states (the rest: activations)
     attention_kernel: str = ""  # whose attention speeds time the step (efficiency.TIMED_AS; "calibrated")
-    documents: str = ""  # packed documents (flops.DocumentLengths), "" for sequences that attend whole
+    documents: str = ""  # packed documents (DocumentLengths), "" for sequences that attend whole
     attention_fraction: float = 1.0  # of the attention work of whole sequences left: E[Σ d_i²] / s²
     attention_flops: float = 0.0  # model FLOPs of attention in one step on all GPUs (causal, forward + backward)
+    job: Job | None = field(default=None, repr=False, compare=False)  # what was priced (not in the JSON)
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "conventions": PACKED_CONVENTIONS if self.documents else CONVENTIONS}
+        fields = {k: v for k, v in self.__dict__.items() if k != "job"}
+        return {**fields, "conventions": PACKED_CONVENTIONS if self.documents else CONVENTIONS}
 
 
-def _timed_kernel(gpu: GPUSpec, attention: str, documents: DocumentLengths | None) -> str:
+def _timed_kernel(job: Job, gpu: GPUSpec) -> str:
     """Returns the kernel whose published speeds time memo's attention: over packed documents "auto" runs
     PyTorch's flash kernel, the one variable-length call (`memo.attention`)."""
-    return attention_kernel(gpu, "flash" if documents and attention == "auto" else attention)
+    return attention_kernel(gpu, "flash" if job.documents and job.attention == "auto" else job.attention)
 
 
-def _check(seq: int, gpus: int, system: str, sp: int | None, states=States(), attention: str = "auto") -> None:
+def _check(job: Job, system: str) -> None:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
-    if attention not in CHOICES:
-        raise ValueError(f"`--attention` must be one of {', '.join(CHOICES)}, got {attention!r}")
-    if states != States() and system not in STATES:
+    if not job.full_states and system not in STATES:
         raise ValueError(
             f"`--lora-rank` and `--offload-states` are estimated for {' and '.join(STATES)}, not for {system} "
             "(estimated as it ships)"
         )
-    check_int("--gpus", gpus, most=MAX_GPUS)
-    if sp is not None and (check_int("--sp", sp) > gpus or gpus % sp):
-        raise ValueError(f"`--sp` ({sp}) must divide `--gpus` ({gpus})")
-    if check_int("--seq", seq) % (sp or 1):
-        raise ValueError(f"`--seq` ({seq}) must be a positive multiple of `--sp` ({sp})")
 
 
-def layouts(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None = None) -> list[Layout]:
-    """Returns every layout `system` supports for this model, length and GPU count (only those of `sp` GPUs per
-    sequence when given): the constraints each checks at start-up."""
-    _check(seq, gpus, system, sp)
+def layouts(job: Job, gpu: GPUSpec, system: str) -> list[Layout]:
+    """Returns every layout `system` supports for this job (only those of `job.sp` GPUs per sequence when it
+    says): the constraints each checks at start-up."""
+    _check(job, system)
+    c, seq, gpus, sp = job.model, job.seq, job.gpus, job.sp
     degrees = [d for d in range(1, gpus + 1) if gpus % d == 0 and (sp is None or d == sp) and seq % d == 0]
     if system == "megatron":  # tp within a node dividing query and key/value heads; causal cp needs 2·cp chunks
         return [
-            Layout(tp, d // tp, 1, r)
+            Layout(system=system, tp=tp, cp=d // tp, recompute=r)
             for d in degrees
             for tp in (1, 2, 4, 8)
             if d % tp == 0
@@ -220,7 +226,7 @@ def layouts(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: 
     heads = (c.n_heads, c.n_kv_heads) if system == "deepspeed" else (c.n_heads,)
     tiles = MEMO_TILES if system == "memo" else (None,)
     return [
-        Layout(1, 1, d, r, tile)
+        Layout(system=system, ulysses=d, recompute=r, tile=tile)
         for d in degrees
         if all(h % d == 0 for h in heads)
         for r in RECOMPUTE[system]
@@ -230,61 +236,38 @@ def layouts(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: 
 
 
 def estimate(
-    c: ModelConfig,
-    seq: int,
-    gpus: int,
-    gpu: GPUSpec,
-    system: str = "memo",
-    sp: int | None = None,
-    eff: Band | None = None,
-    layout: Layout | None = None,
-    point: str = "mid",
-    fragmentation: bool = True,
-    micro_batch: int = 1,
-    host_memory: int | None = None,
-    arena: bool = False,
-    states: States = States(),
-    attention: str = "auto",
-    documents: DocumentLengths | None = None,
+    job: Job, gpu: GPUSpec, system: str = "memo", pricing: Pricing = Pricing(), layout: Layout | None = None
 ) -> Estimate:
-    """Returns the predicted memory, step time and MFU of training `c` on `seq`-token sequences, `micro_batch`
-    of them at once per sequence-parallel group: of `layout`, or of the best of `system`'s layouts (the fastest
-    that fits; if none fits, the one needing least memory).
+    """Returns the predicted memory, step time and MFU of training `job` with `system` on `gpu`s: of `layout`,
+    or of the best of the system's layouts (the fastest that fits; if none fits, the one needing least memory).
 
-    `eff` is a measured band (`memo calibrate`); by default the published one for this GPU and shape. `point`
-    (low, mid, high) picks the band member that decides the plan, α and fit; `fragmentation` False plans memory
-    as an arena at LOAD would (no caching-allocator overhead). `host_memory` is each node's (default the GPU
-    spec's), of which `HOST_FRACTION` may hold offloaded tensors and model states. `arena`: memo runs with its
-    planned allocator (`memo train --arena`), not the caching allocator. `states`: what trains and where the
-    model states live (memo and offload-all only). `attention`: memo's attention kernel ("auto" or one of
-    `memo.attention.KERNELS`) whose published speeds time attention (`efficiency.attention_kernel`).
-    `documents`: each sequence is packed documents that attend only within themselves (None: whole sequences).
+    Of each node's host memory (`job.host_memory`, default the GPU spec's) `HOST_FRACTION` may hold offloaded
+    tensors and model states; with `job.arena` memo runs its planned allocator, not the caching one.
+    Attention is timed at the published speeds of `job.attention` (`efficiency.attention_kernel`), over packed
+    `job.documents` when given.
     """
-    if micro_batch < 1:
-        raise ValueError(f"the micro-batch must be at least one sequence, got {micro_batch}")
-    if host_memory is not None and host_memory <= 0:
-        raise ValueError(f"`--host-memory` must be positive, got {host_memory} bytes")
-    _check(seq, gpus, system, sp, states, attention)
-    width = min(c.hidden_size, c.ffn_hidden_size)
-    if states.lora and states.lora.rank > width:
-        raise ValueError(f"`--lora-rank` ({states.lora.rank}) must be at most {width}, {c.name}'s narrowest projection")
-    kernel = _timed_kernel(gpu, attention, documents)
-    candidates = [layout] if layout else layouts(c, seq, gpus, gpu, system, sp)
+    _check(job, system)
+    if layout and layout.system != system:
+        raise ValueError(f"a {layout.system} layout cannot price system {system}")
+    kernel = _timed_kernel(job, gpu)
+    candidates = [layout] if layout else layouts(job, gpu, system)
     if not candidates:
-        return _unsupported(c, seq, gpus, gpu, system, sp)
-    attended = documents.attended(seq) if documents else seq  # tokens a token attends to: s, or E[Σ d_i²] / s
-    run = (c, seq, gpus, gpu, system, states)
-    allocator = "arena" if arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
-    fragmentation = allocator if fragmentation else None
+        return _unsupported(job, gpu, system)
+    fragmentation = None
+    if pricing.fragmentation:
+        fragmentation = (
+            "arena" if job.arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
+        )
     floors = [
-        (_floor_seconds(*run, lay, eff, point, micro_batch, kernel, attended), i) for i, lay in enumerate(candidates)
+        (_floor_seconds(job, lay, gpu, _efficiency(job, lay, gpu, pricing, kernel)), i)
+        for i, lay in enumerate(candidates)
     ]
     results, best = [], None
     for floor, i in sorted(floors):  # the fastest first; stop once none left can beat the best that fits
         if best is not None and floor >= best.step_seconds:
             break
-        layout_run = (candidates[i], eff, point, fragmentation, micro_batch, host_memory, kernel)
-        results.append(_evaluate(*run, *layout_run, attended, str(documents or "")))
+        band = pricing.band or _band(job, candidates[i], gpu, kernel)
+        results.append(_evaluate(job, candidates[i], gpu, Priced(band, pricing.point, fragmentation)))
         if results[-1].fits and (best is None or results[-1].step_seconds < best.step_seconds):
             best = results[-1]
     fitting = [e for e in results if e.fits]
@@ -293,80 +276,85 @@ def estimate(
     return min(results, key=lambda e: (e.device_bytes["total"], e.step_seconds))
 
 
-def _floor_seconds(
-    c, seq, gpus, gpu: GPUSpec, system, states: States, layout: Layout, band, point, batch, kernel, attended
-):
+@dataclass(frozen=True)
+class Priced:
+    """A layout's efficiency band, the point of it that decides, and the allocator whose overhead counts
+    (`memory.ALLOCATORS`; None: none)."""
+
+    band: Band
+    point: str
+    fragmentation: str | None
+
+    @property
+    def efficiency(self) -> Efficiency:
+        return getattr(self.band, self.point)
+
+
+def _efficiency(job: Job, layout: Layout, gpu: GPUSpec, pricing: Pricing, kernel: str) -> Efficiency:
+    return getattr(pricing.band or _band(job, layout, gpu, kernel), pricing.point)
+
+
+def _floor_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency) -> float:
     """Returns a layout's step time with nothing recomputed or copied (what keeping every layer would take): no
     plan of it is faster, so layouts whose floor is past a fitting one's time need no memory estimate."""
-    tokens = batch * seq // layout.sp
-    eff = getattr(band or _band(c, seq, gpu, layout, batch, tokens, kernel, attended), point)
-    seconds = _step_seconds(c, attended, tokens, system, gpus, layout, gpu, eff, None, states)
+    seconds = _step_seconds(job, layout, gpu, eff, None)
     return sum(seconds.values()) - seconds["recompute"] - seconds["exposed_copy"]
 
 
-def _band(
-    c: ModelConfig,
-    seq: int,
-    gpu: GPUSpec,
-    layout: Layout,
-    batch: int,
-    tokens: int,
-    kernel: str,
-    attended: float | None = None,
-) -> Band:
+def _band(job: Job, layout: Layout, gpu: GPUSpec, kernel: str) -> Band:
     """Returns the published efficiency band at a layout's shape: `kernel`'s attention over the whole sequence
     (Ulysses, tp) or its context-parallel chunk for the GPU's heads, at the speed of the packed documents' length
-    when `attended` (E[Σ d_i²] / s) is shorter, and the token-local matmuls over a tile's rows."""
-    heads = batch * c.n_heads // (layout.tp * layout.ulysses)
-    chunk = seq // layout.cp
-    length = min(attended, chunk) if attended else chunk
-    return published_band(gpu, c, chunk, heads, kernel, rows=layout.tile or tokens, length=length)
+    when shorter (E[Σ d_i²] / s), and the token-local matmuls over a tile's rows."""
+    c = job.model
+    heads = job.micro_batch * c.n_heads // (layout.tp * layout.ulysses)
+    chunk = job.seq // layout.cp
+    length = min(job.attended, chunk) if job.documents else chunk
+    rows = layout.tile or job.tokens(layout.sp)
+    return published_band(gpu, c, chunk, heads, kernel, rows=rows, length=length)
 
 
-def _unsupported(c: ModelConfig, seq: int, gpus: int, gpu: GPUSpec, system: str, sp: int | None) -> Estimate:
+def _unsupported(job: Job, gpu: GPUSpec, system: str) -> Estimate:
     """Returns the estimate of a system that has no layout here (a fact about the system, not bad input)."""
-    split = sp or gpus
+    c, split = job.model, job.sp or job.gpus
     heads = f"{c.n_heads} attention heads" + (f" ({c.n_kv_heads} key/value)" if system == "deepspeed" else "")
-    why = f"{heads} cannot be split over {split} GPUs" if sp else f"no layout of {system} fits {gpus} GPUs"
+    why = f"{heads} cannot be split over {split} GPUs" if job.sp else f"no layout of {system} fits {job.gpus} GPUs"
     nan = float("nan")
-    return Estimate(system, seq, gpus, split, False, why, None, {"total": 0}, gpu.hbm_bytes, 0, 0, nan, 0.0, 0.0)
+    return Estimate(
+        system=system,
+        seq=job.seq,
+        gpus=job.gpus,
+        sp=split,
+        fits=False,
+        why=why,
+        alphas=None,
+        device_bytes={"total": 0},
+        hbm_bytes=gpu.hbm_bytes,
+        host_bytes_per_node=0,
+        host_capacity_per_node=0,
+        step_seconds=nan,
+        tokens_per_s=0.0,
+        mfu=0.0,
+        job=job,
+    )
 
 
-def _evaluate(
-    c,
-    seq,
-    gpus,
-    gpu: GPUSpec,
-    system,
-    states: States,
-    layout: Layout,
-    band,
-    point,
-    fragmentation,
-    batch,
-    host_memory,
-    kernel: str,
-    attended: float,
-    documents: str = "",
-):
-    """Returns the estimate of one layout, `batch` sequences per micro-batch, attention timed as `kernel`'s, each
-    token attending to `attended` tokens (the sequence length, or packed `documents`' E[Σ d_i²] / s)."""
-    tokens = batch * seq // layout.sp  # per GPU
-    band = band or _band(c, seq, gpu, layout, batch, tokens, kernel, attended)
-    eff = getattr(band, point)
+def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimate:
+    """Returns the estimate of one layout of `job`, priced at `priced`'s point of its band."""
+    c, seq, gpus = job.model, job.seq, job.gpus
+    eff, band = priced.efficiency, priced.band
     node_gpus = min(gpus, gpu.gpus_per_node)
-    host_capacity = int(HOST_FRACTION * (host_memory or gpu.host_memory_per_node))
-    held = state_host_bytes(c, gpus, states)  # per GPU: offloaded model states come first, the pool gets the rest
+    host_capacity = int(HOST_FRACTION * (job.host_memory or gpu.host_memory_per_node))
+    held = state_host_bytes(job)  # per GPU: offloaded model states come first, the pool gets the rest
     budget = host_capacity // node_gpus - held
     plan, why = (None, "host memory: no room left for the activations")
     if budget >= 0:
-        plan, why = _plan(c, attended, tokens, gpus, gpu, eff, layout, budget, states)
-    device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, gpu.hbm_bytes, states)
+        plan, why = _plan(job, layout, gpu, eff, Budgets(host=budget))
+    device = device_bytes(job, layout, plan, priced.fragmentation, gpu.hbm_bytes)
     room = gpu.hbm_bytes - device["total"]
     if plan and layout.recompute == "memo" and room > 0:  # the layers the device can hold besides: kept
-        plan, _ = _plan(c, attended, tokens, gpus, gpu, eff, layout, budget, states, room)
-        device = device_bytes(c, seq, gpus, system, layout, fragmentation, batch, plan, states=states)
-    host = ((_store(c, tokens, layout, plan).host_total if plan else 0) + held) * node_gpus
+        plan, _ = _plan(job, layout, gpu, eff, Budgets(host=budget, device=room))
+        device = device_bytes(job, layout, plan, priced.fragmentation)
+    host = ((_store(job, layout, plan).host_total if plan else 0) + held) * node_gpus
     if why and held:
         why = _host_refusal(why, held * node_gpus, host_capacity)
     if not why and device["total"] > gpu.hbm_bytes:
@@ -378,60 +366,63 @@ def _evaluate(
             held * node_gpus,
             host_capacity,
         )
-    run = (c, attended, tokens, system, gpus, layout, gpu)
-    timed = {p: _step_seconds(*run, getattr(band, p), plan, states) for p in POINTS}
-    seconds = timed[point]
+    timed = {p: _step_seconds(job, layout, gpu, getattr(band, p), plan) for p in POINTS}
+    seconds = timed[priced.point]
     step = sum(seconds.values())
-    sequences = gpus // layout.sp * batch  # per step
+    sequences = gpus // layout.sp * job.micro_batch  # per step
     per_flop = sequences / (gpus * gpu.peak_flops)  # utilisation of one FLOP per sequence per second
     modes, alphas = plan or (_baseline_modes(layout, c.n_layers), [0.0] * c.n_layers)
     offload = layout.recompute == "offload"
+    attended = job.attended
     again = recompute_flops(c, attended, modes, alphas, offload, tokens=seq, causal=True, tile=layout.tile)
     attention = c.n_layers * layer_forward_flops(c, attended, seq, causal=True)[1]  # one sequence's, forward
     if layout.recompute == "selective":
         again = attention
-    model = model_flops_per_token(c, attended, lora=states.lora) * seq
+    model = model_flops_per_token(c, attended, lora=job.lora) * seq
     slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
     use = {"device memory": (device["total"], gpu.hbm_bytes), "host memory": (host, host_capacity)}
     tightest = max(use, key=lambda k: use[k][0] / use[k][1])
     return Estimate(
-        system,
-        seq,
-        gpus,
-        layout.sp,
-        not why,
-        why,
-        alphas if plan else None,
-        device,
-        gpu.hbm_bytes,
-        host,
-        host_capacity,
-        step,
-        sequences * seq / step,
-        model * per_flop / step,
-        seconds,
-        model_flops_per_token(c, attended, causal=False, lora=states.lora) * seq * per_flop / step,
-        (model + again) * per_flop / step,
-        str(layout),
-        {
+        system=layout.system,
+        seq=seq,
+        gpus=gpus,
+        sp=layout.sp,
+        fits=not why,
+        why=why,
+        alphas=alphas if plan else None,
+        device_bytes=device,
+        hbm_bytes=gpu.hbm_bytes,
+        host_bytes_per_node=host,
+        host_capacity_per_node=host_capacity,
+        step_seconds=step,
+        tokens_per_s=sequences * seq / step,
+        mfu=model * per_flop / step,
+        seconds=seconds,
+        mfu_full=model_flops_per_token(c, attended, causal=False, lora=job.lora) * seq * per_flop / step,
+        hfu=(model + again) * per_flop / step,
+        layout=str(layout),
+        ranges={
             "step_seconds": (fast, slow),
             "tokens_per_s": (sequences * seq / slow, sequences * seq / fast),
             "mfu": (model * per_flop / slow, model * per_flop / fast),
         },
-        dominant(seconds),
-        {**dataclasses.asdict(eff), "source": band.source},
-        modes if plan else None,
-        layout.tile,
-        f"{tightest} {format_bytes(use[tightest][0])} of {format_bytes(use[tightest][1])}"
+        dominant=dominant(seconds),
+        efficiency={**dataclasses.asdict(eff), "source": band.source},
+        plan=modes if plan else None,
+        tile=layout.tile,
+        binds=f"{tightest} {format_bytes(use[tightest][0])} of {format_bytes(use[tightest][1])}"
         + (" per node" if tightest == "host memory" else " per GPU"),
-        ALLOCATOR_NAMES[fragmentation] if fragmentation else "an arena at LOAD (no fragmentation)",
-        sequences * seq,
-        str(states),
-        held * node_gpus,
-        band.attention,
-        documents,
-        attended / seq,
-        3 * attention * sequences,
+        allocator=ALLOCATOR_NAMES[priced.fragmentation]
+        if priced.fragmentation
+        else "an arena at LOAD (no fragmentation)",
+        tokens_per_step=sequences * seq,
+        states=job.states,
+        host_state_bytes_per_node=held * node_gpus,
+        attention_kernel=band.attention,
+        documents=str(job.documents or ""),
+        attention_fraction=attended / seq,
+        attention_flops=3 * attention * sequences,
+        job=job,
     )
 
 
@@ -448,53 +439,54 @@ def _baseline_modes(layout: Layout, n: int) -> list[str]:
     return ["recompute" if layout.recompute == "full" else "keep"] * n
 
 
-def _plan(c, attended, tokens, gpus, gpu, eff, layout: Layout, host_budget: int, states: States, device_budget=0):
+@dataclass(frozen=True)
+class Budgets:
+    """One GPU's bytes for a plan: host memory for its offload, and device memory beyond the plan's buffers for
+    layers kept whole (0: none)."""
+
+    host: int
+    device: int = 0
+
+
+def _plan(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, budgets: Budgets):
     """Returns ((modes, α) per layer, "") for a layout that offloads, (None, why) when its host cannot hold even
-    the layer inputs, and (None, "") for one that does not offload; each token attends to `attended` tokens."""
-    n = c.n_layers
+    the layer inputs, and (None, "") for one that does not offload."""
+    n = job.model.n_layers
     if layout.recompute == "offload":
         return (["memo"] * n, [1.0] * n), ""
     if layout.recompute != "memo":
         return None, ""
-    problem = _plan_problem(c, attended, tokens, gpu, eff, host_budget, device_budget, layout.tile, states, gpus)
     try:
-        return solve_plan(problem), ""
+        return solve_plan(_plan_problem(job, layout, gpu, eff, budgets)), ""
     except ValueError as err:
         return None, f"host memory: {err}"
 
 
-def _plan_problem(
-    c,
-    attended,
-    tokens,
-    gpu: GPUSpec,
-    eff: Efficiency,
-    host_budget: int,
-    device_budget: int,
-    tile=None,
-    states=States(),
-    gpus: int = 1,
-):
-    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds, each token attending to
-    `attended` tokens (the sequence length; packed documents' E[Σ d_i²] / s). Offloaded model states
+def _plan_problem(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, budgets: Budgets = Budgets(0)):
+    """Returns the plan problem of one GPU (policy.py) with the layer's predicted seconds. Offloaded model states
     share the host link: a layer's activation copies hide behind what is left of its forward and backward once
     its weights' copies (`states.layer_traffic`) have had the link."""
-    t = _compute_seconds(c, attended, tokens, gpu, eff, states.lora)
+    c, tokens = job.model, job.tokens(layout.sp)
+    t = _compute_seconds(job, tokens, gpu, eff)
     bandwidth = _host_bandwidth(gpu, eff)
-    forward, backward = (b / bandwidth for b in layer_traffic(c, gpus, states))
+    forward, backward = (b / bandwidth for b in layer_traffic(job))
     seconds = {**t, "forward": max(0.0, t["forward"] - forward), "backward": max(0.0, t["backward"] - backward)}
-    return plan_problem(layer_specs(c, tokens), c.n_layers, seconds, bandwidth, host_budget, device_budget, tile=tile)
+    specs = layer_specs(c, tokens)
+    return plan_problem(specs, c.n_layers, seconds, bandwidth, budgets.host, budgets.device, tile=layout.tile)
 
 
-def _traced(c: ModelConfig, tokens: int, layout: Layout, plan, states: States = States()) -> Traced:
+def _traced(job: Job, layout: Layout, plan) -> Traced:
     """Returns the step whose trace gives a layout's transient memory: its strategy, a checkpointed layer when
     the plan has one, its tiles, Ulysses' all-to-all buffers, its attention calls on a GPU, LoRA's adapters."""
     checkpoint = bool(plan) and "checkpoint" in plan[0]
-    return Traced.of(c, tokens, TRACED[layout.recompute], checkpoint, layout.tile, layout.ulysses, lora=states.lora)
+    tokens = job.tokens(layout.sp)
+    recompute = TRACED[layout.recompute]
+    return Traced.of(job.model, tokens, recompute, checkpoint, layout.tile, layout.ulysses, lora=job.lora)
 
 
-def _store(c, tokens: int, layout: Layout, plan):
+def _store(job: Job, layout: Layout, plan):
     """Returns the activation store's layout (swap.StoreLayout) of a layout and its plan."""
+    c, tokens = job.model, job.tokens(layout.sp)
     modes, alphas = plan or (_baseline_modes(layout, c.n_layers), [0.0] * c.n_layers)
     return store_bytes(c, tokens, modes, alphas, layout.tile or tokens, layout.recompute == "offload")
 
@@ -505,16 +497,15 @@ def dominant(seconds: dict[str, float]) -> str:
     return f"{seconds[name] / sum(seconds.values()):.0%} {name.replace('_', ' ')}"
 
 
-def _compute_seconds(
-    c: ModelConfig, attended: float, tokens: int, gpu: GPUSpec, eff: Efficiency, lora: LoraConfig | None = None
-) -> dict[str, float]:
+def _compute_seconds(job: Job, tokens: int, gpu: GPUSpec, eff: Efficiency) -> dict[str, float]:
     """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention of `tokens` tokens
-    attending to `attended` each (the sequence length; packed documents' E[Σ d_i²] / s; the half of the matrix a
-    causal kernel computes), each phase at its own efficiency, and the token-local matmuls a
-    recompute runs again (`qkv` before attention, `mlp` after it). With `lora` the frozen projections' backward
-    computes the input gradient alone (1 × forward, not 2 ×), and the adapters' rank-r GEMMs run at the slower
-    of their FLOPs at GEMM speed and their bytes at HBM speed."""
-    matmul, attention = layer_forward_flops(c, attended, tokens, causal=True)
+    attending to `job.attended` each (the sequence length; packed documents' E[Σ d_i²] / s; the half of the
+    matrix a causal kernel computes), each phase at its own efficiency, and the token-local matmuls a recompute
+    runs again (`qkv` before attention, `mlp` after it). With LoRA the frozen projections' backward computes the
+    input gradient alone (1 × forward, not 2 ×), and the adapters' rank-r GEMMs run at the slower of their FLOPs
+    at GEMM speed and their bytes at HBM speed."""
+    c, lora = job.model, job.lora
+    matmul, attention = layer_forward_flops(c, job.attended, tokens, causal=True)
     gemm = gpu.peak_flops * eff.matmul
     mm = matmul / gemm
     attn = attention / (gpu.peak_flops * eff.attention_forward)
@@ -540,19 +531,10 @@ def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
 
 
 def device_bytes(
-    c: ModelConfig,
-    seq: int,
-    gpus: int,
-    system: str,
-    layout: Layout,
-    fragmentation: str | None = "caching",
-    batch: int = 1,
-    plan: tuple[list[str], list[float]] | None = None,
-    capacity: int | None = None,
-    states: States = States(),
+    job: Job, layout: Layout, plan=None, fragmentation: str | None = "caching", capacity: int | None = None
 ) -> dict[str, int]:
-    """Returns the per-GPU device memory of a system's layout (memo: and its plan, and what trains where:
-    `states`), by term, and the total.
+    """Returns the per-GPU device memory of a system's layout (memo: and its `plan` of modes and α), by term, and
+    the total.
 
     The activation store's buffers are what `memo train`'s store allocates for the plan (`swap.store_layout`);
     the transient peak and the allocator's overhead (`fragmentation`: an allocator of `memory.ALLOCATORS`, or
@@ -560,22 +542,22 @@ def device_bytes(
     terms known without a trace already exceed `capacity`, the step is not traced: its terms are 0 and the
     total a lower bound (`"lower_bound": 1`); so too when they and the peak of one shorter traced step
     (`memory.transient_floor`) exceed it, with that peak as the transient term."""
-    tokens = batch * seq // layout.sp
-    store = _store(c, tokens, layout, plan)
+    c, tokens = job.model, job.tokens(layout.sp)
+    store = _store(job, layout, plan)
     static = {
-        "model_states": _model_states(c, gpus, system, layout, states),
+        "model_states": _model_states(job, layout),
         "skeletal_buffers": store.device_bytes,
-        "runtime": runtime_bytes(_communicators(layout, gpus)),
+        "runtime": runtime_bytes(_communicators(layout, job.gpus)),
     }
-    traced = _traced(c, tokens, layout, plan, states)
+    traced = _traced(job, layout, plan)
     if capacity is not None:
         floor = 0 if sum(static.values()) > capacity else transient_floor(c, tokens, traced)
         if sum(static.values()) + floor > capacity:
             least = {**static, "transient_peak": floor, "fragmentation": 0}
             return {**least, "total": sum(least.values()), "lower_bound": 1}
     transient = transient_peak(c, tokens, traced)
-    if system in ("megatron", "deepspeed"):
-        transient = max(transient, _loss_peak(c, tokens, system, layout))
+    if layout.system in ("megatron", "deepspeed"):
+        transient = max(transient, _loss_peak(c, tokens, layout))
     terms = {
         **static,
         "transient_peak": transient,
@@ -593,7 +575,7 @@ def _communicators(layout: Layout, gpus: int) -> int:
     return sum(n > 1 for n in (layout.tp, layout.cp, layout.ulysses, gpus // layout.sp, gpus))
 
 
-def _loss_peak(c: ModelConfig, tokens: int, system: str, layout: Layout) -> int:
+def _loss_peak(c: ModelConfig, tokens: int, layout: Layout) -> int:
     """Returns the transient bytes at the loss of a system that materialises the logits (beyond the layers'
     kept tensors, which are the store's): the final hidden state and its norm, and per logit (each GPU holds
     `tokens` × V of them; with tensor parallelism (s / cp) × (V / tp), as many):
@@ -604,33 +586,32 @@ def _loss_peak(c: ModelConfig, tokens: int, system: str, layout: Layout) -> int:
       a new fp32 softmax and its log (core/sequence_parallel/cross_entropy.py): 2 + 4 + 4 + 4 bytes; without
       Ulysses Megatron's older loss, which subtracts the maximum out of place: 2 + 4 + 4.
     """
-    per_logit = 6 if system == "megatron" else 14 if layout.ulysses > 1 else 10
+    per_logit = 6 if layout.system == "megatron" else 14 if layout.ulysses > 1 else 10
     return 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * per_logit
 
 
-def _model_states(c: ModelConfig, gpus: int, system: str, layout: Layout, states: States) -> int:
+def _model_states(job: Job, layout: Layout) -> int:
     """Returns bytes of weights, gradients and optimizer states per GPU as each system shards them (FSDP2's:
     `states.device_bytes`)."""
+    c, gpus = job.model, job.gpus
     params = c.num_parameters()
-    if system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
+    if layout.system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
         return int(params * (2 + 4) / layout.tp + params * 12 / gpus)
     layer = linear_params_per_layer(c)
-    if system == "deepspeed":  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
+    if layout.system == "deepspeed":  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
         # the current layer gathered plus the prefetch bucket, and the persistent bf16 reduce bucket
         gathered = 2 * (layer + ZERO3_PREFETCH_PARAMETERS) + ZERO3_REDUCE_BUCKET_BYTES
         return int(params * (2 + 2 + 12) / gpus + gathered)
-    return state_device_bytes(c, gpus, states)  # FSDP2
+    return state_device_bytes(job)  # FSDP2
 
 
-def _step_seconds(
-    c, attended, tokens, system, gpus, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan, states=States()
-):
+def _step_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan) -> dict[str, float]:
     """Returns the step time split into attention, matmul, memory-bound ops, recompute, exposed copy (the
     activations' and offloaded model states' host copies that do not hide), communication and the CPU
-    optimizer step of offloaded states; each token attends to `attended` tokens (the sequence length; packed
-    documents' E[Σ d_i²] / s)."""
+    optimizer step of offloaded states."""
+    c, gpus, tokens = job.model, job.gpus, job.tokens(layout.sp)
     n = c.n_layers
-    t = _compute_seconds(c, attended, tokens, gpu, eff, states.lora)
+    t = _compute_seconds(job, tokens, gpu, eff)
     fwd, bwd = t["forward"], t["backward"]
     costs = {"recompute": 0.0, "exposed_copy": 0.0}
     if layout.recompute == "full":
@@ -638,12 +619,12 @@ def _step_seconds(
     elif layout.recompute == "selective":
         costs["recompute"] = n * t["attention"]
     elif layout.recompute in OFFLOADS and plan:
-        problem = _plan_problem(c, attended, tokens, gpu, eff, 0, 0, layout.tile, states, gpus)
+        problem = _plan_problem(job, layout, gpu, eff)
         costs = plan_costs(dataclasses.replace(problem, offload_last_layers=layout.recompute == "offload"), *plan)
     checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
-    plain, rerun = (_layer_comm_seconds(c, tokens, system, gpus, layout, gpu, eff, fwd, bwd, t, a) for a in (0, 1))
-    head = (2 if states.lora else 3) * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
-    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(c, tokens, layout, plan, states))
+    plain, rerun = (_layer_comm_seconds(job, layout, gpu, eff, t, again) for again in (False, True))
+    head = (2 if job.lora else 3) * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
+    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(job, layout, plan))
     node_gpus = min(gpus, gpu.gpus_per_node)
     return {
         "attention": n * (t["attention"] + t["attention_backward"]),
@@ -651,21 +632,21 @@ def _step_seconds(
         # what the trace's memory-bound ops write is read once more: twice those bytes at HBM speed
         "memory_bound": 2 * (n * per_layer_bytes + outside) / (gpu.hbm_bytes_per_s * eff.hbm),
         "recompute": costs["recompute"],
-        "exposed_copy": costs["exposed_copy"] + _state_copy_seconds(c, gpus, gpu, eff, fwd, bwd, states),
+        "exposed_copy": costs["exposed_copy"] + _state_copy_seconds(job, gpu, eff, fwd, bwd),
         "communication": (n - checkpointed) * plain + checkpointed * rerun,
-        "optimizer": optimizer_seconds(c, gpus, node_gpus, states),
+        "optimizer": optimizer_seconds(job, node_gpus),
     }
 
 
-def _state_copy_seconds(c, gpus, gpu: GPUSpec, eff: Efficiency, fwd: float, bwd: float, states: States) -> float:
+def _state_copy_seconds(job: Job, gpu: GPUSpec, eff: Efficiency, fwd: float, bwd: float) -> float:
     """Returns the seconds of offloaded model states' host copies that do not hide: what a layer's weight copies
     take of the host link beyond its forward and its backward (FSDP2 prefetches the next layer's during the
     current one's compute; the activations' copies get what is left, `_plan_problem`), and the root unit's
     copies before the first layer and after the last."""
     bandwidth = _host_bandwidth(gpu, eff)
-    forward, backward = (b / bandwidth for b in layer_traffic(c, gpus, states))
+    forward, backward = (b / bandwidth for b in layer_traffic(job))
     per_layer = max(0.0, forward - fwd) + max(0.0, backward - bwd)
-    return c.n_layers * per_layer + root_traffic(c, gpus, states) / bandwidth
+    return job.model.n_layers * per_layer + root_traffic(job) / bandwidth
 
 
 def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
@@ -673,9 +654,10 @@ def _link(gpus: int, gpu: GPUSpec, eff: Efficiency) -> float:
     return gpu.nvlink_bytes_per_s * eff.nvlink if gpus <= gpu.gpus_per_node else gpu.network_bytes_per_s * eff.network
 
 
-def _layer_comm_seconds(c, tokens, system, gpus, layout: Layout, gpu, eff, fwd, bwd, t, again: bool) -> float:
+def _layer_comm_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, t: dict, again: bool) -> float:
     """Returns one layer's communication seconds on the critical path: forward + backward, and the recomputed
-    forward when the layer runs `again` (whole-layer recomputation)."""
+    forward when the layer runs `again` (whole-layer recomputation); `t` is the layer's `_compute_seconds`."""
+    c, gpus, tokens = job.model, job.gpus, job.tokens(layout.sp)
     d, a, g = c.head_dim, c.n_heads, c.n_kv_heads
     tp, cp = layout.tp, layout.cp
     passes = 3 if again else 2  # forward, backward, and the recomputed forward
@@ -691,9 +673,9 @@ def _layer_comm_seconds(c, tokens, system, gpus, layout: Layout, gpu, eff, fwd, 
     if sp > 1:  # Ulysses: q, k, v in and the output back, per pass
         a2a = (2 * a + 2 * g) * d * tokens * 2 * (sp - 1) / sp / _link(sp, gpu, eff)
         seconds += a2a * passes
-    if system != "megatron" and gpus > 1:  # ZeRO-3 / FSDP: gather weights for forward and backward
+    if layout.system != "megatron" and gpus > 1:  # ZeRO-3 / FSDP: gather weights for forward and backward
         move = linear_params_per_layer(c) * 2 * (gpus - 1) / gpus / _link(gpus, gpu, eff)
-        seconds += max(0.0, move - fwd) + max(0.0, 2 * move - bwd)
+        seconds += max(0.0, move - t["forward"]) + max(0.0, 2 * move - t["backward"])
     return seconds
 
 
@@ -705,46 +687,16 @@ class Longest:
     why_not: str
 
 
-def max_seq(
-    c: ModelConfig,
-    gpus: int,
-    gpu: GPUSpec,
-    system: str,
-    sp: int | None = None,
-    eff: Band | None = None,
-    limit: int = 1 << 26,
-    point: str = "mid",
-    fragmentation: bool = True,
-    host_memory: int | None = None,
-    arena: bool = False,
-    states: States = States(),
-    attention: str = "auto",
-    documents: DocumentLengths | None = None,
-) -> Longest:
-    """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that fits,
-    0 if none does, with what stops the next length; of packed `documents` when given (their attention is less
-    work, so memo's copies have less compute to hide behind)."""
-    step = 1024 * (gpus if sp is None else sp)
-    _check(step, gpus, system, sp, states, attention)
+def max_seq(job: Job, gpu: GPUSpec, system: str, pricing: Pricing = Pricing(), limit: int = 1 << 26) -> Longest:
+    """Returns the longest sequence (a multiple of 1K·sp, or of 1K·gpus when layouts are searched) that `job`
+    trains with `system` (its `seq` is not read), 0 if none does, with what stops the next length; of packed
+    `job.documents` when given (their attention is less work, so memo's copies have less compute to hide behind)."""
+    step = 1024 * (job.gpus if job.sp is None else job.sp)
+    _check(job.at(step), system)
     why = {}
 
     def fits(seq: int) -> bool:
-        e = estimate(
-            c,
-            seq,
-            gpus,
-            gpu,
-            system,
-            sp,
-            eff,
-            point=point,
-            fragmentation=fragmentation,
-            host_memory=host_memory,
-            arena=arena,
-            states=states,
-            attention=attention,
-            documents=documents,
-        )
+        e = estimate(job.at(seq), gpu, system, pricing)
         why[seq] = e.why
         return e.fits
 
@@ -760,29 +712,16 @@ def max_seq(
     return Longest(lo, why.get(lo + step) or f"the search stops at {format_count(limit)} tokens")
 
 
-def max_seq_range(
-    c: ModelConfig,
-    gpus: int,
-    gpu: GPUSpec,
-    system: str,
-    sp: int | None = None,
-    eff=None,
-    host_memory=None,
-    arena: bool = False,
-    states: States = States(),
-    attention: str = "auto",
-    documents: DocumentLengths | None = None,
-) -> dict:
+def max_seq_range(job: Job, gpu: GPUSpec, system: str, band: Band | None = None) -> dict:
     """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
     and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
     caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
-    "mid"; "attention_kernel": whose attention speeds time the steps. Of packed `documents` when given."""
-    every = dict(host_memory=host_memory, states=states, attention=attention, documents=documents)
-    mid = max_seq(c, gpus, gpu, system, sp, eff, arena=arena, **every)
+    "mid"; "attention_kernel": whose attention speeds time the steps. Of packed `job.documents` when given."""
+    mid = max_seq(job, gpu, system, Pricing(band=band))
     return {
-        "low": max_seq(c, gpus, gpu, system, sp, eff, point="low", arena=arena, **every).tokens,
+        "low": max_seq(job, gpu, system, Pricing(band=band, point="low")).tokens,
         "mid": mid.tokens,
-        "high": max_seq(c, gpus, gpu, system, sp, eff, point="high", fragmentation=False, **every).tokens,
+        "high": max_seq(job, gpu, system, Pricing(band=band, point="high", fragmentation=False)).tokens,
         "why_not": mid.why_not,
-        "attention_kernel": eff.attention if eff else _timed_kernel(gpu, attention, documents),
+        "attention_kernel": band.attention if band else _timed_kernel(job, gpu),
     }

@@ -7,25 +7,19 @@ attention is unchanged. Two conventions for attention, each named wherever a uti
 - full: the whole s×s matrix, as `torch.utils.flop_counter` (and some papers) count it; at long lengths, where
   attention is nearly all the work, this "MFU" is about twice the kernel's real utilisation and can pass 100%.
 
-Packed documents (`DocumentLengths`): a sequence of s tokens made of documents of d_1..d_n tokens whose tokens attend
-only within their own document does Σ d_i² of attention work instead of s²; both conventions then count the matrices
-the documents need (half of each d_i × d_i, or all of it), not s × s (`MFU_PACKED`, `MFU_PACKED_FULL`). Memory does
-not change: activations are per token.
+Packed documents (`documents.DocumentLengths`): a sequence of s tokens made of documents of d_1..d_n tokens whose
+tokens attend only within their own document does Σ d_i² of attention work instead of s²; both conventions then count
+the matrices the documents need (half of each d_i × d_i, or all of it), not s × s (`MFU_PACKED`, `MFU_PACKED_FULL`).
+Memory does not change: activations are per token.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-
-from ..config import ModelConfig, check_int
+from ..config import ModelConfig
 from ..lora import LoraConfig, module_shapes
 from ..policy import PlanProblem, plan_costs, split_row
-from ..train.data import TOKEN_SUFFIXES, document_lengths, read_token_file
-from ..units import format_count
 
 
 def linear_params_per_layer(c: ModelConfig) -> int:
@@ -45,92 +39,6 @@ MFU_PACKED = (
     "document's d x d matrix the kernel computes (sum of d_i^2 / 2 per sequence), not of s x s"
 )
 MFU_PACKED_FULL = "packed documents: model FLOPs, each document's whole d x d matrix counted (sum of d_i^2), not s x s"
-
-
-@dataclass(frozen=True)
-class DocumentLengths:
-    """The lengths of the documents packed into training sequences, whose tokens attend only within their own
-    document (block-diagonal causal attention): either `mean`, every document that many tokens long, or `histogram`,
-    ((length, count), ...) of a corpus's documents (`of_file`). `source` says where the lengths come from."""
-
-    mean: int | None = None
-    histogram: tuple[tuple[int, int], ...] = ()
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if (self.mean is None) == (not self.histogram):
-            raise ValueError("packed documents take one of a mean length and a histogram of lengths")
-        if self.mean is not None:
-            check_int("--mean-document-tokens", self.mean)
-        for length, count in self.histogram:
-            check_int("document length", length)
-            check_int("document count", count)
-
-    @classmethod
-    def of_lengths(cls, lengths, source: str = "") -> DocumentLengths:
-        """Returns the histogram of `lengths`, one entry per document (e.g. a token file's)."""
-        values, counts = np.unique(np.asarray(lengths, dtype=np.int64).ravel(), return_counts=True)
-        return cls(histogram=tuple(zip(values.tolist(), counts.tolist())), source=source)
-
-    @classmethod
-    def of_file(cls, path: str | Path, flag: str = "--document-lengths") -> DocumentLengths:
-        """Returns the histogram of a memo token file's document lengths (`train.data.read_token_file`: a .bin with
-        its .json sidecar, or a .npy; its documents start where `<stem>.docs.npy` says, one document without it)."""
-        path = Path(path)
-        if path.suffix not in TOKEN_SUFFIXES:
-            raise ValueError(
-                f"`{flag}` takes a memo token file (.bin with its .json sidecar, or .npy), got {str(path)!r}"
-            )
-        try:
-            tokens, starts, _ = read_token_file(path, flag=flag)
-        except ValueError as err:
-            raise ValueError(str(err) if f"`{flag}`" in str(err) else f"`{flag}`: {err}") from None
-        return cls.of_lengths(document_lengths(starts, len(tokens)), source=str(path))
-
-    @property
-    def mean_tokens(self) -> float:
-        """Returns the mean document length in tokens."""
-        if self.mean is not None:
-            return float(self.mean)
-        return sum(length * count for length, count in self.histogram) / sum(count for _, count in self.histogram)
-
-    def squares(self, seq: int) -> float:
-        """Returns E[Σ d_i²], the expected sum of squared document lengths of a sequence of `seq` tokens: the
-        attention work of its documents, where an unpacked sequence does seq².
-
-        - `mean` N: the sequence holds whole documents of N tokens from its start and a last, shorter one:
-          seq = q·N + r gives q·N² + r² (exact: no expectation).
-        - `histogram`: sequences cut at fixed `seq` boundaries from the concatenated stream of documents, a
-          document crossing a cut split in two. Σ d_i² counts the ordered pairs of a sequence's positions that lie
-          in one piece, so its expectation over where the cut falls relative to the documents (uniformly, as over
-          the many sequences of a corpus) is seq + 2·Σ_{k=1}^{seq-1} (seq - k)·P(positions x and x + k share a
-          document), and a position lies in a document of length d at each of its d offsets, so
-          P = Σ_d count_d·max(0, d - k) / T (T the tokens of all documents): closed form
-          seq + (2 / T)·Σ_d count_d·Σ_{k=1}^{min(d, seq)-1} (seq - k)(d - k), the inner sum a polynomial in
-          m = min(d, seq) - 1. It equals, exactly, the mean of Σ d_i² over the windows of `seq` tokens at every
-          offset of the documents' stream taken as a cycle (tested by brute force), whatever their order.
-        """
-        check_int("--seq", seq)
-        if self.mean is not None:
-            q, r = divmod(seq, self.mean)
-            return float(q * self.mean**2 + r * r)
-        total = sum(length * count for length, count in self.histogram)
-        pairs = 0  # Σ_d count_d·Σ_{k=1}^{m} (seq - k)(d - k), m = min(d, seq) - 1, in exact integers
-        for d, count in self.histogram:
-            m = min(d, seq) - 1
-            pairs += count * (m * seq * d - (seq + d) * m * (m + 1) // 2 + m * (m + 1) * (2 * m + 1) // 6)
-        return seq + 2 * pairs / total
-
-    def attended(self, seq: int) -> float:
-        """Returns E[Σ d_i²] / seq: how many tokens a token of a `seq`-token sequence attends to on average (the
-        whole matrix), the length that stands for s in the attention FLOPs (4·s·heads·head_dim per token, forward)
-        and the one whole documents of equal length would have: the document length attention is timed at."""
-        return self.squares(seq) / seq
-
-    def __str__(self) -> str:
-        if self.mean is not None:
-            return f"packed documents of {format_count(self.mean)} tokens"
-        return f"packed documents of {self.source or 'a histogram'} (mean {self.mean_tokens:,.0f} tokens)"
 
 
 def layer_forward_flops(
@@ -182,8 +90,14 @@ def token_local_flops(c: ModelConfig, tokens: int) -> tuple[float, float]:
 
 
 def recompute_flops(
-    c: ModelConfig, seq: int, modes: list[str], alphas: list[float], offload_last_layers: bool = False,
-    tokens: int | None = None, causal: bool = False, tile: int | None = None,
+    c: ModelConfig,
+    seq: int,
+    modes: list[str],
+    alphas: list[float],
+    offload_last_layers: bool = False,
+    tokens: int | None = None,
+    causal: bool = False,
+    tile: int | None = None,
 ) -> float:
     """Returns the forward FLOPs a plan (policy.py's modes and α per layer) spends again before backward, for one
     sequence: the token-local matmuls of the rows a layer does not keep, and a checkpointed or recomputed

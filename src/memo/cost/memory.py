@@ -16,6 +16,7 @@ import torch
 from ..attention import heads_per_call
 from ..config import ModelConfig
 from ..device import meta_kernels
+from ..job import Job
 from ..layer import DecoderLayer, SkeletalSpec, bytes_by_role
 from ..lora import LoraConfig, apply_lora
 from ..model import Transformer
@@ -25,8 +26,10 @@ from ..plan.greedy import greedy
 from ..plan.problem import Problem, max_load, peak
 from ..plan.trace import SCRATCH, trace_iteration, windows
 from ..policy import ActivationPolicy
-from ..swap import StoreLayout, store_layout
-from .states import States, trained
+from ..swap import StoreLayout, layer_swaps, store_layout
+from ..units import format_bytes, format_count
+from .hardware import GPUS
+from .states import trained
 
 TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
 TRACE_TOKENS = 1 << 18  # longest step traced (a trace's cost grows with the length); past it, extrapolated
@@ -55,10 +58,10 @@ class Traced:
     ) -> "Traced":
         """Returns the step of a run of `tokens` tokens per GPU: its attention calls as they are at that length."""
         heads = heads_per_call(c.n_heads // sp, tokens * sp, tile or tokens, torch.device(kernels))
-        return cls(strategy, checkpoint, tile, sp, heads, lora)
+        return cls(strategy=strategy, checkpoint=checkpoint, tile=tile, sp=sp, heads=heads, lora=lora)
 
     def policy(self, layers: int) -> ActivationPolicy:
-        every = dict(tile_tokens=self.tile or 1 << 62, attention_heads=self.heads)
+        every = dict(tile_tokens=self.tile, attention_heads=self.heads)
         if self.strategy != "memo":
             return ActivationPolicy(self.strategy, **every)
         plan = ("checkpoint" if self.checkpoint else "memo",) + ("memo",) * (layers - 1)
@@ -79,11 +82,17 @@ def skeletal_bytes(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[st
 
 
 def store_bytes(
-    c: ModelConfig, tokens: int, modes: list[str], alphas: list[float], tile: int, offload_last: bool = False,
+    c: ModelConfig,
+    tokens: int,
+    modes: list[str],
+    alphas: list[float],
+    tile: int,
+    offload_last: bool = False,
     dtype=torch.bfloat16,
 ) -> StoreLayout:
     """Returns the device and host bytes the activation store allocates for a plan (`swap.store_layout`)."""
-    return store_layout(layer_specs(c, tokens, dtype), modes, alphas, min(tile, tokens), offload_last)
+    tile = min(tile, tokens)
+    return store_layout(layer_specs(c, tokens, dtype), layer_swaps(modes, alphas, tokens, tile, offload_last), tile)
 
 
 def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, **step) -> int:
@@ -233,12 +242,12 @@ def _traced_step(
     spans = windows(step)
     in_layers = sum(sum(written[lo:hi]) for lo, hi in spans.values())
     return StepTrace(
-        {k: v - held for k, v in _phase_peaks(step, spans).items()},
-        cached.peak_reserved - cached.peak_allocated,
-        expandable.peak_reserved - expandable.peak_allocated,
-        in_layers // layers,
-        sum(written) - in_layers,
-        step.to_problem(),
+        peaks={k: v - held for k, v in _phase_peaks(step, spans).items()},
+        fragmentation=cached.peak_reserved - cached.peak_allocated,
+        expandable=expandable.peak_reserved - expandable.peak_allocated,
+        traffic_layer=in_layers // layers,
+        traffic_outside=sum(written) - in_layers,
+        problem=step.to_problem(),
     )
 
 
@@ -257,27 +266,43 @@ def _phase_peaks(step, spans: dict) -> dict:
     return peaks
 
 
-def training_lower_bound(
-    c: ModelConfig,
-    tokens: int,
-    policy: ActivationPolicy,
-    dtype: torch.dtype,
-    shards: int = 1,
-    lora: LoraConfig | None = None,
-    micro_batches: int = 1,
-) -> dict[str, int]:
+def training_lower_bound(job: Job) -> dict[str, int]:
     """Returns bytes a training run needs at least, without tracing: model states (weights, gradients, AdamW m and v,
-    fp32 masters of 16-bit weights, and with several `micro_batches` the masters' fp32 gradients, which sum the
-    micro-batches' 16-bit ones: `MasterAdamW.accumulate`; sharded over `shards` ranks), the store's device buffers
-    for `tokens` tokens (all micro-batch rows) and its host pool, for the policy's plan and α (the least a solved
-    plan can take where they are to be solved: `ActivationPolicy.least_host_plan`). With `lora` (a LoraConfig) only
-    the adapters have gradients and AdamW state; the frozen base is its weights alone. Transients and the loss are
+    fp32 masters of 16-bit weights, and with several micro-batches (`job.grad_accum`) the masters' fp32 gradients,
+    which sum the micro-batches' 16-bit ones: `MasterAdamW.accumulate`; sharded over `job.gpus` ranks), the
+    store's device buffers for one rank's tokens and its host pool, for the policy's plan and α (the least a
+    solved plan can take where they are to be solved: `ActivationPolicy.least_host_plan`). With LoRA only the
+    adapters have gradients and AdamW state; the frozen base is its weights alone. Transients and the loss are
     left out."""
-    size = torch.empty((), dtype=dtype).element_size()
+    c, policy, dtype = job.model, job.policy, job.torch_dtype
+    tokens = job.tokens(job.sp or 1)
+    size = dtype.itemsize
     masters = 4 if dtype != torch.float32 else 0
-    master_grads = masters if micro_batches > 1 else 0  # alive through every micro-batch's backward
-    train, frozen = trained(c, States(lora))
-    states = (train * (2 * size + 8 + masters + master_grads) + frozen * size) // shards
+    master_grads = masters if job.grad_accum > 1 else 0  # alive through every micro-batch's backward
+    train, frozen = trained(job)
+    states = (train * (2 * size + 8 + masters + master_grads) + frozen * size) // job.gpus
     modes, alphas = policy.least_host_plan(c.n_layers)
     layout = store_bytes(c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype)
     return {"states": states, "activations": layout.device_bytes, "host_pool": layout.host_total}
+
+
+PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` traces (a trace takes seconds per million)
+
+
+def check_plan_length(job: Job) -> None:
+    """Refuses a `memo plan` step (one GPU's `job.micro_batch` sequences of `job.seq` tokens) that no listed GPU
+    holds, or too long to trace in seconds: the plan traces every token."""
+    tokens, batch = job.seq, job.micro_batch
+    if tokens * batch > PLAN_MAX_TOKENS:
+        raise ValueError(
+            f"`--seq` / `--tp` x `--batch` is {format_count(tokens * batch)} tokens per GPU; the plan traces each "
+            f"of them, at most {format_count(PLAN_MAX_TOKENS)}: raise `--tp` or lower `--seq`"
+        )
+    largest = max(GPUS.values(), key=lambda g: g.hbm_bytes)
+    need = training_lower_bound(job)["activations"]
+    if need > largest.hbm_bytes:
+        raise ValueError(
+            f"`--seq` {format_count(tokens)} per GPU needs at least {format_bytes(need)} of activations with "
+            f"`--policy {job.policy.strategy}`, more than the largest listed GPU ({largest.name}, "
+            f"{format_bytes(largest.hbm_bytes)}): raise `--tp` or lower `--seq`"
+        )

@@ -3,55 +3,39 @@ tests the model (memory terms everywhere; step time and MFU on a GPU the model k
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from ..config import ModelConfig
-from ..policy import ActivationPolicy
+from ..job import Job
+from ..units import format_bytes
 from .estimate import Layout, estimate
-from .flops import DocumentLengths
 from .hardware import GPUSpec
 from .memory import Traced, store_bytes, training_lower_bound, transient_peak
-from .states import States, device_bytes, host_bytes, trained
+from .states import device_bytes, host_bytes, trained
 
 OFF_BY = 0.15  # a measured peak further than this from its prediction is a warning
 
 
-def predict_run(
-    c: ModelConfig,
-    seq: int,
-    micro_batch: int,
-    world: int,
-    sp: int,
-    policy: ActivationPolicy,
-    dtype: torch.dtype,
-    loss_chunk_tokens: int,
-    kernels: str,
-    spec: GPUSpec | None = None,
-    states: States = States(),
-    attention: str = "auto",
-    documents: DocumentLengths | None = None,
-) -> dict:
+def predict_run(job: Job, spec: GPUSpec | None = None, kernels: str = "cuda", loss_chunk_tokens: int = 4096) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
-    the step's transient peak traced at the run's dtype, kernels, tiles and modes, with the gradients a
-    one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and, on a known
-    GPU, the step time and MFU with their ranges, attention timed as the `attention` kernel's (`--attention`).
-    `states`: what trains (LoRA) and whether the model states live in host memory (`--offload-states`: on the
-    device only what FSDP gathers, `states.device_bytes`). `documents`: the run's sequences are packed documents
-    that attend only within themselves (their attention timed and counted as E[Σ d_i²], `flops.DocumentLengths`;
-    memory is the same)."""
-    tokens = micro_batch * seq // sp
+    the step's transient peak traced at the run's dtype, `kernels` (a device type), tiles and modes, with the
+    gradients a one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and,
+    on a known GPU (`spec`), the step time and MFU with their ranges, attention timed as `job.attention`'s.
+    Offloaded states (`job.offload_states`) leave on the device only what FSDP gathers (`states.device_bytes`);
+    packed `job.documents` are timed and counted as E[Σ d_i²] (memory is the same)."""
+    c, policy, dtype, sp = job.model, job.policy, job.torch_dtype, job.sp or 1
+    tokens = job.tokens(sp)
     n = c.n_layers
-    model_states = training_lower_bound(c, tokens, policy, dtype, shards=world, lora=states.lora)["states"]
+    model_states = training_lower_bound(dataclasses.replace(job, grad_accum=1))["states"]
     modes, alphas = policy.least_host_plan(n)  # the device buffers are the same for every solved plan
     tile = policy.tile_for(tokens)
     store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
     cut = tile if tile < tokens else None
-    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, states.lora)
+    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, job.lora)
     transient = transient_peak(c, tokens, traced, loss_chunk_tokens, dtype=dtype, kernels=kernels)
-    if states.offload:
-        model_states = device_bytes(c, world, states)
-    elif world == 1:  # `memo train` drops the gradients after every update: each step makes them anew
-        grads = trained(c, states)[0] * torch.empty((), dtype=dtype).element_size()
+    if job.offload_states:
+        model_states = device_bytes(job)
+    elif job.gpus == 1:  # `memo train` drops the gradients after every update: each step makes them anew
+        grads = trained(job)[0] * dtype.itemsize
         model_states, transient = model_states - grads, transient + grads
     predicted = {
         "device_peak_bytes": model_states + store.device_bytes + transient,
@@ -61,22 +45,11 @@ def predict_run(
     }
     if policy.strategy == "memo" and policy.layer_modes(n) and policy.layer_alphas(n):
         predicted["host_pool_bytes"] = store.host_total
-    if states.offload:
-        predicted["host_state_bytes"] = host_bytes(c, world, states)
+    if job.offload_states:
+        predicted["host_state_bytes"] = host_bytes(job)
     if spec is not None:
-        layout = Layout(ulysses=sp, recompute=policy.strategy, tile=tile if tile < tokens else None)
-        e = estimate(
-            c,
-            seq,
-            world,
-            spec,
-            "memo",
-            layout=layout,
-            micro_batch=micro_batch,
-            states=states,
-            attention=attention,
-            documents=documents,
-        )
+        layout = Layout(ulysses=sp, recompute=policy.strategy, tile=cut)
+        e = estimate(job, spec, "memo", layout=layout)
         predicted.update(
             gpu=spec.name,
             step_seconds=e.step_seconds,
@@ -89,11 +62,13 @@ def predict_run(
     return predicted
 
 
-def host_pool_bytes(
-    c: ModelConfig, tokens: int, policy: ActivationPolicy, modes: list[str], alphas: list[float], dtype
-) -> int:
-    """Returns the host pool a plan (mode and α per layer) fills (§3)."""
-    return store_bytes(c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype).host_total
+def host_pool_bytes(job: Job, modes: list[str], alphas: list[float]) -> int:
+    """Returns the host pool a plan (mode and α per layer) fills (§3) for one rank of `job`."""
+    tokens, policy = job.tokens(job.sp or 1), job.policy
+    layout = store_bytes(
+        job.model, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, job.torch_dtype
+    )
+    return layout.host_total
 
 
 def compare(predicted: dict, measured: dict) -> dict:
@@ -111,3 +86,38 @@ def compare(predicted: dict, measured: dict) -> dict:
                 f"{'above' if off > 0 else 'below'} the cost model's prediction"
             )
     return {"rows": rows, "warnings": warnings}
+
+
+def prediction_line(predicted: dict) -> str:
+    """Returns what the cost model predicts for this run, in one line."""
+    parts = [
+        f"device peak {format_bytes(predicted['device_peak_bytes'])} (states "
+        f"{format_bytes(predicted['model_state_bytes'])}, skeletal buffers "
+        f"{format_bytes(predicted['skeletal_buffer_bytes'])}, step transients "
+        f"{format_bytes(predicted['step_transient_bytes'])})"
+    ]
+    if "host_pool_bytes" in predicted:
+        parts.append(f"host pool {format_bytes(predicted['host_pool_bytes'])}")
+    if "step_seconds" in predicted:
+        low, high = predicted["step_seconds_range"]
+        parts.append(
+            f"step {predicted['step_seconds']:.3g} s ({low:.3g}-{high:.3g}) and MFU {100 * predicted['mfu']:.1f}% "
+            f"on {predicted['gpu']} ({predicted['dominant']})"
+        )
+    return "predicted per rank: " + ", ".join(parts)
+
+
+def comparison_line(comparison: dict) -> str:
+    """Returns the run's measurements beside the cost model's predictions."""
+
+    def shown(key: str, value: float) -> str:
+        if key.endswith("_bytes"):
+            return format_bytes(value)
+        return f"{100 * value:.1f}%" if key == "mfu" else f"{value:.3g} s"
+
+    cells = [
+        f"{key.removesuffix('_bytes').replace('_', ' ')} {shown(key, row['measured'])} vs "
+        f"{shown(key, row['predicted'])} predicted (x{row['ratio']:.2f})"
+        for key, row in comparison["rows"].items()
+    ]
+    return "measured: " + ("; ".join(cells) or "nothing the cost model predicts (on CPU: run with --arena)")

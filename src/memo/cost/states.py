@@ -5,10 +5,9 @@ host bytes, the host link's traffic they add per step, and the CPU optimizer ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..config import ModelConfig
-from ..lora import LoraConfig, adapter_parameters
+from ..job import Job
+from ..lora import adapter_parameters
 
 # a trained weight: bf16 compute copy + fp32 gradient + fp32 Adam master weight, m and v (mixed precision)
 BYTES_PER_PARAM = 2 + 4 + 12
@@ -24,19 +23,6 @@ GATHERED_LAYERS = 2  # FSDP2 holds the running layer's weights and prefetches th
 CPU_ADAM_SECONDS_PER_PARAM = 14.76 / 10e9 / 5.1
 
 
-@dataclass(frozen=True)
-class States:
-    """What trains (`lora`: adapters on a frozen base; None: every weight) and whether weights, gradients and
-    optimizer state live in host memory (`offload`)."""
-
-    lora: LoraConfig | None = None
-    offload: bool = False
-
-    def __str__(self) -> str:
-        what = f"LoRA r={self.lora.rank} on {','.join(self.lora.targets)}" if self.lora else "full fine-tuning"
-        return what + (", states in host memory" if self.offload else "")
-
-
 def root_parameters(c: ModelConfig) -> int:
     """Returns the weights outside the decoder layers: embedding and head (one tensor when tied), final norm;
     FSDP2's root unit, gathered for the whole step."""
@@ -44,72 +30,76 @@ def root_parameters(c: ModelConfig) -> int:
     return c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2) + final_norm
 
 
-def trained(c: ModelConfig, s: States) -> tuple[int, int]:
+def trained(job: Job) -> tuple[int, int]:
     """Returns (trained, frozen) parameters of the whole model: every weight trains, or the adapters alone."""
-    if s.lora is None:
+    c = job.model
+    if job.lora is None:
         return c.num_parameters(), 0
-    return adapter_parameters(c, s.lora), c.num_parameters()
+    return adapter_parameters(c, job.lora), c.num_parameters()
 
 
-def _layer(c: ModelConfig, s: States) -> tuple[int, int]:
+def _layer(job: Job) -> tuple[int, int]:
     """Returns (trained, frozen) parameters of one decoder layer (one FSDP2 unit)."""
+    c = job.model
     layer = (c.num_parameters() - root_parameters(c)) // c.n_layers
-    if s.lora is None:
+    if job.lora is None:
         return layer, 0
-    return adapter_parameters(c, s.lora) // c.n_layers, layer
+    return adapter_parameters(c, job.lora) // c.n_layers, layer
 
 
-def device_bytes(c: ModelConfig, gpus: int, s: States) -> int:
-    """Returns one GPU's bytes of model states under FSDP2 over `gpus` GPUs.
+def device_bytes(job: Job) -> int:
+    """Returns one GPU's bytes of model states under FSDP2 over `job.gpus` GPUs.
 
     On the device: every shard (`BYTES_PER_PARAM` per trained weight, `FROZEN_BYTES` per frozen one) and two
     layers gathered in bf16. Offloaded: the root unit in bf16 for the whole step (its trained weights' bf16
     gradients from the loss's backward on), two layers gathered in bf16 with the shard of one copied in on its
     way (FSDP2 copies the host shard to the device before casting it to bf16: `FSDPParam.all_gather_inputs`),
     and one layer's gradient in flight (its bf16 gradient, the fp32 reduce-scatter input, the fp32 shard out)."""
-    train, frozen = trained(c, s)
-    layer_train, layer_frozen = _layer(c, s)
+    gpus = job.gpus
+    train, frozen = trained(job)
+    layer_train, layer_frozen = _layer(job)
     gathered = GATHERED_LAYERS * 2 * (layer_train + layer_frozen)
-    if not s.offload:
+    if not job.offload_states:
         return int((train * BYTES_PER_PARAM + frozen * FROZEN_BYTES) / gpus + gathered)
     shard_in = (layer_train * (4 + 2) + layer_frozen * FROZEN_BYTES) / gpus
     gradient = layer_train * (2 + 4 + 4 / gpus)
-    root = root_parameters(c) * (2 + (2 if s.lora is None else 0))
+    root = root_parameters(job.model) * (2 + (2 if job.lora is None else 0))
     return int(gathered + shard_in + gradient + root)
 
 
-def host_bytes(c: ModelConfig, gpus: int, s: States) -> int:
+def host_bytes(job: Job) -> int:
     """Returns one GPU's bytes of model states in host memory (0 unless offloaded): its shard of every weight,
-    trained ones with their gradient and AdamW moments."""
-    if not s.offload:
+    trained ones with their gradient and AdamW moments (`HOST_BYTES_PER_PARAM`), frozen ones in the job's dtype.
+    The trainer refuses a run whose host budget cannot hold them with this same count."""
+    if not job.offload_states:
         return 0
-    train, frozen = trained(c, s)
-    return int((train * HOST_BYTES_PER_PARAM + frozen * FROZEN_BYTES) / gpus)
+    train, frozen = trained(job)
+    return int((train * HOST_BYTES_PER_PARAM + frozen * job.torch_dtype.itemsize) / job.gpus)
 
 
-def layer_traffic(c: ModelConfig, gpus: int, s: States) -> tuple[float, float]:
+def layer_traffic(job: Job) -> tuple[float, float]:
     """Returns the host-link bytes one GPU moves for one layer's states, (in its forward, in its backward): its
     shard copied in for each gather (trained weights as fp32, frozen as bf16), and in the backward its fp32
     gradient shard copied out besides. 0 unless offloaded."""
-    if not s.offload:
+    if not job.offload_states:
         return 0.0, 0.0
-    layer_train, layer_frozen = _layer(c, s)
-    weights = (layer_train * 4 + layer_frozen * FROZEN_BYTES) / gpus
-    return weights, weights + layer_train * 4 / gpus
+    layer_train, layer_frozen = _layer(job)
+    weights = (layer_train * 4 + layer_frozen * FROZEN_BYTES) / job.gpus
+    return weights, weights + layer_train * 4 / job.gpus
 
 
-def root_traffic(c: ModelConfig, gpus: int, s: States) -> float:
+def root_traffic(job: Job) -> float:
     """Returns the host-link bytes of the root unit per step and GPU (0 unless offloaded): its shard copied in
     before the first layer and its gradient shard copied out after the last, with no compute to hide behind."""
-    if not s.offload:
+    if not job.offload_states:
         return 0.0
-    root = root_parameters(c) / gpus
-    return root * (FROZEN_BYTES if s.lora else 4 + 4)
+    root = root_parameters(job.model) / job.gpus
+    return root * (FROZEN_BYTES if job.lora else 4 + 4)
 
 
-def optimizer_seconds(c: ModelConfig, gpus: int, node_gpus: int, s: States) -> float:
+def optimizer_seconds(job: Job, node_gpus: int) -> float:
     """Returns the seconds of the CPU optimizer step, which starts after the backward and overlaps nothing (0
     unless offloaded): the `node_gpus` ranks of a node update their shards at once on the node's cores."""
-    if not s.offload:
+    if not job.offload_states:
         return 0.0
-    return trained(c, s)[0] * node_gpus / gpus * CPU_ADAM_SECONDS_PER_PARAM
+    return trained(job)[0] * node_gpus / job.gpus * CPU_ADAM_SECONDS_PER_PARAM

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig
 from ..figures import pyplot, save
+from ..job import Job
 from ..units import format_count
 from .efficiency import Band
-from .estimate import SYSTEMS, Estimate, estimate
-from .flops import DocumentLengths
+from .estimate import SYSTEMS, Estimate, Pricing, estimate
 from .hardware import GPUSpec
-from .states import States
 
 
 def default_lengths(start: int = 32 * 1024, stop: int = 4 << 20) -> list[int]:
@@ -23,22 +21,11 @@ def default_lengths(start: int = 32 * 1024, stop: int = 4 << 20) -> list[int]:
 
 
 def sweep(
-    c: ModelConfig,
-    lengths: list[int],
-    gpus: int,
-    gpu: GPUSpec,
-    systems=SYSTEMS,
-    sp: int | None = None,
-    eff: Band | None = None,
-    host_memory: int | None = None,
-    states: States = States(),
-    attention: str = "auto",
-    documents: DocumentLengths | None = None,
+    job: Job, lengths: list[int], gpu: GPUSpec, systems=SYSTEMS, band: Band | None = None
 ) -> dict[str, list[Estimate]]:
-    """Returns each system's estimate at each length, attention timed as `attention`'s, of packed `documents`
-    when given (`estimate.estimate`)."""
-    every = dict(host_memory=host_memory, states=states, attention=attention, documents=documents)
-    return {s: [estimate(c, n, gpus, gpu, s, sp, eff, **every) for n in lengths] for s in systems}
+    """Returns each system's estimate of `job` at each length (`estimate.estimate`)."""
+    pricing = Pricing(band=band)
+    return {s: [estimate(job.at(n), gpu, s, pricing) for n in lengths] for s in systems}
 
 
 def plot_sweep(results: dict[str, list[Estimate]], path: str | Path, title: str) -> None:

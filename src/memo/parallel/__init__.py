@@ -17,7 +17,7 @@ A training loop (launched by torchrun) uses it as
 
 With `--offload-states` (`init_mesh(sp, offload=True)`, or one process alone on `init_local_mesh(device)`),
 `parallelize(model, mesh, offload_states=True)` shards the model even over one rank: FSDP keeps its states in
-host memory (`state_bytes`, counted in each rank's host budget beside the activation pool).
+host memory (`cost.states.host_bytes`, counted in each rank's host budget beside the activation pool).
 """
 
 from __future__ import annotations
@@ -25,9 +25,22 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .host import check_host_budget, check_host_fits, host_budget_per_rank, local_ranks, offload_bytes, state_bytes
+from .host import check_host_budget, check_host_fits, host_budget_per_rank, offload_bytes
 from .loss import GlobalTokenMean
-from .mesh import Shard, flat_mesh, init_local_mesh, init_mesh, shard_batch, shard_of, shard_sequence
+from .mesh import (
+    Shard,
+    flat_mesh,
+    init_local_mesh,
+    init_mesh,
+    launched,
+    local_rank,
+    local_world_size,
+    rank,
+    shard_batch,
+    shard_of,
+    shard_sequence,
+    world_size,
+)
 from .ulysses import Ulysses, apply_ulysses
 
 __all__ = [
@@ -45,13 +58,16 @@ __all__ = [
     "host_budget_per_rank",
     "init_local_mesh",
     "init_mesh",
-    "local_ranks",
+    "launched",
+    "local_rank",
+    "local_world_size",
     "offload_bytes",
     "parallelize",
+    "rank",
     "shard_batch",
     "shard_of",
     "shard_sequence",
-    "state_bytes",
+    "world_size",
 ]
 
 

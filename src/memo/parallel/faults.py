@@ -18,6 +18,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import mesh
+
 FAILURE = "memo/failure"  # the first failure's {"rank", "code", "message"}
 REPORTS = "memo/failures"  # how many ranks (and launchers) reported one
 POLL_SECONDS = 0.5
@@ -27,9 +29,9 @@ def connect(host: str | None = None, port: int | None = None, timeout: float = 1
     """Returns a client of the run's rendezvous store (by default this rank's, from torch.distributed's env://
     variables), or None outside a distributed launch or when it is gone."""
     if host is None:
-        if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in os.environ:
+        if mesh.world_size() < 2 or (address := mesh.rendezvous()) is None:
             return None
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        host, port = address
     try:
         return dist.TCPStore(
             host,
@@ -72,7 +74,7 @@ def awaited_failure(seconds: float = 3.0) -> dict | None:
             found = failure(store)
         except RuntimeError:
             return None
-        if found is not None and found["rank"] != int(os.environ.get("RANK", "0")):
+        if found is not None and found["rank"] != mesh.rank():
             return found
         time.sleep(0.1)
     return None
@@ -84,7 +86,7 @@ class FaultWatch:
 
     def __init__(self, store: dist.TCPStore | None):
         self.store = store
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = mesh.rank()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="memo-fault-watch", daemon=True)
 
@@ -110,7 +112,7 @@ class FaultWatch:
 
 def _end(found: dict) -> None:
     """Ends the process at once: the main thread may be blocked in a collective that will never complete."""
-    if found["rank"] is None and os.environ.get("LOCAL_RANK", "0") == "0":
+    if found["rank"] is None and mesh.local_rank() == 0:
         print("memo train: error: lost the run's rendezvous store (node 0 ended)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

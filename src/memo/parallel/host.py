@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from .. import device as dev
-from ..cost.states import HOST_BYTES_PER_PARAM
-from ..swap import store_layout
+from ..swap import layer_swaps, store_layout
 from ..units import format_bytes
-
-
-def local_ranks() -> int:
-    """Returns how many ranks share this node (torchrun's LOCAL_WORLD_SIZE; 1 when not set)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+from .mesh import local_world_size
 
 
 def host_budget_per_rank(node_bytes: int | None = None) -> int:
@@ -23,7 +16,7 @@ def host_budget_per_rank(node_bytes: int | None = None) -> int:
     this process, its container's limit included, as the swap engine assumes for one process) divided among its
     local ranks."""
     node = int(0.8 * dev.available_host_bytes()) if node_bytes is None else node_bytes
-    return node // local_ranks()
+    return node // local_world_size()
 
 
 def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) -> int:
@@ -32,20 +25,8 @@ def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) ->
     policy, n = model.policy, len(model.layers)
     specs = model.layers[0].skeletal_specs(batch, seq, dtype, next(model.parameters()).device)
     modes, alphas = policy.least_host_plan(n)
-    return store_layout(specs, modes, alphas, policy.tile_for(seq), policy.offload_last_layers).host_total
-
-
-def state_bytes(model: nn.Module, ranks: int, dtype: torch.dtype) -> int:
-    """Returns the host bytes one rank's shard of the model states takes when FSDP offloads them (`--offload-states`):
-    a trainable parameter's fp32 value, gradient and two AdamW moments, 16 bytes; a frozen one's value alone in
-    the training `dtype` (LoRA's base: no gradient, no moments). Shards are dim-0 slices padded to equal rows,
-    as FSDP allocates them; `model` may be on `meta`."""
-    total = 0
-    for p in model.parameters():
-        rows = p.shape[0] if p.dim() else 1
-        numel = -(-rows // ranks) * (p.numel() // rows if rows else 0)
-        total += numel * (HOST_BYTES_PER_PARAM if p.requires_grad else dtype.itemsize)
-    return total
+    tile = policy.tile_for(seq)
+    return store_layout(specs, layer_swaps(modes, alphas, seq, tile, policy.offload_last_layers), tile).host_total
 
 
 def check_host_budget(
@@ -53,7 +34,7 @@ def check_host_budget(
 ) -> None:
     """Raises ValueError, before any training, when this node's ranks cannot hold their offload in `budget`
     bytes each (host_budget_per_rank); `batch`, `seq` are one rank's local batch and sequence shard, `states`
-    the bytes of its offloaded model states (`state_bytes`; 0 when they stay on the device)."""
+    the bytes of its offloaded model states (`cost.states.host_bytes`; 0 when they stay on the device)."""
     check_host_fits(states, offload_bytes(model, batch, seq, dtype), budget)
 
 
@@ -62,7 +43,7 @@ def check_host_fits(states: int, pool: int, budget: int) -> None:
     together in its `budget` bytes of the host."""
     if states + pool <= budget:
         return
-    ranks = local_ranks()
+    ranks = local_world_size()
     if not states:
         raise ValueError(
             f"host memory cannot hold the offload: {ranks} local rank(s) x {format_bytes(pool)} each, but each "

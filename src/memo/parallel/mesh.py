@@ -2,6 +2,10 @@
 
 Ranks are laid out dp-major: the sp ranks of one dp group are neighbours (on one node when sp ≤ GPUs per
 node, so the all-to-alls stay on NVLink). Parameters are sharded over the flattened dp×sp mesh (ZeRO-3).
+
+Where this process sits in a launched run is read here alone, from the variables torchrun (or `memo train
+--nproc`, `train.launch`) sets: `rank`, `local_rank`, `world_size`, `local_world_size`, `launched`, `rendezvous`.
+Outside a launch they say one process alone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,38 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..loss import shift_labels
 
 
+def rank() -> int:
+    """Returns this process's rank in the run (RANK; 0 outside a launch)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    """Returns this process's rank on its node (LOCAL_RANK; 0 outside a launch): the GPU it drives."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    """Returns the number of ranks the launcher started (WORLD_SIZE; 1 outside a launch)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size() -> int:
+    """Returns how many ranks share this node (LOCAL_WORLD_SIZE; 1 when not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def launched() -> bool:
+    """Returns whether a launcher started this process as a rank (LOCAL_RANK is set), even a run of one rank."""
+    return "LOCAL_RANK" in os.environ
+
+
+def rendezvous() -> tuple[str, int] | None:
+    """Returns the (host, port) of the run's rendezvous store (MASTER_ADDR, MASTER_PORT), None without one."""
+    if "MASTER_ADDR" not in os.environ:
+        return None
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
 def init_mesh(sp: int = 1, timeout: timedelta | None = None, offload: bool = False) -> DeviceMesh:
     """Returns the ("dp", "sp") mesh of all ranks, dp = world / sp, starting the process group from the
     torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if it is not started: nccl with one
@@ -24,7 +60,7 @@ def init_mesh(sp: int = 1, timeout: timedelta | None = None, offload: bool = Fal
     collective (a rank that never arrives). `offload` (states in host memory) adds gloo beside nccl."""
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
     if not dist.is_initialized():
         dist.init_process_group(_backend("cuda" if cuda else "cpu", offload), timeout=timeout)
     world = dist.get_world_size()

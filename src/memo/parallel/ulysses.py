@@ -109,6 +109,6 @@ def apply_ulysses(layers: nn.ModuleList, group: dist.ProcessGroup) -> None:
     if dist.get_world_size(group) == 1:
         return
     for layer in layers:
-        if layer.arena is not None:
-            raise ValueError("the planned arena (`plan_memory`) does not support sequence parallelism (`--sp` > 1)")
+        if layer.phases is not None:
+            raise ValueError("the phase planner does not support sequence parallelism (`--sp` > 1)")
         layer.seq_parallel = Ulysses.over(group, layer.config.n_heads, layer.config.n_kv_heads)

@@ -17,7 +17,7 @@ from ..units import format_count, parse_size
 # on idealloc's pangu_2.6B (about 50 s; it had 60 s in benchmarks/dsa.py before).
 DEFAULT_WORK = 22 << 30
 PLAN_WORK = 16 << 30  # `memo plan`: its solves shared 20 s before; a step that reaches LOAD stops early
-ARENA_WORK = 256 << 20  # a layer phase's plan in `memo train`: under 0.6 s (most pack at LOAD at once), its cap 2 s
+PHASE_WORK = 256 << 20  # a layer phase's plan (`phases.attach`): under 0.6 s (most pack at LOAD at once), its cap 2 s
 ALLOCATOR_WORK = 2 << 30  # a step's plan in `memo train --arena`: ~3 s at most
 # The safety net: 20 times what the default work takes on D and J (12 on pangu); the project's 2-core machine, shared
 # by other jobs at a load of 9, took D 9 times as long as alone.

@@ -25,7 +25,7 @@ SCRATCH = "kernel scratch"  # the op of the events a Tracer adds for an op's int
 
 @dataclass(frozen=True)
 class Output:
-    """Where a new storage came from and what it held: enough to allocate it again by hand (the arena)."""
+    """Where a new storage came from and what it held: enough to allocate it again by hand (the phase planner)."""
 
     call: int  # index of the op call in `Trace.calls`
     position: int  # index among the call's flattened outputs

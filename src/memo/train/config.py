@@ -9,37 +9,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-import yaml
-
 from ..attention import CHOICES as ATTENTION_CHOICES
-from ..config import PRESETS, ModelConfig, RopeScaling, check_int, model_config_from
-from ..files import read_json_object
-from ..lora import ALL_TARGETS, LoraConfig, targets_value
-from ..policy import STRATEGIES, ActivationPolicy
+from ..config import PRESETS, ModelConfig, RopeScaling, check_int
+from ..flags import flag
+from ..job import Job, named_model
+from ..lora import ALL_TARGETS, LoraConfig, lora_of_flags, targets_value
+from ..policy import DEFAULT_TILE_TOKENS, STRATEGIES, ActivationPolicy
+from ..token_files import TOKEN_SUFFIXES, check_tokenizer, token_file_tokenizer
 from ..units import parse_size
-from .data import (
-    MAX_DOCUMENTS,
-    PACKINGS,
-    SEPARATORS,
-    TEXT_SUFFIXES,
-    TOKEN_SUFFIXES,
-    HFTokenizer,
-    check_tokenizer,
-    separator_kind,
-    token_file_tokenizer,
-    tokenizer_identity,
-)
+from .data import MAX_DOCUMENTS, PACKINGS, SEPARATORS, TEXT_SUFFIXES, HFTokenizer, separator_kind, tokenizer_identity
+from .optim import OptimizerConfig
 
-DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 ROPE_SCALINGS = ("linear", "yarn", "llama3", "dynamic")
 RENAMED = {"text_key": "text_field"}  # old field names, so that runs saved before a rename still resume
@@ -56,84 +43,80 @@ SHAPE += ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "tie_embeddings")  # fi
 log = logging.getLogger(__name__)
 
 
-def _f(default, help: str, **kwargs):
-    return field(default=default, metadata={"help": help, **kwargs})
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """What `memo train` runs. The defaults train `tiny` on the generated key-value retrieval task on a CPU."""
 
     # model and memory
-    model: str = _f("tiny", f"preset ({', '.join(PRESETS)}), a model config file, or a Hugging Face checkpoint dir")
-    strategy: str = _f("memo", "none (keep all), full (recompute layers), memo (token-wise swap)", choices=STRATEGIES)
-    alpha: float | tuple[float, ...] | None = _f(
+    model: str = flag("tiny", f"preset ({', '.join(PRESETS)}), a model config file, or a Hugging Face checkpoint dir")
+    strategy: str = flag("memo", "none (keep all), full (recompute layers), memo (token-wise swap)", choices=STRATEGIES)
+    alpha: float | tuple[float, ...] | None = flag(
         0.5, "memo: fraction of tokens offloaded in [0, 1], or one per layer (0.2,0.5,...); 'auto' solves it (§3)"
     )
-    plan: tuple[str, ...] | None = _f(
+    plan: tuple[str, ...] | None = flag(
         None,
         "memo: where each layer's tensors live, one mode per layer: keep, memo or checkpoint (e.g. "
         "checkpoint,memo,memo,keep); default every layer memo, or solved with the host and device budgets when "
         "--alpha is auto",
     )
-    tile_tokens: int | None = _f(
+    tile_tokens: int | None = flag(
         None, "tokens per tile of the token-local work (default 8K, or the whole sequence shard when shorter)", kind=int
     )
-    attention: str = _f(
+    attention: str = flag(
         "auto",
         "attention kernel: flash (PyTorch's, FlashAttention-2), cudnn, fa4 (the flash-attn-4 package), efficient; "
         "auto: the fastest that runs here (Hopper and later: fa4, cudnn, flash)",
         choices=ATTENTION_CHOICES,
     )
-    host_budget: str | None = _f(
+    host_budget: str | None = flag(
         None,
         "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
     )
-    arena: bool = _f(
+    arena: bool = flag(
         False, "serve each step's allocations from one arena planned from a recorded step (§5; one CPU process)"
     )
-    offload_states: bool = _f(
+    offload_states: bool = flag(
         False,
         "keep parameters, gradients and AdamW state in pinned host memory and step the optimizer on the CPU "
         "(FSDP2's CPU offload, one rank or many); the device holds a layer's weights only while it runs",
     )
     # LoRA: a frozen base and trainable low-rank adapters (memo.lora)
-    lora_rank: int = _f(0, "LoRA rank r of the adapters (0: full fine-tuning, every parameter trains)")
-    lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha)")
-    lora_dropout: float = _f(
+    lora_rank: int = flag(0, "LoRA rank r of the adapters (0: full fine-tuning, every parameter trains)")
+    lora_alpha: float = flag(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha)")
+    lora_dropout: float = flag(
         0.0,
         "LoRA dropout on the adapters' input; its mask is a function of step, token and feature, so the "
         "token-wise recompute drops what the forward dropped",
     )
-    lora_targets: tuple[str, ...] = _f(
+    lora_targets: tuple[str, ...] = flag(
         ALL_TARGETS, f"projections that get adapters, some of {','.join(ALL_TARGETS)} (default: all of them)"
     )
     # context extension, applied on top of --model (its own RoPE is kept unless these are given)
-    rope_theta: float | None = _f(
+    rope_theta: float | None = flag(
         None, "RoPE base frequency replacing the model's (raise it to extend context)", kind=float
     )
-    rope_scaling: str | None = _f(None, "stretch RoPE for a longer context", choices=ROPE_SCALINGS)
-    rope_factor: float | None = _f(None, "--rope-scaling factor: new context length / original (e.g. 4)", kind=float)
-    original_max_positions: int | None = _f(
+    rope_scaling: str | None = flag(None, "stretch RoPE for a longer context", choices=ROPE_SCALINGS)
+    rope_factor: float | None = flag(None, "--rope-scaling factor: new context length / original (e.g. 4)", kind=float)
+    original_max_positions: int | None = flag(
         None,
         "length the model was pretrained at, for yarn/llama3 (default: the original length of the model's own "
         "yarn/llama3 scaling, which the new one replaces, else its max_position_embeddings)",
         kind=int,
     )
     # data
-    data: str | None = _f(
+    data: str | None = flag(
         None, ".txt/.jsonl/.parquet file, folder of them, or pre-tokenised .bin/.npy; none: generated retrieval"
     )
-    tokenizer: str | None = _f(None, "Hugging Face tokenizer.json (default: bytes, ids 0-255)")
-    text_field: str = _f("text", "JSONL field / Parquet column holding each document's text")
-    pack_documents: str | None = _f(
+    tokenizer: str | None = flag(None, "Hugging Face tokenizer.json (default: bytes, ids 0-255)")
+    text_field: str = flag("text", "JSONL field / Parquet column holding each document's text")
+    pack_documents: str | None = flag(
         None,
         "how documents share a sequence: mask (each attends only to itself; RoPE positions restart at its first "
         "token) or concat (GPT-style: attention and positions run across documents) (default: mask with --data; "
         "no effect on the generated task, one document per sequence)",
         choices=PACKINGS,
     )
-    document_separator: str = _f(
+    document_separator: str = flag(
         "auto",
         "special tokens around each document of text --data: bos (prepended: the BOS the tokenizer's post-processor "
         "adds, Llama), eos (appended: its end-of-text token, GPT-2, Qwen, Mistral) or none; auto: bos if the "
@@ -141,55 +124,59 @@ class TrainConfig:
         "was written with, which must match",
         choices=SEPARATORS,
     )
-    max_documents_per_sequence: int = _f(
+    max_documents_per_sequence: int = flag(
         MAX_DOCUMENTS,
         "mask packing: documents kept apart in one sequence; later ones join the last kept one (attending to it as "
         "with concat, no token dropped), bounding the attention calls per sequence",
     )
-    seq_len: int = _f(1024, "tokens per sequence")
-    batch_size: int = _f(8, "sequences per optimizer step (split into --grad-accum micro-batches)")
-    grad_accum: int = _f(1, "micro-batches per optimizer step (gradient accumulation)")
+    seq_len: int = flag(1024, "tokens per sequence")
+    batch_size: int = flag(8, "sequences per optimizer step (split into --grad-accum micro-batches)")
+    grad_accum: int = flag(1, "micro-batches per optimizer step (gradient accumulation)")
     # optimisation
-    steps: int = _f(500, "optimizer steps")
-    lr: float = _f(3e-3, "peak AdamW learning rate")
-    min_lr: float = _f(3e-4, "learning rate at the end of the schedule")
-    warmup_steps: int = _f(20, "linear warm-up steps from 0 to --lr")
-    schedule: str = _f("cosine", "decay after warm-up", choices=SCHEDULES)
-    weight_decay: float = _f(0.0, "AdamW weight decay (matrices only)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    grad_clip: float = _f(1.0, "max global gradient norm")
-    skip_nonfinite: int = _f(
+    steps: int = flag(500, "optimizer steps")
+    lr: float = flag(3e-3, "peak AdamW learning rate")
+    min_lr: float = flag(3e-4, "learning rate at the end of the schedule")
+    warmup_steps: int = flag(20, "linear warm-up steps from 0 to --lr")
+    schedule: str = flag("cosine", "decay after warm-up", choices=SCHEDULES)
+    weight_decay: float = flag(0.0, "AdamW weight decay (matrices only)")
+    beta1: float = flag(0.9, "AdamW beta1")
+    beta2: float = flag(0.95, "AdamW beta2")
+    grad_clip: float = flag(1.0, "max global gradient norm")
+    skip_nonfinite: int = flag(
         0, "steps whose loss or gradient norm is nan/inf that are skipped (no update) before the run stops"
     )
-    seed: int = _f(0, "seed for weights and data")
-    device: str = _f("cpu", "torch device, e.g. cpu or cuda (distributed: cuda:LOCAL_RANK on CUDA machines)")
-    dtype: str = _f("float32", "bfloat16: bf16 compute with fp32 master weights and optimizer state", choices=DTYPES)
+    seed: int = flag(0, "seed for weights and data")
+    device: str = flag("cpu", "torch device, e.g. cpu or cuda (distributed: cuda:LOCAL_RANK on CUDA machines)")
+    dtype: str = flag(  # of `device.DTYPES`, not float16: training it would need loss scaling
+        "float32",
+        "bfloat16: bf16 compute with fp32 master weights and optimizer state",
+        choices=("float32", "bfloat16"),
+    )
     # distributed (torchrun: WORLD_SIZE ranks = dp x sp)
-    sp: int = _f(1, "sequence-parallel ranks per sequence (Ulysses); data-parallel ranks dp = world size / sp")
-    nproc: int = _f(1, "ranks on this machine (one per GPU): `memo train` starts them itself")
-    nnodes: int = _f(1, "machines in the run: start the same `memo train` on each, with its own --node-rank")
-    node_rank: int = _f(0, "this machine's place in [0, --nnodes); node 0 serves the rendezvous")
-    master_addr: str = _f("127.0.0.1", "address of node 0 that every node reaches (--nnodes > 1)")
-    master_port: int | None = _f(
+    sp: int = flag(1, "sequence-parallel ranks per sequence (Ulysses); data-parallel ranks dp = world size / sp")
+    nproc: int = flag(1, "ranks on this machine (one per GPU): `memo train` starts them itself")
+    nnodes: int = flag(1, "machines in the run: start the same `memo train` on each, with its own --node-rank")
+    node_rank: int = flag(0, "this machine's place in [0, --nnodes); node 0 serves the rendezvous")
+    master_addr: str = flag("127.0.0.1", "address of node 0 that every node reaches (--nnodes > 1)")
+    master_port: int | None = flag(
         None, "node 0's rendezvous port (default: 29500 with --nnodes > 1, else any free port)", kind=int
     )
     # run directory
-    out: str | None = _f(
+    out: str | None = flag(
         None,
         "run directory: a new or empty folder, or memo's own run folder; never replaced (default: runs/<date-time>)",
     )
-    save_every: int = _f(0, "checkpoint every N steps (0: only at the end)")
-    save_final: bool = _f(True, "write a checkpoint at the last step (--no-save-final: benchmarks keep no weights)")
-    keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted)")
-    eval_every: int = _f(
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
+    save_final: bool = flag(True, "write a checkpoint at the last step (--no-save-final: benchmarks keep no weights)")
+    keep_checkpoints: int = flag(2, "checkpoints kept (oldest deleted)")
+    eval_every: int = flag(
         100, "held-out evaluation every N steps and at the end (with --data: needs --eval-data or --eval-split)"
     )
-    eval_batches: int = _f(4, "held-out batches per evaluation (the same ones each time)")
-    eval_data: str | None = _f(None, "held-out data for --data runs, in any --data format (same tokenizer and field)")
-    eval_split: float = _f(0.0, "fraction of --data's documents held out whole for evaluation (seeded); 0: none")
-    tensorboard: bool = _f(False, "also write TensorBoard events (needs the `tensorboard` package)")
-    json: bool = _f(False, "print one JSON line per record instead of a progress bar (kept by --resume)")
+    eval_batches: int = flag(4, "held-out batches per evaluation (the same ones each time)")
+    eval_data: str | None = flag(None, "held-out data for --data runs, in any --data format (same tokenizer and field)")
+    eval_split: float = flag(0.0, "fraction of --data's documents held out whole for evaluation (seeded); 0: none")
+    tensorboard: bool = flag(False, "also write TensorBoard events (needs the `tensorboard` package)")
+    json: bool = flag(False, "print one JSON line per record instead of a progress bar (kept by --resume)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -310,19 +297,40 @@ class TrainConfig:
             alpha=alpha if memo else None,
             host_budget_bytes=budget,
             plan=plan if memo else None,
-            tile_tokens=self.tile_tokens,
+            tile_tokens=self.tile_tokens or DEFAULT_TILE_TOKENS,
             attention=self.attention,
         )
 
     def lora(self) -> LoraConfig | None:
         """Returns the adapters to train (None: full fine-tuning)."""
-        if self.lora_rank < 0:
-            raise ValueError(f"`--lora-rank` must not be negative, got {self.lora_rank}")
-        if self.lora_dropout and not self.lora_rank:
-            raise ValueError("`--lora-dropout` applies to LoRA's adapters: give `--lora-rank`")
-        if not self.lora_rank:
-            return None
-        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
+        return lora_of_flags(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
+
+    def sequences_per_rank(self, world: int) -> int:
+        """Returns the sequences one rank runs at once: its data-parallel share of a micro-batch, at least one."""
+        return max(self.batch_size // self.grad_accum // (world // self.sp), 1)
+
+    def job(self, world: int = 1, base: ModelConfig | None = None) -> Job:
+        """Returns what this run trains on `world` ranks: `--model` (`base`, when already read, else read now) with
+        the context-extension flags applied, one rank's sequences, its memory policy, adapters and states."""
+        return Job(
+            model=extend_context(base or named_model(self.model), self),
+            seq=self.seq_len,
+            micro_batch=self.sequences_per_rank(world),
+            grad_accum=self.grad_accum,
+            gpus=world,
+            sp=self.sp,
+            dtype=self.dtype,
+            policy=self.policy(),
+            lora=self.lora(),
+            offload_states=self.offload_states,
+            attention=self.attention,
+            arena=self.arena,
+        )
+
+    def optimizer(self) -> OptimizerConfig:
+        """Returns the optimizer's and the learning-rate schedule's settings."""
+        names = [f.name for f in dataclasses.fields(OptimizerConfig)]
+        return OptimizerConfig(**{name: getattr(self, name) for name in names})
 
     def to_dict(self) -> dict:
         """Returns the fields, paths absolute (`absolute_paths`: a run's own files wherever it is resumed, evaluated
@@ -356,23 +364,7 @@ class TrainConfig:
 def model_config(cfg: TrainConfig) -> ModelConfig:
     """Returns the ModelConfig a run trains: `--model`'s (a preset, a config file or a Hugging Face folder)
     with the context-extension flags applied."""
-    return extend_context(named_model_config(cfg.model), cfg)
-
-
-def named_model_config(model: str) -> ModelConfig:
-    """Returns the ModelConfig `--model` names: a preset, a ModelConfig file or a Hugging Face checkpoint folder."""
-    from ..hf import CONFIG_NAME, config_from_hf  # the HF reader is only needed for folders
-
-    path = Path(model)
-    if model in PRESETS:
-        return ModelConfig.preset(model)
-    if path.is_dir():
-        if not (path / CONFIG_NAME).is_file():
-            raise ValueError(f"`--model` folder {model!r} has no {CONFIG_NAME} (a Hugging Face checkpoint folder)")
-        return config_from_hf(read_json_object(path / CONFIG_NAME), name=path.name, source=path / CONFIG_NAME)
-    if path.is_file():
-        return model_config_from(read_config_file(path), str(path))
-    raise ValueError(f"`--model` {model!r} is neither a preset ({', '.join(PRESETS)}) nor a file or folder")
+    return extend_context(named_model(cfg.model), cfg)
 
 
 def extend_context(base: ModelConfig, cfg: TrainConfig) -> ModelConfig:
@@ -604,7 +596,7 @@ def check_token_files(overrides: dict, config: dict) -> None:
 def check_same_model(model: str, saved: ModelConfig, run: str) -> None:
     """Raises ValueError when `--model` given with `--resume` is not shaped like the model the checkpoint holds
     (another folder or file of the same model is fine: a moved checkpoint)."""
-    given = named_model_config(model)
+    given = named_model(model)
     diff = [name for name in SHAPE if getattr(given, name) != getattr(saved, name)]
     if diff:
         name = diff[0]
@@ -670,26 +662,3 @@ def _alpha_list(values, origin: str) -> tuple[float, ...]:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ValueError(f"{origin}: `alpha` per layer must be numbers, got {list(values)!r}")
     return tuple(float(v) for v in values)
-
-
-def read_config_file(path: str | Path) -> dict:
-    """Returns the mapping in a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"cannot read config {path}: {err.strerror}") from None
-    try:
-        if path.suffix == ".toml":
-            values = tomllib.loads(text)
-        elif path.suffix == ".json":
-            values = json.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            values = yaml.safe_load(text)
-        else:
-            raise ValueError(f"config {path}: use a .yaml, .yml, .toml or .json file")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ValueError(f"config {path} is not valid: {' '.join(str(err).split())}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"config {path}: expected a mapping of field: value")
-    return values

@@ -3,7 +3,7 @@
 Every source answers `batch(step, batch_size) -> (ids, labels, positions)` as a pure function of (seed, step),
 so a resumed run sees exactly the batches it would have seen, and `eval_batches(n, batch_size)`, a list of such
 batches, the same held-out ones at every evaluation. Labels follow `Transformer`'s convention: position t
-predicts labels[t + 1], and IGNORE (-100) marks targets the loss skips. Positions are None when each sequence
+predicts labels[t + 1], and IGNORE_INDEX (-100) marks targets the loss skips. Positions are None when each sequence
 is one document to the model (the generated task, and `concat` packing), else (b, s) int64: each token's
 position within its document, 0 where one begins, with which the model attends within documents only
 (`Transformer.forward(positions=)`, `memo.documents`).
@@ -23,16 +23,21 @@ import numpy as np
 import torch
 
 from ..config import check_int
-from ..documents import document_positions
-from ..files import atomic_output, read_json_object, write_text
-from ..loss import shift_labels
+from ..documents import document_lengths, document_positions
+from ..loss import IGNORE_INDEX, shift_labels
+from ..token_files import (
+    TOKEN_SUFFIXES,
+    check_regular,
+    check_separator,
+    check_tokenizer,
+    read_token_file,
+    token_file_separator,
+    write_tokens,
+)
 
 log = logging.getLogger(__name__)
 
-IGNORE = -100
-TOKEN_FILE_FORMAT = "memo-tokens-v1"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-TOKEN_SUFFIXES = (".bin", ".npy")
 PARQUET_BATCH_ROWS = 256  # rows decoded at a time: a Parquet corpus is streamed, never read whole
 PACKINGS = ("mask", "concat")  # documents attend only to themselves, or across each other (GPT-style)
 SEPARATORS = ("auto", "bos", "eos", "none")  # the special tokens that bound each document of text data
@@ -129,7 +134,7 @@ class RetrievalTask:
         tail = (batch, self.seq_len - span)
         filler0 = self.vocab_size_needed - self.n_filler
         ids = torch.cat((ids, filler0 + torch.randint(0, self.n_filler, tail, generator=generator)), dim=1)
-        return ids, torch.cat((labels, torch.full(tail, IGNORE)), dim=1)
+        return ids, torch.cat((labels, torch.full(tail, IGNORE_INDEX)), dim=1)
 
 
 def retrieval_batch(
@@ -141,7 +146,8 @@ def retrieval_batch(
     n_values: int = 8,
     n_filler: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (ids, labels) of the retrieval task described in `RetrievalTask`; labels are IGNORE but on answers."""
+    """Returns (ids, labels) of the retrieval task described in `RetrievalTask`; labels are IGNORE_INDEX but on
+    answers."""
     n_facts = n_keys * n_values
     query0, answer0, filler0 = n_facts, n_facts + n_keys, n_facts + n_keys + n_values
     context = seq_len - 2 * n_pairs
@@ -154,7 +160,7 @@ def retrieval_batch(
     queried_keys, answers = keys.gather(1, order), values.gather(1, order)
     ids[:, context::2] = query0 + queried_keys
     ids[:, context + 1 :: 2] = answer0 + answers
-    labels = torch.full_like(ids, IGNORE)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:, context + 1 :: 2] = answer0 + answers
     return ids, labels
 
@@ -175,7 +181,7 @@ def answer_counts(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tens
     """Returns [correct, labelled] over `targets` (shifted labels: position t predicts targets[t]) of the
     model's greedy predictions; a sequence-parallel rank passes its own tokens and gets its own counts."""
     predicted = model(ids).argmax(dim=-1)  # (b, s)
-    mask = targets != IGNORE
+    mask = targets != IGNORE_INDEX
     return torch.stack(((predicted[mask] == targets[mask]).sum(), mask.sum()))
 
 
@@ -185,7 +191,7 @@ def answer_counts(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tens
 @dataclass(frozen=True)
 class Separator:
     """The special tokens that bound each document of text data: `ids` before it (kind "bos"), after it ("eos"),
-    or none. The label of a document's first token stays IGNORE either way: a BOS is never predicted across a
+    or none. The label of a document's first token stays IGNORE_INDEX either way: a BOS is never predicted across a
     boundary, and an EOS is predicted by the document it ends."""
 
     kind: str = "none"
@@ -314,21 +320,6 @@ def tokenizer_identity(path: str | Path | None) -> str:
         return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _shown(identity: str) -> str:
-    return identity[:19] + "..." if identity.startswith("sha256:") else identity
-
-
-def check_tokenizer(path: str | Path, identity: str | None, expected: str | None, flag: str) -> None:
-    """Raises ValueError when the tokens of `path` (`identity`) come from another tokenizer than the run's
-    (`expected`): their ids would mean other text. Either unknown (files written before memo recorded it) passes."""
-    if identity is None or expected is None or identity == expected:
-        return
-    raise ValueError(
-        f"`{flag}` {str(path)!r} is tokenized by {_shown(identity)}, not by the run's tokenizer "
-        f"{_shown(expected)}: tokenize it with the run's tokenizer (`write_token_file`)"
-    )
-
-
 # ---------------------------------------------------------------------------------------------------- text files
 
 
@@ -347,15 +338,6 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
     if path.suffix not in TEXT_SUFFIXES:
         raise ValueError(f"`{flag}` {str(path)!r}: expected .txt, .jsonl, .parquet, .bin (with .json sidecar) or .npy")
     return [path]
-
-
-def check_regular(path: Path, flag: str) -> None:
-    """Raises ValueError unless `path` is a regular file: reading a named pipe, a device or a socket would block
-    or never end."""
-    if not path.exists():
-        raise ValueError(f"`{flag}` file {str(path)!r} does not exist")
-    if not path.is_file():
-        raise ValueError(f"`{flag}` {str(path)!r} is not a regular file (a pipe, device or socket): give a file")
 
 
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
@@ -459,14 +441,6 @@ def tokenize_documents(
 # --------------------------------------------------------------------------------------------------- token files
 
 
-def _sidecar(path: Path) -> Path:
-    return path.with_suffix(".json")
-
-
-def _doc_starts_path(path: Path) -> Path:
-    return path.with_suffix(".docs.npy")
-
-
 def write_token_file(
     data: str | Path,
     out: str | Path,
@@ -474,156 +448,21 @@ def write_token_file(
     text_field: str = "text",
     separator: str = "auto",
 ) -> dict:
-    """Tokenizes text/JSONL/Parquet at `data` into `out` (.bin) and returns the sidecar it writes next to it.
-
-    Writes three files, streaming tokens so a corpus need not fit in memory:
-    `out` raw uint16 (uint32 for vocabularies over 65536) token ids, `out.with_suffix('.json')` the sidecar
-    {format, dtype, num_tokens, num_documents, max_token_id, vocab_size, tokenizer (its absolute path, or bytes),
-    tokenizer_id (`tokenizer_identity`: which ids these are), document_separator (bos, eos or none: what
-    `separator`, one of SEPARATORS, resolved to; a run reading the file must use the same)}, and
-    `out.with_suffix('.docs.npy')` the int64 offset where each document starts (at its separator, if before it).
-    """
-    out = Path(out)
-    if out.suffix != ".bin":
-        raise ValueError(f"token file {str(out)!r} must end in .bin")
+    """Tokenizes text/JSONL/Parquet at `data` into token file `out` (.bin, `token_files`: with its sidecar and
+    document starts, streamed so a corpus need not fit in memory) and returns the sidecar it writes. `separator`
+    (SEPARATORS) bounds each document; the sidecar records what it resolved to, and the tokenizer: its absolute
+    path, or bytes, and `tokenizer_identity`."""
     tokenizer = load_tokenizer(tokenizer_path)
     bounds = tokenizer.separator(separator)
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    starts: list[int] = []
-    num_tokens = max_id = 0
-    with atomic_output(out) as tmp, open(tmp, "wb") as f:
-        for ids in tokenize_documents(text_files(data), tokenizer, text_field, bounds):
-            starts.append(num_tokens)
-            array = np.asarray(ids, dtype=np.int64)
-            max_id = max(max_id, int(array.max()))
-            f.write(array.astype(dtype).tobytes())
-            num_tokens += len(ids)
-        if num_tokens == 0:
-            raise ValueError(f"`--data` {str(data)!r} holds no text to tokenize")
-    with atomic_output(_doc_starts_path(out)) as tmp:
-        np.save(tmp, np.asarray(starts, dtype=np.int64))
-    sidecar = {
-        "format": TOKEN_FILE_FORMAT,
-        "dtype": np.dtype(dtype).name,
-        "num_tokens": num_tokens,
-        "num_documents": len(starts),
-        "max_token_id": max_id,
-        "vocab_size": tokenizer.vocab_size,
-        "tokenizer": str(Path(tokenizer_path).absolute()) if tokenizer_path is not None else tokenizer.name,
-        "tokenizer_id": tokenizer.identity,
-        "document_separator": bounds.kind,
-    }
-    write_text(_sidecar(out), json.dumps(sidecar, indent=2) + "\n")
-    log.info("wrote %d tokens in %d documents to %s", num_tokens, len(starts), out)
-    return sidecar
-
-
-def read_token_file(
-    path: str | Path, flag: str = "--data", tokenizer: str | None = None
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Returns (tokens, doc_starts, max_token_id) of a .bin token file or a 1-D .npy, memory-mapped.
-
-    A .npy has no sidecar: it is one document unless `<stem>.docs.npy` lists document starts. A .bin whose
-    sidecar names another tokenizer than `tokenizer` (an identity, `tokenizer_identity`) is an error. `flag`
-    names the option in errors.
-    """
-    path = Path(path)
-    check_regular(path, flag)
-    docs_path = _doc_starts_path(path)
-    if path.suffix == ".npy":
-        tokens = _load_npy(path)
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise ValueError(f"{path}: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
-    else:
-        sidecar_path = _sidecar(path)
-        sidecar = _read_sidecar(sidecar_path)
-        check_tokenizer(path, sidecar.get("tokenizer_id"), tokenizer, flag)
-        if path.stat().st_size != sidecar["num_tokens"] * np.dtype(sidecar["dtype"]).itemsize:
-            raise ValueError(
-                f"{path}: size does not match `num_tokens` {sidecar['num_tokens']} x `dtype` {sidecar['dtype']} of "
-                f"its sidecar {sidecar_path.name}"
-            )
-        tokens = np.memmap(path, dtype=sidecar["dtype"], mode="r") if sidecar["num_tokens"] else np.zeros(0, np.uint16)
-    if len(tokens) == 0:
-        raise ValueError(f"{path}: token file is empty")
-    max_id = int(tokens.max())  # the ids the file really holds, not what a sidecar says (checked against it)
-    if int(tokens.min()) < 0:
-        raise ValueError(f"{path}: token ids must be non-negative")
-    if path.suffix != ".npy" and sidecar.get("max_token_id", max_id) != max_id:
-        raise ValueError(
-            f"{sidecar_path}: `max_token_id` is {sidecar['max_token_id']} but {path.name} holds ids up to {max_id}: "
-            "the sidecar does not describe this file"
-        )
-    starts = _doc_starts(docs_path, len(tokens)) if docs_path.is_file() else np.zeros(1, dtype=np.int64)
-    return tokens, starts, max_id
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable .npy array ({err})") from None
-
-
-def document_lengths(starts: np.ndarray, n_tokens: int) -> np.ndarray:
-    """Returns the length of each document of a stream of `n_tokens` tokens whose documents begin at `starts`."""
-    return np.diff(np.append(starts, n_tokens))
-
-
-def token_file_separator(path: str | Path) -> str | None:
-    """Returns the separator (bos, eos, none) a .bin token file's documents were written with, as its sidecar
-    records it ("none" for one written before memo added separators); None for a .npy or a missing sidecar."""
-    sidecar = _sidecar(Path(path))
-    if Path(path).suffix != ".bin" or not sidecar.is_file():
-        return None
-    return _read_sidecar(sidecar).get("document_separator", "none")
-
-
-def check_separator(path: str | Path, recorded: str | None, expected: str, flag: str) -> None:
-    """Raises ValueError when the documents of token file `path` carry another separator (`recorded`) than the
-    run's `expected` one: one run must not mix them. "auto" expects nothing, and an unknown one passes."""
-    if recorded is None or expected == "auto" or recorded == expected:
-        return
-    raise ValueError(
-        f"`{flag}` {str(path)!r} was written with document separator {recorded}, not the run's "
-        f"`--document-separator` {expected}: write it again with that separator (`write_token_file`)"
+    return write_tokens(
+        out,
+        tokenize_documents(text_files(data), tokenizer, text_field, bounds),
+        empty=f"`--data` {str(data)!r} holds no text to tokenize",
+        vocab_size=tokenizer.vocab_size,
+        tokenizer=str(Path(tokenizer_path).absolute()) if tokenizer_path is not None else tokenizer.name,
+        tokenizer_id=tokenizer.identity,
+        separator=bounds.kind,
     )
-
-
-def token_file_tokenizer(path: str | Path) -> str | None:
-    """Returns the identity of the tokenizer that wrote a .bin token file, as its sidecar records it; None for a
-    .npy, a missing sidecar or one written before memo recorded it."""
-    sidecar = _sidecar(Path(path))
-    if Path(path).suffix != ".bin" or not sidecar.is_file():
-        return None
-    return _read_sidecar(sidecar).get("tokenizer_id")
-
-
-def _read_sidecar(path: Path) -> dict:
-    """Returns a .bin file's sidecar, its fields checked (format, an integer dtype, num_tokens)."""
-    if not path.is_file():
-        raise ValueError(f"a .bin token file needs its sidecar {path} (see `write_token_file`)")
-    sidecar = read_json_object(path)
-    if sidecar.get("format") != TOKEN_FILE_FORMAT:
-        raise ValueError(f"{path}: `format` is {sidecar.get('format')!r}, expected {TOKEN_FILE_FORMAT!r}")
-    if sidecar.get("dtype") not in ("uint16", "uint32", "int32", "int64"):
-        raise ValueError(f"{path}: `dtype` is {sidecar.get('dtype')!r}, expected uint16, uint32, int32 or int64")
-    count = sidecar.get("num_tokens")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"{path}: `num_tokens` must be a count, got {count!r}")
-    return sidecar
-
-
-def _doc_starts(path: Path, n_tokens: int) -> np.ndarray:
-    """Returns the document starts of `<stem>.docs.npy`, checked: 1-D integers from 0, increasing, in the file."""
-    starts = _load_npy(path)
-    ok = starts.ndim == 1 and starts.dtype.kind in "iu" and len(starts) and starts[0] == 0
-    if not (ok and bool(np.all(np.diff(starts) > 0)) and int(starts[-1]) < n_tokens):
-        raise ValueError(
-            f"{path}: document starts must be a 1-D integer array from 0, increasing and below the "
-            f"{n_tokens} tokens of its token file"
-        )
-    return starts
 
 
 # ------------------------------------------------------------------------------------------------------- packing
@@ -635,8 +474,8 @@ class TokenDataset:
     The stream is `tokens`, or with `spans` ((n, 2) [start, end) ranges of whole documents, in order) the
     concatenation of those ranges: how `split_documents` keeps held-out documents out of training without
     copying a memory-mapped corpus. Chunks ignore document boundaries (no padding is wasted), but the label
-    of a document's first token is IGNORE, so no loss is taken predicting across a boundary. The last chunk
-    is padded with IGNORE labels.
+    of a document's first token is IGNORE_INDEX, so no loss is taken predicting across a boundary. The last chunk
+    is padded with IGNORE_INDEX labels.
 
     `pack_documents` (PACKINGS) says what attention sees. "concat" is GPT-style packing: attention and RoPE
     positions run across documents, and batches carry positions None. "mask" gives each token its position
@@ -645,7 +484,7 @@ class TokenDataset:
     document, from position 0, as if read alone from there). Padding is a document of its own, never seen by
     real tokens. At most `max_documents` documents (padding aside) are kept apart in a chunk: later ones join the
     `max_documents`-th (they attend to it as in concat, their positions count on, their first labels stay
-    IGNORE). That bounds the attention segments of a sequence, each one kernel call where no variable-length
+    IGNORE_INDEX). That bounds the attention segments of a sequence, each one kernel call where no variable-length
     kernel runs (a CPU, or a kernel other than flash on CUDA), without dropping a token;
     `joined_documents` counts the documents it joins.
     """
@@ -681,11 +520,11 @@ class TokenDataset:
         self._epoch_order: tuple[int, torch.Tensor] | None = None
 
     def sequence(self, index: int) -> Batch:
-        """Returns (ids, labels, positions) of chunk `index`: ids (seq_len,), labels IGNORE at document starts and
+        """Returns (ids, labels, positions) of chunk `index`: ids (seq_len,), labels IGNORE_INDEX at document starts and
         padding, positions (seq_len,) within documents in mask packing, else None."""
         start = index * self.seq_len
         ids = torch.zeros(self.seq_len, dtype=torch.long)
-        labels = torch.full((self.seq_len,), IGNORE)
+        labels = torch.full((self.seq_len,), IGNORE_INDEX)
         filled, span = 0, int(np.searchsorted(self._span_offsets, start, side="right")) - 1
         while filled < self.seq_len and span < len(self.spans):
             lo = int(self.spans[span, 0] + start + filled - self._span_offsets[span])
@@ -695,7 +534,7 @@ class TokenDataset:
             filled, span = filled + len(piece), span + 1
         first, last = np.searchsorted(self._starts, [start, start + filled])
         begins = np.asarray(self._starts[first:last]) - start  # documents starting in the chunk
-        labels[torch.from_numpy(begins[begins > 0])] = IGNORE  # position 0's label is never a target anyway
+        labels[torch.from_numpy(begins[begins > 0])] = IGNORE_INDEX  # position 0's label is never a target anyway
         if self.pack_documents == "concat":
             return ids, labels, None
         starts = torch.zeros(self.seq_len, dtype=torch.bool)
@@ -729,10 +568,10 @@ class TokenDataset:
 
     def eval_batches(self, n_batches: int = 4, batch_size: int = 8) -> list[Batch]:
         """Returns the stream's first n_batches x batch_size chunks in order, the same at every evaluation (fewer
-        batches for a shorter stream); rows past its end are padding, IGNORE labels (in mask packing one document
+        batches for a shorter stream); rows past its end are padding, IGNORE_INDEX labels (in mask packing one document
         each), so every batch is full."""
         positions = torch.arange(self.seq_len) if self.pack_documents == "mask" else None
-        padding = torch.zeros(self.seq_len, dtype=torch.long), torch.full((self.seq_len,), IGNORE), positions
+        padding = torch.zeros(self.seq_len, dtype=torch.long), torch.full((self.seq_len,), IGNORE_INDEX), positions
         return [
             _stack([self.sequence(i) if i < self.num_sequences else padding for i in range(first, first + batch_size)])
             for first in range(0, min(n_batches * batch_size, self.num_sequences), batch_size)

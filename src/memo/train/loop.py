@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import statistics
 import time
@@ -32,14 +31,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import device as dev
 from .. import parallel
 from ..attention import choose as choose_attention
+from ..config import ModelConfig
 from ..cost.estimate import ATTENTION_CHOICES
-from ..cost.flops import DocumentLengths, model_flops_per_token
+from ..cost.flops import model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
 from ..cost.predict import compare, host_pool_bytes, predict_run
-from ..cost.states import States
-from ..documents import attended_tokens
-from ..files import RUN, claim_folder, mark, write_text
+from ..cost.states import host_bytes as state_host_bytes
+from ..documents import DocumentLengths, attended_tokens
+from ..files import RUN, claim_folder, mark, read_config_file, write_text
+from ..job import Job
 from ..lora import apply_lora
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
@@ -58,7 +59,6 @@ from .config import (
     check_same_packing,
     check_same_tokenizer,
     check_token_files,
-    model_config,
     run_tokenizer_id,
     with_packing,
 )
@@ -77,32 +77,24 @@ from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
 from .signals import Interrupted, StopRequest
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
 
 
-def world_size() -> int:
-    """Returns the number of ranks torchrun started (1 outside torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def build_model(cfg: TrainConfig, policy: ActivationPolicy, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Returns the model of `cfg.model` (preset, config file or Hugging Face folder, with any context-extension
-    flags applied) on `device` and `dtype`, initialised from `cfg.seed` (the same on every rank)."""
+def build_model(cfg: TrainConfig, job: Job, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """Returns the model `job` trains with its policy (a Hugging Face `--model` folder's weights loaded) on
+    `device` and `dtype`, initialised from `cfg.seed` (the same on every rank)."""
     torch.manual_seed(cfg.seed)
-    config = model_config(cfg)
     if Path(cfg.model).is_dir():
         from ..hf import from_hf
 
         try:
-            model = from_hf(cfg.model, policy=policy, config=config)
+            model = from_hf(cfg.model, policy=job.policy, config=job.model)
         except FileNotFoundError as err:
             raise ValueError(str(err)) from None
     else:
-        model = Transformer(config, policy)
-    lora = cfg.lora()
-    if lora is not None:
-        apply_lora(model, lora)
+        model = Transformer(job.model, job.policy)
+    if job.lora is not None:
+        apply_lora(model, job.lora)
     return model.to(device=device, dtype=dtype)
 
 
@@ -110,9 +102,10 @@ class Trainer:
     """One run: `records()` trains from the current step to `cfg.steps`, checkpointing as configured. Under
     torchrun every rank makes its own Trainer; `rank == 0` is the one that writes."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
-        world = world_size()
+    def __init__(self, cfg: TrainConfig, resume: bool = False, base: ModelConfig | None = None):
+        world = parallel.world_size()
         cfg.check_world(world)
+        self.job = cfg.job(world, base)  # `--model` read once (`base`: already read by the caller)
         cfg = cfg if resume else with_packing(cfg)  # saved resolved: a resumed run keeps the packing it saved
         self.mesh: DeviceMesh | None = _mesh(cfg, world)
         self.watch = faults.FaultWatch(faults.connect() if self.mesh else None).start()  # another rank's failure
@@ -148,18 +141,19 @@ class Trainer:
         self.arena = self._planned_allocator() if cfg.arena else None  # on CUDA: before any CUDA allocation
         if self.device.type == "cuda" and not cfg.arena:
             log.info("CUDA allocator: %s", dev.use_expandable_segments())
-        self.attention = choose_attention(cfg.attention, self.device, DTYPES[cfg.dtype])  # impossible: before work
-        check_memory(cfg, self.device, self.mesh)
+        self.attention = choose_attention(cfg.attention, self.device, self.job.torch_dtype)  # impossible: before work
+        check_memory(cfg, self.job, self.device, self.mesh)
         # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
         modes = saved.state.get("modes") if saved and cfg.alpha is None and cfg.plan is None else None
         self.model = self._build_model(pinned, modes)
         self.source, self.held_out = self._sources()
+        self.job = dataclasses.replace(self.job, policy=self.model.policy, documents=_document_lengths(self.source))
         for source in (self.source, self.held_out):
             if source is not None:
                 check_vocab(source, self.model.config.vocab_size, cfg.model)
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
-        self.optimizer = MasterAdamW(self.model, cfg, clip)
+        self.optimizer = MasterAdamW(self.model, cfg.optimizer(), clip)
         self.step = 0
         self.skipped = 0  # steps whose loss or gradient norm was not finite (`--skip-nonfinite`)
         if saved:
@@ -175,7 +169,7 @@ class Trainer:
 
     def _device(self) -> torch.device:
         """Returns `--device`, or under torchrun this rank's GPU (cuda:LOCAL_RANK) or the CPU, as the mesh is."""
-        if world_size() == 1:  # a one-rank mesh (`--offload-states`) is on `--device` too
+        if parallel.world_size() == 1:  # a one-rank mesh (`--offload-states`) is on `--device` too
             return dev.check_device(self.cfg.device)
         kind = self.mesh.device_type
         if dev.check_device(self.cfg.device).type != kind:
@@ -183,24 +177,26 @@ class Trainer:
                 f"`--device {self.cfg.device}`: distributed runs use {kind} on this machine (one GPU per rank when "
                 "CUDA is available); give `--device cuda`, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPUs"
             )
-        return torch.device(kind, int(os.environ.get("LOCAL_RANK", "0"))) if kind == "cuda" else torch.device(kind)
+        return torch.device(kind, parallel.local_rank()) if kind == "cuda" else torch.device(kind)
 
     def _build_model(self, alphas: list[float] | None, modes: list[str] | None) -> Transformer:
         """Returns the model; on a mesh (torchrun, or `--offload-states`) sharded over it, float32 with FSDP's bf16
         mixed precision (its fp32 parameters are the masters; frozen ones are kept in the training dtype), after
         checking that the node's host memory holds the offload: the activation pool and any offloaded states."""
-        cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
+        cfg, job = self.cfg, self.job
+        dtype = job.torch_dtype
         if not self.mesh:
-            return build_model(cfg, cfg.policy(alphas, modes=modes), self.device, dtype)
+            return build_model(
+                cfg, dataclasses.replace(job, policy=cfg.policy(alphas, modes=modes)), self.device, dtype
+            )
         budget = _host_budget(cfg)
-        states = parallel.state_bytes(_shapes(cfg), self.mesh.size(), dtype) if cfg.offload_states else 0
+        states = state_host_bytes(job)  # the cost model's count of the offloaded states (0 when on the device)
         # offloaded: built on the host, where FSDP keeps the shards (never the whole fp32 model on the device)
         where = torch.device("cpu") if cfg.offload_states else self.device
-        model = build_model(cfg, cfg.policy(alphas, budget - states, modes), where, torch.float32)
+        policy = cfg.policy(alphas, budget - states, modes)
+        model = build_model(cfg, dataclasses.replace(job, policy=policy), where, torch.float32)
         _frozen_in(model, dtype)
-        dp = self.mesh["dp"].size()
-        local = cfg.batch_size // cfg.grad_accum // dp
-        parallel.check_host_budget(model, local, cfg.seq_len // cfg.sp, dtype, budget, states)
+        parallel.check_host_budget(model, job.micro_batch, cfg.seq_len // cfg.sp, dtype, budget, states)
         return parallel.parallelize(model, self.mesh, cfg.dtype == "bfloat16", cfg.offload_states)
 
     def _planned_allocator(self) -> PlannedAllocator:
@@ -356,38 +352,19 @@ class Trainer:
 
     def _predict(self) -> dict:
         """Returns (and records) what the cost model predicts for this run on this rank."""
-        cfg, model = self.cfg, self.model
-        world = self.mesh.size() if self.mesh else 1
-        micro = sequences_per_rank(cfg, world)
         spec = gpu_of(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
-        predicted = predict_run(
-            model.config,
-            cfg.seq_len,
-            micro,
-            world,
-            cfg.sp,
-            model.policy,
-            DTYPES[cfg.dtype],
-            model.loss_chunk_tokens,
-            self.device.type,
-            spec,
-            States(cfg.lora(), cfg.offload_states),
-            _timed_kernel(self.attention),
-            _document_lengths(self.source),
-        )
+        job = dataclasses.replace(self.job, attention=_timed_kernel(self.attention))
+        predicted = predict_run(job, spec, self.device.type, self.model.loss_chunk_tokens)
         self._write({"step": self.step, "predicted": predicted})
         return predicted
 
     def _measured(self) -> dict:
         """Returns this run's steady steps as the quantities `predict_run` predicts: memory peaks, the host pool at
         the α it ran with, and on a GPU the median step time and MFU."""
-        last, cfg = self.steady[-1], self.cfg
+        last = self.steady[-1]
         measured = {"host_pool_bytes": last["host_pool_bytes"] or None}
         if last["alphas"] and self.prediction.get("host_pool_bytes") is None:  # α was solved in the first step
-            tokens = sequences_per_rank(cfg, self.mesh.size() if self.mesh else 1) * (cfg.seq_len // cfg.sp)
-            self.prediction["host_pool_bytes"] = host_pool_bytes(
-                self.model.config, tokens, self.model.policy, last["modes"], last["alphas"], DTYPES[cfg.dtype]
-            )
+            self.prediction["host_pool_bytes"] = host_pool_bytes(self.job, last["modes"], last["alphas"])
         if "device_peak_allocated" in last:
             measured["device_peak_bytes"] = max(r["device_peak_allocated"] for r in self.steady)
         if last.get("arena_load_bytes"):  # the planned allocator's recorded step: its transient peak
@@ -459,7 +436,7 @@ class Trainer:
         targets_in_step = sum(counts)
         if targets_in_step == 0:
             raise ValueError(f"step {self.step}: no target tokens in the batch (every label is ignored)")
-        lr = learning_rate(cfg, self.step)
+        lr = learning_rate(cfg.optimizer(), self.step)
         before = self.arena.counters() if self.arena else None
         with self.arena.step() if self.arena else contextlib.nullcontext():  # the step the allocator plans
             loss_value, grad_norm = self._update(micro, counts, lr)
@@ -468,8 +445,8 @@ class Trainer:
         # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL); packed documents
         # count the attention they need, Σ dᵢ² of this batch rather than s² (flops.MFU_PACKED, MFU_PACKED_FULL)
         attended = cfg.seq_len if positions is None else attended_tokens(positions)
-        flops = model_flops_per_token(model.config, attended, lora=cfg.lora()) * tokens / seconds
-        full_flops = model_flops_per_token(model.config, attended, False, cfg.lora()) * tokens / seconds
+        flops = model_flops_per_token(self.job.model, attended, lora=self.job.lora) * tokens / seconds
+        full_flops = model_flops_per_token(self.job.model, attended, False, self.job.lora) * tokens / seconds
         peak = (self.mesh.size() if self.mesh else 1) * self.peak_flops if self.peak_flops else None  # all ranks
         stats = model.swap_stats()
         record = {
@@ -601,26 +578,16 @@ def _arena_record(arena: PlannedAllocator, before: dict) -> dict:
 BATCH_BYTES_PER_TOKEN = 8  # of each int64 tensor of a batch: token ids, labels, and positions in mask packing
 
 
-def sequences_per_rank(cfg: TrainConfig, world: int) -> int:
-    """Returns the sequences one rank runs at once: its data-parallel share of a micro-batch, at least one."""
-    return max(cfg.batch_size // cfg.grad_accum // (world // cfg.sp), 1)
-
-
-def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None) -> None:
+def check_memory(cfg: TrainConfig, job: Job, device: torch.device, mesh: DeviceMesh | None) -> None:
     """Raises ValueError when the run cannot fit: a lower bound of the memory one rank needs (model states,
     the strategy's skeletal activations, memo's host pool, the token ids of a step's batch and of an
     evaluation; no tracing)
     against what `device` (and for a GPU's batch, the host) has free, and the
     host pool (with `--offload-states` beside the states) against the host budget. Seconds at any length,
     before any folder, model or progress bar."""
-    config, dtype = model_config(cfg), DTYPES[cfg.dtype]
-    world = mesh.size() if mesh else 1
-    tokens = sequences_per_rank(cfg, world) * (cfg.seq_len // cfg.sp)
-    need = training_lower_bound(
-        config, tokens, cfg.policy(), dtype, shards=world, lora=cfg.lora(), micro_batches=cfg.grad_accum
-    )
+    need = training_lower_bound(job)
     if cfg.offload_states:
-        need["states"] = _offloaded_states(cfg, device, world, need["host_pool"])
+        need["states"] = _offloaded_states(cfg, job, device, need["host_pool"])
     step_rows, eval_rows = _held_sequences(cfg)
     tensors = 3 if cfg.packing() == "mask" else 2
     need["batch"] = tensors * BATCH_BYTES_PER_TOKEN * (step_rows + eval_rows) * cfg.seq_len
@@ -628,8 +595,11 @@ def check_memory(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None
     free = dev.free_memory_bytes(device)
     on_host = need["host_pool"] + need["batch"]
     on_device = need["states"] + need["activations"] + (on_host if device.type == "cpu" else 0)
-    ranks = parallel.local_ranks() if mesh and device.type == "cpu" else 1  # ranks on one host share its memory
-    what = f"`--seq-len` {format_count(cfg.seq_len)} with `--batch-size` {cfg.batch_size} (model {config.name})"
+    ranks = (
+        parallel.local_world_size() if mesh and device.type == "cpu" else 1
+    )  # ranks on one host share its memory
+    model = job.model.name
+    what = f"`--seq-len` {format_count(cfg.seq_len)} with `--batch-size` {cfg.batch_size} (model {model})"
     if free is not None and on_device * ranks > free:
         parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in need.items() if v)
         raise ValueError(
@@ -659,14 +629,13 @@ def _held_sequences(cfg: TrainConfig) -> tuple[int, int]:
     return cfg.batch_size, cfg.eval_batches * (cfg.batch_size // cfg.grad_accum) if evaluates else 0
 
 
-def _offloaded_states(cfg: TrainConfig, device: torch.device, world: int, host_pool: int) -> int:
+def _offloaded_states(cfg: TrainConfig, job: Job, device: torch.device, host_pool: int) -> int:
     """Returns the bytes of model states an `--offload-states` rank holds on `device` (the weights FSDP gathers;
     on a CPU, whose memory is the host's, the offloaded states too), after refusing states that do not fit in
-    its host budget beside the activation pool `host_pool`."""
-    model, dtype = _shapes(cfg), DTYPES[cfg.dtype]
-    host = parallel.state_bytes(model, world, dtype)
+    its host budget beside the activation pool `host_pool`: the host's counted as the cost model predicts them."""
+    host = state_host_bytes(job)
     parallel.check_host_fits(host, host_pool, _host_budget(cfg))
-    return parallel.gathered_bytes(model, dtype) + (host if device.type == "cpu" else 0)
+    return parallel.gathered_bytes(_shapes(job), job.torch_dtype) + (host if device.type == "cpu" else 0)
 
 
 def _host_budget(cfg: TrainConfig) -> int:
@@ -674,12 +643,11 @@ def _host_budget(cfg: TrainConfig) -> int:
     return parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
 
 
-def _shapes(cfg: TrainConfig) -> Transformer:
-    """Returns the run's model on `meta` (nothing allocated, adapters included): the shapes its states take."""
+def _shapes(job: Job) -> Transformer:
+    """Returns the job's model on `meta` (nothing allocated, adapters included): the shapes its states take."""
     with torch.device("meta"):
-        model = Transformer(model_config(cfg))
-    lora = cfg.lora()
-    return apply_lora(model, lora) if lora is not None else model
+        model = Transformer(job.model)
+    return apply_lora(model, job.lora) if job.lora is not None else model
 
 
 def _frozen_in(model: Transformer, dtype: torch.dtype) -> None:
@@ -708,8 +676,21 @@ def _timed_kernel(kernel: str) -> str:
 def _record_launch(cfg: TrainConfig) -> TrainConfig:
     """Returns `cfg` with `nproc` and `nnodes` set to the ranks started on this node and the nodes, as the run
     really ran (under plain torchrun too)."""
-    ranks = parallel.local_ranks()
-    return dataclasses.replace(cfg, nproc=ranks, nnodes=world_size() // ranks)  # no to_dict: no fingerprints
+    ranks = parallel.local_world_size()
+    return dataclasses.replace(cfg, nproc=ranks, nnodes=parallel.world_size() // ranks)  # no to_dict: no fingerprints
+
+
+def start_config(flags: dict, config: str | None, resume: str | None) -> tuple[TrainConfig, bool]:
+    """Returns the config a `memo train` start runs and whether it resumes: `--resume RUN`'s saved config with the
+    `flags` given, else `--config FILE`'s fields with the flags over them."""
+    if resume:
+        if config:
+            raise ValueError("`--resume` takes the run's own config; give changes as flags, not `--config`")
+        return resume_config(resume, flags), True
+    values = {**(read_config_file(config) if config else {}), **flags}
+    if values.get("alpha") is not None and values.get("strategy", TrainConfig.strategy) != "memo":
+        ActivationPolicy(values.get("strategy"), alpha=values["alpha"])  # raises the clear error
+    return TrainConfig.from_dict(values, config or "flags"), False
 
 
 def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
@@ -717,7 +698,7 @@ def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
     its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing), when a file it
     recorded (at an absolute path) and is not given again is missing or changed, or when a `--model` given is
     shaped unlike the checkpoint's."""
-    if Path(run_dir).is_dir() and os.environ.get("RANK", "0") == "0":  # rank 0 alone locks, so alone probes
+    if Path(run_dir).is_dir() and parallel.rank() == 0:  # rank 0 alone locks, so alone probes
         RunLock(Path(run_dir)).release()  # a run still in progress is the error, not its missing checkpoint
     saved = checkpoint.load_latest(Path(run_dir))
     recorded = saved.state["config"]

@@ -8,14 +8,28 @@ precision; bf16 training instead keeps bf16 compute weights and an fp32 master c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .config import TrainConfig
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW's settings and the learning-rate schedule over `steps` (`TrainConfig.optimizer`: flags checked there)."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    schedule: str
+    steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
 
 
-def learning_rate(cfg: TrainConfig, step: int) -> float:
+def learning_rate(cfg: OptimizerConfig, step: int) -> float:
     """Returns the learning rate of optimizer step `step` (1-based): a pure function of the step, so a
     resumed run follows the same schedule without scheduler state."""
     if step <= cfg.warmup_steps:
@@ -35,7 +49,7 @@ class MasterAdamW:
     def __init__(
         self,
         model: torch.nn.Module,
-        cfg: TrainConfig,
+        cfg: OptimizerConfig,
         clip_grad_norm: Callable[[float], torch.Tensor] | None = None,
     ):
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen ones have no state

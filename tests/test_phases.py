@@ -1,5 +1,5 @@
-"""The planned run-time arena: bit-identical gradients, a valid layout, run-time checks that can fire, and phases
-that cannot keep to a plan running unplanned with the same gradients."""
+"""The phase planner: bit-identical gradients, a valid layout, run-time checks that can fire, and phases that
+cannot keep to a plan running unplanned with the same gradients."""
 
 import contextlib
 import copy
@@ -13,7 +13,7 @@ import torch
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo import layer as layer_module
 from memo.layer import FreshTiles, forward_phase
-from memo.plan.arena import ALIGN, Arena
+from memo.plan.phases import ALIGN, PhasePlanner, attach
 from memo.plan.problem import check_placement
 
 DEVICE = torch.device(os.environ.get("MEMO_TEST_DEVICE", "cpu"))
@@ -31,7 +31,7 @@ def _models(preset: str, policy: ActivationPolicy, dtype=torch.float32):
     torch.manual_seed(0)
     plain = Transformer(ModelConfig.preset(preset), policy).to(DEVICE, dtype)
     planned = copy.deepcopy(plain)
-    return plain, planned, planned.plan_memory(debug=True, time_limit=0.2)
+    return plain, planned, attach(planned, debug=True, time_limit=0.2)
 
 
 def _step(model, ids):
@@ -48,7 +48,7 @@ CASES += [("none", torch.bfloat16), ("memo-a0.37", torch.bfloat16), ("memo-tiled
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
 @pytest.mark.parametrize("policy, dtype", CASES)
 def test_planned_model_gives_bit_identical_loss_and_gradients(preset, policy, dtype):
-    plain, planned, arena = _models(preset, POLICIES[policy], dtype)
+    plain, planned, planner = _models(preset, POLICIES[policy], dtype)
     ids = torch.randint(0, 256, (2, 29), device=DEVICE)
     for _ in range(2):  # the second step replays the plans made in the first
         loss, grads = _step(plain, ids)
@@ -56,30 +56,30 @@ def test_planned_model_gives_bit_identical_loss_and_gradients(preset, policy, dt
         assert torch.equal(loss, planned_loss)
         for name, g in grads.items():
             assert torch.equal(g, planned_grads[name]), name
-    summary = arena.summary()
+    summary = planner.summary()
     assert summary["phases"] >= 2 and not summary["unplanned_phases"]  # a forward and a backward, both planned
-    assert 0 < summary["load_bytes"] <= summary["arena_bytes"] <= summary["planned_bytes"]
+    assert 0 < summary["load_bytes"] <= summary["buffer_bytes"] <= summary["planned_bytes"]
 
 
 def test_plans_are_valid_placements_and_name_what_they_could_not_plan():
-    _, planned, arena = _models("tiny-gpt", POLICIES["memo-a0.37"])
+    _, planned, planner = _models("tiny-gpt", POLICIES["memo-a0.37"])
     _step(planned, torch.randint(0, 256, (1, 64), device=DEVICE))
-    for plan in arena.plans.values():
+    for plan in planner.plans.values():
         offsets = [s.offset // ALIGN for slots in plan.slots.values() for s in slots if s.offset is not None]
         ids = [s.tensor for slots in plan.slots.values() for s in slots if s.offset is not None]
         order = {t: i for i, t in enumerate(plan.problem.ids)}
         by_problem = [offsets[ids.index(t)] for t in sorted(order, key=order.get)]
         assert check_placement(plan.problem, by_problem) == []
         assert all(s.offset % ALIGN == 0 for slots in plan.slots.values() for s in slots if s.offset is not None)
-    whys = {(u["op"].split(".")[1], u["why"]) for u in arena.summary()["unplanned"]}
+    whys = {(u["op"].split(".")[1], u["why"]) for u in planner.summary()["unplanned"]}
     attention = {op for op, why in whys if why == "no out= overload" and "_scaled_dot_product" in op}
     assert attention  # attention is a fused kernel with no out= overload
     assert ("mm", "outlives the phase") in whys  # weight gradients leave the layer
 
 
-def _plan_with_overlap(arena: Arena):
+def _plan_with_overlap(planner: PhasePlanner):
     """Returns a forward plan edited so that two tensors that are live together share an address."""
-    key, plan = next((k, p) for k, p in arena.plans.items() if k[0] == "forward_phase")
+    key, plan = next((k, p) for k, p in planner.plans.items() if k[0] == "forward_phase")
     first, second = (int(a[0]) for a in plan.problem.overlaps())
     slot_of = {s.tensor: (call, j) for call, slots in plan.slots.items() for j, s in enumerate(slots)}
     a, b = plan.problem.ids[first], plan.problem.ids[second]
@@ -94,17 +94,17 @@ def _plan_with_overlap(arena: Arena):
 
 
 def test_debug_check_catches_a_planted_overlap():
-    _, planned, arena = _models("tiny", POLICIES["none"])
+    _, planned, planner = _models("tiny", POLICIES["none"])
     ids = torch.randint(0, 256, (1, 32), device=DEVICE)
     _step(planned, ids)
-    key, bad = _plan_with_overlap(arena)
-    arena.plans[key] = bad
-    with pytest.raises(RuntimeError, match="arena overlap"):
+    key, bad = _plan_with_overlap(planner)
+    planner.plans[key] = bad
+    with pytest.raises(RuntimeError, match="phase buffer overlap"):
         _step(planned, ids)
 
 
 def test_debug_check_catches_a_planned_tensor_kept_past_its_phase():
-    _, planned, arena = _models("tiny", POLICIES["none"])
+    _, planned, planner = _models("tiny", POLICIES["none"])
     layer, kept = planned.layers[0], []
 
     def leaky(layer, t, tiles):
@@ -117,7 +117,7 @@ def test_debug_check_catches_a_planned_tensor_kept_past_its_phase():
     specs = layer.skeletal_specs(1, 16, torch.float32, DEVICE)
     t = {n: torch.randn(sp.shape, dtype=sp.dtype, device=DEVICE) for n, sp in specs.items() if sp.group == "whole"}
     with torch.no_grad(), pytest.raises(RuntimeError, match="outlive their phase"):
-        arena.run(layer, leaky, t, FreshTiles.of(specs, 16, 4))
+        planner.run(layer, leaky, t, FreshTiles.of(specs, 16, 4))
 
 
 def _fused_rms_norm_cpu(x, normalized_shape, weight, eps):
@@ -155,7 +155,7 @@ def cuda_like_rms_norm():
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="mimics the CUDA kernels on CPU")
 @pytest.mark.parametrize("policy", ["none", "memo-a0.37"])
 def test_planned_rms_norm_model_replays_the_cuda_op_sequence(cuda_like_rms_norm, policy):
-    plain, planned, arena = _models("tiny", POLICIES[policy])
+    plain, planned, planner = _models("tiny", POLICIES[policy])
     ids = torch.randint(0, 256, (1, 29), device=DEVICE)
     for _ in range(2):
         loss, grads = _step(plain, ids)
@@ -163,8 +163,8 @@ def test_planned_rms_norm_model_replays_the_cuda_op_sequence(cuda_like_rms_norm,
         assert torch.equal(loss, planned_loss)
         for name, g in grads.items():
             assert torch.equal(g, planned_grads[name]), name
-    calls = {str(func) for plan in arena.plans.values() for func in plan.calls}
-    assert {"aten._fused_rms_norm_backward.default", "memo.rms_norm.default"} <= calls and not arena.unplanned
+    calls = {str(func) for plan in planner.plans.values() for func in plan.calls}
+    assert {"aten._fused_rms_norm_backward.default", "memo.rms_norm.default"} <= calls and not planner.unplanned
 
 
 # ---- phases that cannot keep to a plan run unplanned: the step goes on, with the unplanned model's gradients ----
@@ -180,22 +180,22 @@ def _same_steps(plain, planned, ids, steps: int = 2) -> None:
 
 
 def _unplanned_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "memo.plan.arena" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "memo.plan.phases" and r.levelno == logging.WARNING]
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="registers CPU kernels")
 def test_a_phase_whose_ops_change_after_planning_runs_unplanned_and_says_why_once(caplog):
-    plain, planned, arena = _models("tiny", POLICIES["memo-a0.37"])
+    plain, planned, planner = _models("tiny", POLICIES["memo-a0.37"])
     ids = torch.randint(0, 256, (1, 29), device=DEVICE)
     _step(planned, ids)  # every phase planned from a trace of the decomposed RMSNorm backward
-    assert not arena.unplanned
+    assert not planner.unplanned
     with caplog.at_level(logging.WARNING), _cuda_like_rms_norm():  # now the backward runs one fused kernel
         _same_steps(plain, planned, ids, steps=3)
-    phases = arena.summary()["unplanned_phases"]
+    phases = planner.summary()["unplanned_phases"]
     assert phases and {p["phase"] for p in phases} == {"backward_phase"}
     assert all("aten._fused_rms_norm_backward.default" in p["why"] for p in phases)
     assert len(_unplanned_warnings(caplog)) == len(phases)  # once per phase and reason, not per step or layer
-    assert any(key[0] == "forward_phase" for key in arena.plans)  # the forward keeps its plan
+    assert any(key[0] == "forward_phase" for key in planner.plans)  # the forward keeps its plan
 
 
 @torch.library.custom_op("memo_test::copy_without_meta", mutates_args=())
@@ -210,17 +210,17 @@ def test_a_phase_that_cannot_be_traced_on_meta_runs_unplanned(monkeypatch, caplo
         return _copy_without_meta(y), aux
 
     monkeypatch.setattr(layer_module, "forward_phase", forward_then_copy)
-    plain, planned, arena = _models("tiny", POLICIES["memo-a0.37"])
+    plain, planned, planner = _models("tiny", POLICIES["memo-a0.37"])
     with caplog.at_level(logging.WARNING):
         _same_steps(plain, planned, torch.randint(0, 256, (2, 29), device=DEVICE))
-    (phase,) = arena.summary()["unplanned_phases"]
+    (phase,) = planner.summary()["unplanned_phases"]
     assert phase["phase"] == "forward_then_copy" and "its trace on meta failed" in phase["why"]
     assert len(_unplanned_warnings(caplog)) == 1
-    assert any(key[0] == "backward_phase" for key in arena.plans)  # the backward keeps its plan
+    assert any(key[0] == "backward_phase" for key in planner.plans)  # the backward keeps its plan
 
 
 def test_a_tensor_placed_before_its_phase_strayed_keeps_its_memory_from_the_next_phase():
-    _, planned, arena = _models("tiny", POLICIES["none"])
+    _, planned, planner = _models("tiny", POLICIES["none"])
     layer, kept = planned.layers[0], []
 
     def keeps_and_strays(layer, t, tiles):
@@ -234,9 +234,9 @@ def test_a_tensor_placed_before_its_phase_strayed_keeps_its_memory_from_the_next
     specs = layer.skeletal_specs(1, 16, torch.float32, DEVICE)
     t = {n: torch.randn(sp.shape, dtype=sp.dtype, device=DEVICE) for n, sp in specs.items() if sp.group == "whole"}
     with torch.no_grad():
-        arena.run(layer, keeps_and_strays, t, FreshTiles.of(specs, 16, 4))
+        planner.run(layer, keeps_and_strays, t, FreshTiles.of(specs, 16, 4))
         held = kept[0].untyped_storage().data_ptr()
-        arena.run(layer, forward_phase, t, FreshTiles.of(specs, 16, 4))  # planned: it writes its arena
-    assert [p["phase"] for p in arena.summary()["unplanned_phases"]] == ["keeps_and_strays"]
-    assert arena.buffer.untyped_storage().data_ptr() != held  # the strayed phase's arena went with its tensor
+        planner.run(layer, forward_phase, t, FreshTiles.of(specs, 16, 4))  # planned: it writes its buffer
+    assert [p["phase"] for p in planner.summary()["unplanned_phases"]] == ["keeps_and_strays"]
+    assert planner.buffer.untyped_storage().data_ptr() != held  # the strayed phase's buffer went with its tensor
     assert torch.equal(kept[0], t["x"] * 2)

@@ -1,18 +1,20 @@
-"""The planned run-time mode (docs/method.md §5): a layer's transient tensors live in one pre-allocated
-arena at offsets solved offline, so the allocator never sees them and cannot fragment.
+"""The phase planner (docs/method.md §5, at the dispatch level): a layer phase's transient tensors live in one
+pre-allocated buffer at offsets solved offline, so the allocator never sees them and cannot fragment. It is a
+pass over a finished model (`attach`), kept as a debugging path: `memo train --arena` plans a whole step below
+PyTorch instead, with the planned allocator (`allocator.py`).
 
 A layer phase (its forward, or its recompute + backward) is first traced on `meta` with the same shapes,
 which gives every op call and every new tensor with its lifetime. The tensors that die inside the phase
 and come from an op with an `out=` overload (or a factory such as `empty`) become a DSA instance; its
-solution is the arena layout. At run time a dispatch mode follows the recorded op sequence and hands each
-planned op a view of the arena as its `out=`. Whatever cannot be planned (no `out=` overload, a tensor
-that outlives the phase, a host tensor) is allocated as usual and listed in `ArenaPlan.unplanned`.
+solution is the buffer layout. At run time a dispatch mode follows the recorded op sequence and hands each
+planned op a view of the buffer as its `out=`. Whatever cannot be planned (no `out=` overload, a tensor
+that outlives the phase, a host tensor) is allocated as usual and listed in `PhasePlan.unplanned`.
 
 A phase whose trace fails on `meta` (an op without a meta kernel), or whose ops at run time leave the traced
 sequence (a kernel that refused a shape and fell back to another), runs unplanned from then on, with ordinary
-allocation: logged once with the reason and listed in `Arena.summary()`; the other phases keep their plans.
+allocation: logged once with the reason and listed in `PhasePlanner.summary()`; the other phases keep their plans.
 
-With `debug`, every tensor that points into the arena is reference-counted at run time: handing out a
+With `debug`, every tensor that points into the buffer is reference-counted at run time: handing out a
 region that overlaps a live planned tensor, or touching a region whose tensor is dead, raises.
 """
 
@@ -30,7 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..attention import choose
 from ..device import meta_kernels
-from .budget import ARENA_WORK
+from ..model import Transformer
+from .budget import PHASE_WORK
 from .dsa import Solution, solve
 from .problem import Problem
 from .trace import Output, trace
@@ -66,7 +69,7 @@ def out_overload(func) -> tuple[object, tuple[str, ...]] | None:
 
 @dataclass(frozen=True)
 class Slot:
-    """One new tensor of a planned op call: its place in the arena (None: allocated as usual) and layout."""
+    """One new tensor of a planned op call: its place in the buffer (None: allocated as usual) and layout."""
 
     tensor: int
     offset: int | None
@@ -75,8 +78,8 @@ class Slot:
 
 
 @dataclass
-class ArenaPlan:
-    """The op sequence of one phase and the slots of the op calls whose outputs come from the arena."""
+class PhasePlan:
+    """The op sequence of one phase and the slots of the op calls whose outputs come from the buffer."""
 
     calls: list
     slots: dict[int, list[Slot]]  # op call -> its outputs in order
@@ -86,12 +89,12 @@ class ArenaPlan:
     planned_bytes: int = 0  # summed sizes of the planned tensors, each on its own
 
     @property
-    def arena_bytes(self) -> int:
+    def buffer_bytes(self) -> int:
         return self.solution.peak * ALIGN if self.solution else 0
 
 
-def plan_phase(phase_trace, time_limit: float = 2.0, work_limit: int = ARENA_WORK) -> ArenaPlan:
-    """Returns the arena plan of a traced phase: a DSA over its plannable transient tensors, in ALIGN units, solved
+def plan_phase(phase_trace, time_limit: float = 2.0, work_limit: int = PHASE_WORK) -> PhasePlan:
+    """Returns the plan of a traced phase: a DSA over its plannable transient tensors, in ALIGN units, solved
     within `work_limit` (`time_limit` seconds a safety net: `dsa.solve`)."""
     frees = {e.tensor: i for i, e in enumerate(phase_trace.events) if e.kind == "free"}
     by_call: dict[int, list] = {}
@@ -120,11 +123,11 @@ def plan_phase(phase_trace, time_limit: float = 2.0, work_limit: int = ARENA_WOR
         ]
         for call, outs in planned.items()
     }
-    return ArenaPlan(phase_trace.calls, slots, problem, solution, unplanned, sum(r[3] for r in rows) * ALIGN)
+    return PhasePlan(phase_trace.calls, slots, problem, solution, unplanned, sum(r[3] for r in rows) * ALIGN)
 
 
 def _unplannable(func, outs, frees) -> str | None:
-    """Returns why an op call's new tensors cannot come from the arena, or None when they can."""
+    """Returns why an op call's new tensors cannot come from the buffer, or None when they can."""
     if any(e.output.device != "meta" for e in outs):
         return "host tensor"
     if all(e.tensor not in frees for e in outs):
@@ -156,19 +159,19 @@ def _signature(args) -> tuple:
 
 
 @dataclass
-class Arena:
+class PhasePlanner:
     """One device buffer shared by every layer phase, and the plan of each phase signature met so far."""
 
     time_limit: float = 2.0  # the safety net of each phase's DSA solve; `work_limit` is its budget
     debug: bool = False
-    work_limit: int = ARENA_WORK
+    work_limit: int = PHASE_WORK
     buffer: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
     unplanned: dict = field(default_factory=dict)  # phase signature -> why it runs with ordinary allocation
     _twins: dict = field(default_factory=dict)
 
     def run(self, layer, phase, *args):
-        """Returns `phase(layer, *args)` with the phase's transient tensors carved from the arena (with ordinary
+        """Returns `phase(layer, *args)` with the phase's transient tensors carved from the buffer (with ordinary
         allocation where the phase cannot be planned)."""
         device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
         kernel = layer.attention_ran or choose(layer.attention_kernel, device, dtype)  # the trace runs the same
@@ -178,9 +181,9 @@ class Arena:
         if key in self.unplanned:
             return phase(layer, *args)
         plan = self.plans[key]
-        if self.buffer is None or self.buffer.numel() < plan.arena_bytes or self.buffer.device != device:
-            self.buffer = None  # no planned tensor is alive between phases: the old arena can go first
-            self.buffer = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8, device=device)
+        if self.buffer is None or self.buffer.numel() < plan.buffer_bytes or self.buffer.device != device:
+            self.buffer = None  # no planned tensor is alive between phases: the old buffer can go first
+            self.buffer = torch.empty(max(plan.buffer_bytes, 1), dtype=torch.uint8, device=device)
         mode = _PlannedMode(self.buffer, plan, self.debug)
         with mode:
             result = phase(layer, *args)
@@ -208,7 +211,7 @@ class Arena:
         """Runs the phase with ordinary allocation from now on, and says why once (not once per layer shape)."""
         self.plans.pop(key, None)
         if (key[0], why) not in {(k[0], w) for k, w in self.unplanned.items()}:
-            log.warning("arena: phase %s runs unplanned: %s", key[0], why)
+            log.warning("phase planner: phase %s runs unplanned: %s", key[0], why)
         self.unplanned[key] = why
 
     def _twin(self, layer, kernel: str):
@@ -222,7 +225,7 @@ class Arena:
         return self._twins[key]
 
     def summary(self) -> dict:
-        """Returns the arena size, what was planned, every op whose output could not be planned, and every phase
+        """Returns the buffer size, what was planned, every op whose output could not be planned, and every phase
         that runs unplanned."""
         unplanned = Counter()
         for plan in self.plans.values():
@@ -230,7 +233,7 @@ class Arena:
                 unplanned[(op, why)] += nbytes
         phases = sorted({(key[0], why) for key, why in self.unplanned.items()})
         return {
-            "arena_bytes": 0 if self.buffer is None else self.buffer.numel(),
+            "buffer_bytes": 0 if self.buffer is None else self.buffer.numel(),
             "phases": len(self.plans),
             "load_bytes": max((p.solution.lower_bound * ALIGN for p in self.plans.values() if p.solution), default=0),
             "planned_bytes": max((p.planned_bytes for p in self.plans.values()), default=0),
@@ -239,23 +242,34 @@ class Arena:
         }
 
 
+def attach(model: Transformer, debug: bool = False, time_limit: float = 2.0) -> PhasePlanner:
+    """Returns the phase planner that from now on carves the transient tensors of every layer phase of `model`
+    from one planned buffer; `debug` proves at run time that no two live planned tensors overlap."""
+    if any(layer.seq_parallel is not None for layer in model.layers):
+        raise ValueError("the phase planner does not support sequence parallelism (`--sp` > 1)")
+    planner = PhasePlanner(time_limit, debug)
+    for layer in model.layers:
+        layer.phases = planner
+    return planner
+
+
 def _check_layout(func, out, slots: list[Slot]) -> None:
     """Raises if a planned op returned another shape or dtype than its plan: an out= op resizes or casts
-    silently, and a resized arena view would write over its neighbours."""
+    silently, and a resized buffer view would write over its neighbours."""
     for t, slot in zip(tree_flatten(out)[0], slots):
         o = slot.output
         if isinstance(t, torch.Tensor) and (tuple(t.shape) != o.shape or t.dtype != o.dtype):
             raise RuntimeError(
-                f"arena: {func} returned {tuple(t.shape)} {t.dtype}, planned {o.shape} {o.dtype}: the run "
+                f"phase planner: {func} returned {tuple(t.shape)} {t.dtype}, planned {o.shape} {o.dtype}: the run "
                 "differs from its meta trace"
             )
 
 
 class _PlannedMode(TorchDispatchMode):
-    """Replays one phase's recorded op sequence, giving planned ops their arena views as `out=`; from the first
+    """Replays one phase's recorded op sequence, giving planned ops their buffer views as `out=`; from the first
     op that leaves the sequence on, every op allocates as usual (`strayed` says where)."""
 
-    def __init__(self, buffer: torch.Tensor, plan: ArenaPlan, debug: bool):
+    def __init__(self, buffer: torch.Tensor, plan: PhasePlan, debug: bool):
         super().__init__()
         self.buffer, self.plan, self.debug = buffer, plan, debug
         self.call = 0
@@ -297,7 +311,7 @@ class _PlannedMode(TorchDispatchMode):
         return out
 
     def _view(self, slot: Slot) -> torch.Tensor:
-        """Returns the slot's tensor: an arena view at its offset, or a fresh tensor if it is not planned."""
+        """Returns the slot's tensor: a buffer view at its offset, or a fresh tensor if it is not planned."""
         o = slot.output
         if slot.offset is None:
             return torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=self.buffer.device)
@@ -320,7 +334,8 @@ class _PlannedMode(TorchDispatchMode):
         for tensor, (s, e, _) in self.live.items():
             if s < end and start < e:
                 raise RuntimeError(
-                    f"arena overlap: tensor {slot.tensor} at [{start}, {end}) meets live tensor {tensor} at [{s}, {e})"
+                    f"phase buffer overlap: tensor {slot.tensor} at [{start}, {end}) meets live tensor {tensor} "
+                    f"at [{s}, {e})"
                 )
         self.live[slot.tensor] = [start, end, 0]
 
@@ -336,7 +351,7 @@ class _PlannedMode(TorchDispatchMode):
         at = t.data_ptr() - self._base()
         owner = next((k for k, (s, e, _) in self.live.items() if s <= at < e), None)
         if owner is None:
-            raise RuntimeError(f"arena: a tensor at offset {at} points into memory whose planned tensor is dead")
+            raise RuntimeError(f"phase planner: a tensor at offset {at} points into memory whose planned tensor died")
         self.live[owner][2] += 1
         weakref.finalize(t, self._release, owner)
 
@@ -353,4 +368,4 @@ class _PlannedMode(TorchDispatchMode):
         if self.strayed is None and self.call < len(self.plan.calls):
             self.strayed = f"it ran {self.call} of the {len(self.plan.calls)} ops of its meta trace"
         if self.strayed is None and self.debug and self.live:
-            raise RuntimeError(f"arena: planned tensors {sorted(self.live)} outlive their phase")
+            raise RuntimeError(f"phase planner: planned tensors {sorted(self.live)} outlive their phase")
