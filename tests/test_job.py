@@ -31,7 +31,7 @@ def test_a_live_model_gives_its_job_without_flags():
     apply_lora(model, lora)
     job = Job.of_model(model, 2048, lora=lora)
     assert (job.model, job.policy.alpha, job.dtype, job.lora) == (TINY, 0.25, "bfloat16", lora)
-    assert predict_run(job, kernels="cpu")["device_peak_bytes"] > 0
+    assert predict_run(job, "cpu")["device_peak_bytes"] > 0
     assert estimate(job, GPUS["H100-SXM"]).job is job
 
 

@@ -2,8 +2,9 @@
 
 from .config import ModelConfig
 from .hf import from_hf, to_hf
+from .job import Job
 from .model import Transformer
 from .policy import ActivationPolicy
 
-__all__ = ["ActivationPolicy", "ModelConfig", "Transformer", "from_hf", "to_hf"]
+__all__ = ["ActivationPolicy", "Job", "ModelConfig", "Transformer", "from_hf", "to_hf"]
 __version__ = "0.1.0"

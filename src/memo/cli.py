@@ -329,9 +329,9 @@ def _run_estimate(args) -> int:
     request = _flags(EstimateRequest, args)
     spec = request.spec()
     band = request.band(spec)  # None: the published band for the GPU, each layout's shape and attention kernel
-    job = request.job()
     inputs = {"`--model`": args.model, "`--gpu-file`": args.gpu_file, "`--calibration`": args.calibration}
     _claim_output(args.plot, "--plot", args, {**inputs, "`--document-lengths`": args.document_lengths})
+    job = request.job()
     systems = request.systems(job)
     if args.sweep:
         lengths = default_lengths()

@@ -4,7 +4,7 @@ A `Job` is a resolved model (a preset, a file or a Hugging Face folder, RoPE fla
 trains on and how they split over GPUs, the dtype, where activations live (`ActivationPolicy`), what trains
 (every weight, or LoRA's adapters), where the model states live, packed documents, the attention kernel and the
 node's host memory. It validates itself once, with the user's flag names; `memo train` builds it from its flags
-(`TrainConfig.job`), `memo estimate` from its own (`EstimateFlags.job`), and `Job.of_model` from a live model.
+(`TrainConfig.job`), `memo estimate` from its own (`EstimateRequest.job`), and `Job.of_model` from a live model.
 """
 
 from __future__ import annotations
@@ -72,11 +72,15 @@ class Job:
             )
 
     @classmethod
-    def of_model(cls, model: torch.nn.Module, seq: int, lora: LoraConfig | None = None, **fields) -> "Job":
-        """Returns the job of a live memo model (no flags, no folder): its config, activation policy and dtype;
-        `lora` when adapters were applied to it (`lora.apply_lora`)."""
-        dtype = next(name for name, d in DTYPES.items() if d == next(model.parameters()).dtype)
-        return cls(model=model.config, seq=seq, policy=model.policy, dtype=dtype, lora=lora, **fields)
+    def of_model(cls, model: torch.nn.Module, seq: int, lora: LoraConfig | None = None) -> "Job":
+        """Returns the job of a live memo model (no flags, no folder) training one sequence of `seq` tokens: its
+        config, activation policy and dtype; `lora` when adapters were applied to it (`lora.apply_lora`). Other
+        fields (GPUs, micro-batch) by `dataclasses.replace`."""
+        held = next(model.parameters()).dtype
+        names = [name for name, d in DTYPES.items() if d == held]
+        if not names:
+            raise ValueError(f"a Job trains in {', '.join(DTYPES)}, not the model's {held}")
+        return cls(model=model.config, seq=seq, policy=model.policy, dtype=names[0], lora=lora)
 
     def at(self, seq: int) -> "Job":
         """Returns the same job at another sequence length (a length search, a sweep)."""

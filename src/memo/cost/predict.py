@@ -15,7 +15,7 @@ from .states import device_bytes, host_bytes, trained
 OFF_BY = 0.15  # a measured peak further than this from its prediction is a warning
 
 
-def predict_run(job: Job, spec: GPUSpec | None = None, kernels: str = "cuda", loss_chunk_tokens: int = 4096) -> dict:
+def predict_run(job: Job, kernels: str, spec: GPUSpec | None = None, loss_chunk_tokens: int = 4096) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
     the step's transient peak traced at the run's dtype, `kernels` (a device type), tiles and modes, with the
     gradients a one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and,

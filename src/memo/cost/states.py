@@ -11,7 +11,6 @@ from ..lora import adapter_parameters
 
 # a trained weight: bf16 compute copy + fp32 gradient + fp32 Adam master weight, m and v (mixed precision)
 BYTES_PER_PARAM = 2 + 4 + 12
-FROZEN_BYTES = 2  # a frozen base weight in the training dtype (bf16): no gradient, no master, no moments
 # offloaded, per trained weight on the host: the fp32 sharded parameter (its own master), its fp32 gradient
 # (FSDP2 reduces in fp32 and copies the shard out), and AdamW's two fp32 moments
 HOST_BYTES_PER_PARAM = 4 + 4 + 8
@@ -21,6 +20,11 @@ GATHERED_LAYERS = 2  # FSDP2 holds the running layer's weights and prefetches th
 # 2101.06840; a DGX-2 host), and PyTorch's fused CPU kernel is 5.1x faster than that loop (PyTorch PR #123074,
 # a 56-core Sapphire Rapids). benchmarks/cpu_adam.py times both on the machine it runs on
 CPU_ADAM_SECONDS_PER_PARAM = 14.76 / 10e9 / 5.1
+
+
+def frozen_bytes(job: Job) -> int:
+    """Returns the bytes of a frozen base weight: its value in the training dtype, no gradient, master or moments."""
+    return job.torch_dtype.itemsize
 
 
 def root_parameters(c: ModelConfig) -> int:
@@ -50,7 +54,7 @@ def _layer(job: Job) -> tuple[int, int]:
 def device_bytes(job: Job) -> int:
     """Returns one GPU's bytes of model states under FSDP2 over `job.gpus` GPUs.
 
-    On the device: every shard (`BYTES_PER_PARAM` per trained weight, `FROZEN_BYTES` per frozen one) and two
+    On the device: every shard (`BYTES_PER_PARAM` per trained weight, `frozen_bytes` per frozen one) and two
     layers gathered in bf16. Offloaded: the root unit in bf16 for the whole step (its trained weights' bf16
     gradients from the loss's backward on), two layers gathered in bf16 with the shard of one copied in on its
     way (FSDP2 copies the host shard to the device before casting it to bf16: `FSDPParam.all_gather_inputs`),
@@ -60,8 +64,8 @@ def device_bytes(job: Job) -> int:
     layer_train, layer_frozen = _layer(job)
     gathered = GATHERED_LAYERS * 2 * (layer_train + layer_frozen)
     if not job.offload_states:
-        return int((train * BYTES_PER_PARAM + frozen * FROZEN_BYTES) / gpus + gathered)
-    shard_in = (layer_train * (4 + 2) + layer_frozen * FROZEN_BYTES) / gpus
+        return int((train * BYTES_PER_PARAM + frozen * frozen_bytes(job)) / gpus + gathered)
+    shard_in = (layer_train * (4 + 2) + layer_frozen * frozen_bytes(job)) / gpus
     gradient = layer_train * (2 + 4 + 4 / gpus)
     root = root_parameters(job.model) * (2 + (2 if job.lora is None else 0))
     return int(gathered + shard_in + gradient + root)
@@ -70,11 +74,12 @@ def device_bytes(job: Job) -> int:
 def host_bytes(job: Job) -> int:
     """Returns one GPU's bytes of model states in host memory (0 unless offloaded): its shard of every weight,
     trained ones with their gradient and AdamW moments (`HOST_BYTES_PER_PARAM`), frozen ones in the job's dtype.
-    The trainer refuses a run whose host budget cannot hold them with this same count."""
+    The trainer refuses a run whose host budget cannot hold them with this same count (even shards: FSDP pads
+    each parameter's rows to a multiple of the ranks, a few rows more)."""
     if not job.offload_states:
         return 0
     train, frozen = trained(job)
-    return int((train * HOST_BYTES_PER_PARAM + frozen * job.torch_dtype.itemsize) / job.gpus)
+    return int((train * HOST_BYTES_PER_PARAM + frozen * frozen_bytes(job)) / job.gpus)
 
 
 def layer_traffic(job: Job) -> tuple[float, float]:
@@ -84,7 +89,7 @@ def layer_traffic(job: Job) -> tuple[float, float]:
     if not job.offload_states:
         return 0.0, 0.0
     layer_train, layer_frozen = _layer(job)
-    weights = (layer_train * 4 + layer_frozen * FROZEN_BYTES) / job.gpus
+    weights = (layer_train * 4 + layer_frozen * frozen_bytes(job)) / job.gpus
     return weights, weights + layer_train * 4 / job.gpus
 
 
@@ -94,7 +99,7 @@ def root_traffic(job: Job) -> float:
     if not job.offload_states:
         return 0.0
     root = root_parameters(job.model) / job.gpus
-    return root * (FROZEN_BYTES if job.lora else 4 + 4)
+    return root * (frozen_bytes(job) if job.lora else 4 + 4)
 
 
 def optimizer_seconds(job: Job, node_gpus: int) -> float:

@@ -153,7 +153,8 @@ class Trainer:
             if source is not None:
                 check_vocab(source, self.model.config.vocab_size, cfg.model)
         clip = partial(parallel.clip_grad_norm, self.model) if self.mesh else None
-        self.optimizer = MasterAdamW(self.model, cfg.optimizer(), clip)
+        self.schedule = cfg.optimizer()
+        self.optimizer = MasterAdamW(self.model, self.schedule, clip)
         self.step = 0
         self.skipped = 0  # steps whose loss or gradient norm was not finite (`--skip-nonfinite`)
         if saved:
@@ -192,12 +193,12 @@ class Trainer:
         budget = _host_budget(cfg)
         states = state_host_bytes(job)  # the cost model's count of the offloaded states (0 when on the device)
         # offloaded: built on the host, where FSDP keeps the shards (never the whole fp32 model on the device)
-        where = torch.device("cpu") if cfg.offload_states else self.device
+        where = torch.device("cpu") if job.offload_states else self.device
         policy = cfg.policy(alphas, budget - states, modes)
         model = build_model(cfg, dataclasses.replace(job, policy=policy), where, torch.float32)
         _frozen_in(model, dtype)
-        parallel.check_host_budget(model, job.micro_batch, cfg.seq_len // cfg.sp, dtype, budget, states)
-        return parallel.parallelize(model, self.mesh, cfg.dtype == "bfloat16", cfg.offload_states)
+        parallel.check_host_budget(model, job.micro_batch, job.seq // job.sp, dtype, budget, states)
+        return parallel.parallelize(model, self.mesh, job.dtype == "bfloat16", job.offload_states)
 
     def _planned_allocator(self) -> PlannedAllocator:
         """Returns the planned allocator `--arena` trains with (one process, on the CPU or one GPU)."""
@@ -354,7 +355,7 @@ class Trainer:
         """Returns (and records) what the cost model predicts for this run on this rank."""
         spec = gpu_of(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         job = dataclasses.replace(self.job, attention=_timed_kernel(self.attention))
-        predicted = predict_run(job, spec, self.device.type, self.model.loss_chunk_tokens)
+        predicted = predict_run(job, self.device.type, spec, self.model.loss_chunk_tokens)
         self._write({"step": self.step, "predicted": predicted})
         return predicted
 
@@ -436,7 +437,7 @@ class Trainer:
         targets_in_step = sum(counts)
         if targets_in_step == 0:
             raise ValueError(f"step {self.step}: no target tokens in the batch (every label is ignored)")
-        lr = learning_rate(cfg.optimizer(), self.step)
+        lr = learning_rate(self.schedule, self.step)
         before = self.arena.counters() if self.arena else None
         with self.arena.step() if self.arena else contextlib.nullcontext():  # the step the allocator plans
             loss_value, grad_norm = self._update(micro, counts, lr)
@@ -586,7 +587,7 @@ def check_memory(cfg: TrainConfig, job: Job, device: torch.device, mesh: DeviceM
     host pool (with `--offload-states` beside the states) against the host budget. Seconds at any length,
     before any folder, model or progress bar."""
     need = training_lower_bound(job)
-    if cfg.offload_states:
+    if job.offload_states:
         need["states"] = _offloaded_states(cfg, job, device, need["host_pool"])
     step_rows, eval_rows = _held_sequences(cfg)
     tensors = 3 if cfg.packing() == "mask" else 2
@@ -595,9 +596,7 @@ def check_memory(cfg: TrainConfig, job: Job, device: torch.device, mesh: DeviceM
     free = dev.free_memory_bytes(device)
     on_host = need["host_pool"] + need["batch"]
     on_device = need["states"] + need["activations"] + (on_host if device.type == "cpu" else 0)
-    ranks = (
-        parallel.local_world_size() if mesh and device.type == "cpu" else 1
-    )  # ranks on one host share its memory
+    ranks = parallel.local_world_size() if mesh and device.type == "cpu" else 1  # ranks on one host share its memory
     model = job.model.name
     what = f"`--seq-len` {format_count(cfg.seq_len)} with `--batch-size` {cfg.batch_size} (model {model})"
     if free is not None and on_device * ranks > free:
