@@ -74,8 +74,9 @@ def run(preset: str, seq: int, tile: int | None) -> dict:
     load = max_load(Problem(tuple(range(len(log))), log[:, 1], freed, log[:, 0]))
     stats = model.swap_stats()
     layout = store_bytes(config, seq, stats.modes, stats.alphas, stats.tile_tokens, dtype=torch.float32)
-    traced = Traced.of(config, seq, "memo", tile=tile if tile and tile < seq else None, kernels="cpu")
-    transient = transient_peak(config, seq, traced, model.loss_chunk_tokens, dtype=torch.float32, kernels="cpu")
+    cut = tile if tile and tile < seq else None
+    traced = Traced.of(config, seq, "memo", tile=cut, kernels="cpu", dtype=torch.float32)
+    transient = transient_peak(config, seq, traced, model.loss_chunk_tokens)
     return {
         "measured": stats.device_skeletal_bytes + load,
         "predicted": layout.device_bytes + transient,

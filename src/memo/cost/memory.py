@@ -41,8 +41,8 @@ class Traced:
     """The step a memory term is traced from: a strategy, for `memo` the modes of the traced layers (a
     checkpointed layer first when the plan has one), the tile length (None: the whole sequence, as the
     baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), the
-    query heads per attention call (None: the default at each traced length), and LoRA's adapters (frozen base
-    weights: no weight gradient computed). `of` fixes the heads a run makes at its length, so that the traces
+    query heads per attention call (None: the default at each traced length), LoRA's adapters (frozen base
+    weights: no weight gradient computed), the dtype and whose attention kernels (a device type) run. `of` fixes the heads a run makes at its length, so that the traces
     around it make the same calls and each phase stays linear in tokens."""
 
     strategy: str = "memo"
@@ -51,14 +51,27 @@ class Traced:
     sp: int = 1
     heads: int | None = None
     lora: LoraConfig | None = None
+    dtype: torch.dtype = torch.bfloat16
+    kernels: str = "cuda"  # whose attention kernels' allocations the step makes (a device type)
 
     @classmethod
     def of(
-        cls, c: ModelConfig, tokens: int, strategy: str, checkpoint=False, tile=None, sp=1, kernels="cuda", lora=None
+        cls,
+        c: ModelConfig,
+        tokens: int,
+        strategy: str,
+        checkpoint=False,
+        tile=None,
+        sp=1,
+        kernels="cuda",
+        lora=None,
+        dtype=torch.bfloat16,
     ) -> "Traced":
         """Returns the step of a run of `tokens` tokens per GPU: its attention calls as they are at that length."""
         heads = heads_per_call(c.n_heads // sp, tokens * sp, tile or tokens, torch.device(kernels))
-        return cls(strategy=strategy, checkpoint=checkpoint, tile=tile, sp=sp, heads=heads, lora=lora)
+        return cls(
+            strategy, checkpoint=checkpoint, tile=tile, sp=sp, heads=heads, lora=lora, dtype=dtype, kernels=kernels
+        )
 
     def policy(self, layers: int) -> ActivationPolicy:
         every = dict(tile_tokens=self.tile, attention_heads=self.heads)
@@ -95,37 +108,37 @@ def store_bytes(
     return store_layout(layer_specs(c, tokens, dtype), layer_swaps(modes, alphas, tokens, tile, offload_last), tile)
 
 
-def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, **step) -> int:
+def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
     """Returns the peak bytes allocated during a steady-state step beyond the store's buffers (layer inputs
     held for recomputation are the store's). The step is traced at two lengths around `tokens` (`_bracket`)
     and each phase's peak (a layer's forward or backward, or the rest: embedding and loss) read on the line
     through its two traced peaks: a phase's tensors are token rows, tiles and the loss chunk are fixed, so each
     phase's peak is linear in tokens once the whole-length tensors outweigh a tile's (the step's, their
     maximum, need not be); past the longest traced length the line is taken where it is so (`_linear_top`).
-    A few traces then serve any length (a search over lengths and plans included). `step` may name the `dtype`
-    (bf16) and the `kernels` (cuda) of the step traced."""
+    A few traces then serve any length (a search over lengths and plans included), in `traced`'s dtype and
+    kernels."""
     lo, hi = _bracket(tokens, traced.tile)
     if tokens > hi:
-        lo, hi = _linear_top(c, traced, loss_chunk_tokens, hi, tuple(sorted(step.items())))
-    at_lo, at_hi = (_traced_step(c, n, traced, loss_chunk_tokens, **step).peaks for n in (lo, hi))
+        lo, hi = _linear_top(c, traced, loss_chunk_tokens, hi)
+    at_lo, at_hi = (_traced_step(c, n, traced, loss_chunk_tokens).peaks for n in (lo, hi))
     return max(_line(at_lo[k], at_hi[k], lo, hi, tokens) for k in at_hi)
 
 
-def transient_floor(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, **step) -> int:
+def transient_floor(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
     """Returns a peak that a step of `tokens` tokens cannot stay below: the traced peak at the longest length
     `transient_peak` traces that is not past `tokens` (every phase's peak grows with the tokens). One trace,
     which `transient_peak` makes too: a search refuses a length that cannot fit before extrapolating to it."""
     lo, hi = _bracket(tokens, traced.tile)
-    return max(_traced_step(c, hi if hi <= tokens else lo, traced, loss_chunk_tokens, **step).peaks.values())
+    return max(_traced_step(c, hi if hi <= tokens else lo, traced, loss_chunk_tokens).peaks.values())
 
 
 @lru_cache(maxsize=64)
-def _linear_top(c: ModelConfig, traced: Traced, loss_chunk_tokens: int, top: int, step: tuple) -> tuple[int, int]:
+def _linear_top(c: ModelConfig, traced: Traced, loss_chunk_tokens: int, top: int) -> tuple[int, int]:
     """Returns the two traced lengths (from `top`, doubled at most twice) whose lines extend past them: where
     every phase's peak grows by the same bytes per token as at half the length (within 1%)."""
     lo, hi = top // 2, top
     for _ in range(2):
-        a, b, d = (_traced_step(c, n, traced, loss_chunk_tokens, **dict(step)).peaks for n in (lo // 2, lo, hi))
+        a, b, d = (_traced_step(c, n, traced, loss_chunk_tokens).peaks for n in (lo // 2, lo, hi))
         if all(abs((d[k] - b[k]) - 2 * (b[k] - a[k])) <= 0.01 * abs(d[k] - b[k]) + (1 << 20) for k in d):
             break
         lo, hi = hi, 2 * hi
@@ -168,9 +181,9 @@ def traffic_bytes(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens
     return tuple(_on_line(c, tokens, whole, loss_chunk_tokens, k) for k in ("traffic_layer", "traffic_outside"))
 
 
-def _on_line(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int, field: str, **step) -> int:
+def _on_line(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int, field: str) -> int:
     lo, hi = _bracket(tokens, traced.tile)
-    at_lo, at_hi = (getattr(_traced_step(c, n, traced, loss_chunk_tokens, **step), field) for n in (lo, hi))
+    at_lo, at_hi = (getattr(_traced_step(c, n, traced, loss_chunk_tokens), field) for n in (lo, hi))
     return _line(at_lo, at_hi, lo, hi, tokens)
 
 
@@ -215,10 +228,9 @@ class StepTrace:
 
 
 @lru_cache(maxsize=256)
-def _traced_step(
-    c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int, dtype=torch.bfloat16, kernels: str = "cuda"
-) -> StepTrace:
+def _traced_step(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int) -> StepTrace:
     """Returns the peaks, fragmentation and traffic of one steady-state step traced on `meta`."""
+    dtype, kernels = traced.dtype, traced.kernels
     layers = min(c.n_layers, TRACE_LAYERS)
     small = dataclasses.replace(c, n_layers=layers)
     with torch.device("meta"):

@@ -30,8 +30,8 @@ def predict_run(job: Job, kernels: str, spec: GPUSpec | None = None, loss_chunk_
     tile = policy.tile_for(tokens)
     store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
     cut = tile if tile < tokens else None
-    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, job.lora)
-    transient = transient_peak(c, tokens, traced, loss_chunk_tokens, dtype=dtype, kernels=kernels)
+    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, job.lora, dtype)
+    transient = transient_peak(c, tokens, traced, loss_chunk_tokens)
     if job.offload_states:
         model_states = device_bytes(job)
     elif job.gpus == 1:  # `memo train` drops the gradients after every update: each step makes them anew
