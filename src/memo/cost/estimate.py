@@ -258,16 +258,13 @@ def estimate(
         fragmentation = (
             "arena" if job.arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
         )
-    floors = [
-        (_floor_seconds(job, lay, gpu, _efficiency(job, lay, gpu, pricing, kernel)), i)
-        for i, lay in enumerate(candidates)
-    ]
+    priced = [Priced(pricing.band or _band(job, lay, gpu, kernel), pricing.point, fragmentation) for lay in candidates]
+    floors = [(_floor_seconds(job, lay, gpu, p.efficiency), i) for i, (lay, p) in enumerate(zip(candidates, priced))]
     results, best = [], None
     for floor, i in sorted(floors):  # the fastest first; stop once none left can beat the best that fits
         if best is not None and floor >= best.step_seconds:
             break
-        band = pricing.band or _band(job, candidates[i], gpu, kernel)
-        results.append(_evaluate(job, candidates[i], gpu, Priced(band, pricing.point, fragmentation)))
+        results.append(_evaluate(job, candidates[i], gpu, priced[i]))
         if results[-1].fits and (best is None or results[-1].step_seconds < best.step_seconds):
             best = results[-1]
     fitting = [e for e in results if e.fits]
@@ -288,10 +285,6 @@ class Priced:
     @property
     def efficiency(self) -> Efficiency:
         return getattr(self.band, self.point)
-
-
-def _efficiency(job: Job, layout: Layout, gpu: GPUSpec, pricing: Pricing, kernel: str) -> Efficiency:
-    return getattr(pricing.band or _band(job, layout, gpu, kernel), pricing.point)
 
 
 def _floor_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency) -> float:
