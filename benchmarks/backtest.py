@@ -60,9 +60,9 @@ def _mpt(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
 GPT3_1B3, GPT3_2B7 = _gpt(24, 2048, 16, 50257, "gpt3-1.3b"), _gpt(32, 2560, 32, 50257, "gpt3-2.7b")
 LLAMA2_7B = ModelConfig("llama", 32, 4096, 32, 11008, 32000, name="llama2-7b")
 LLAMA3_8B = ModelConfig("llama", 32, 4096, 32, 14336, 128256, n_kv_heads=8, name="llama3-8b")
-SHOWN = {"deepspeed": "ZeRO-3/FSDP"}  # the estimate's deepspeed system, as data-parallel runs use it
-DATA_PARALLEL = Layout(system="deepspeed", recompute="none")  # every GPU a whole sequence, states sharded (ZeRO / FSDP)
-CHECKPOINTED = Layout(system="deepspeed", recompute="full")
+SHOWN = {"megatron-deepspeed": "ZeRO-3/FSDP"}  # the estimate's deepspeed system, as data-parallel runs use it
+DATA_PARALLEL = Layout(system="megatron-deepspeed", recompute="none")  # every GPU a whole sequence, states sharded (ZeRO / FSDP)
+CHECKPOINTED = Layout(system="megatron-deepspeed", recompute="full")
 # Megatron-LM before FlashAttention: its fused softmax over the materialised s x s scores, timed as the
 # standard attention of FlashAttention-2's Fig. 4
 OLD_MEGATRON = {"note": "fused softmax attention", "attention": "standard"}

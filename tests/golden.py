@@ -25,7 +25,7 @@ ESTIMATES = {
     "estimate-tiny-max-seq": "--model tiny --gpus 2 --gpu h100 --max-seq --system memo --sp 2",
     "estimate-tiny-sweep": "--model tiny --gpus 2 --gpu h100 --sweep --system memo",
     "estimate-8b-512k-production": "--model llama3.1-8b --gpus 8 --gpu h100 --seq 512K --system memo "
-    "--system deepspeed --sp 8",
+    "--system megatron-deepspeed --sp 8",
 }
 TRAINS = {
     "train-predicted-default": "--steps 1",

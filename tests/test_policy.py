@@ -1,7 +1,17 @@
 import pytest
 
 from memo import ActivationPolicy, ModelConfig, Transformer
-from memo.policy import DEFAULT_TILE_TOKENS, PlanProblem, host_bytes, offloaded, reloaded, solve_plan, split_row
+from memo.policy import (
+    DEFAULT_TILE_TOKENS,
+    PlanProblem,
+    host_bytes,
+    least_host,
+    offloaded,
+    plan_seconds,
+    reloaded,
+    solve_plan,
+    split_row,
+)
 
 
 def test_alpha_out_of_range_is_rejected_with_the_flag_name():
@@ -72,6 +82,7 @@ def _problem(**kw):
         qkv_seconds=0.05,
         mlp_seconds=0.1,
         host_budget=10**9,
+        slack=0.0,  # the fastest plan: what the tests below compute by hand
     )
     base.update(kw)
     return PlanProblem(**base)
@@ -135,3 +146,23 @@ def test_a_fixed_plan_solves_alpha_alone():
     modes, alphas = solve_plan(_problem(n_layers=4, layer_seconds=0.7), plan)
     assert modes == plan
     assert alphas == [0.0, pytest.approx(0.5), 1.0, 1.0]  # layer 3 keeps its buffer: nothing of it to send
+
+
+def test_the_plan_pins_the_least_host_within_the_slack_of_the_fastest():
+    # every plan of the solver's family at α on a 1/1000 grid: the least host whose seconds are within the slack
+    p = _problem(layer_seconds=3.0, slack=0.01)
+    fastest = plan_seconds(p, *solve_plan(_problem(layer_seconds=3.0)))
+    allowed = fastest + 0.01 * 10 * (3.0 + 2.0)
+    grid = [
+        host_bytes(p, modes, alphas)
+        for c in range(9)
+        for a in (i / 1000 for i in range(1001))
+        for modes in [["checkpoint"] * c + ["memo"] * (10 - c)]
+        for alphas in [[0.0] * c + [a] * (8 - c) + [1.0, 1.0]]
+        if plan_seconds(p, modes, alphas) <= allowed
+    ]
+    modes, alphas = solve_plan(p)
+    assert plan_seconds(p, modes, alphas) <= allowed + 1e-9
+    assert host_bytes(p, modes, alphas) <= min(grid) * 1.001
+    assert host_bytes(p, modes, alphas) < 0.7 * host_bytes(p, *solve_plan(_problem(layer_seconds=3.0)))
+    assert least_host(p) == 800  # eight checkpointed layers send their inputs alone

@@ -157,7 +157,7 @@ def _run_train(args) -> int:
         print(f"memo train: warning: {replaced}", file=sys.stderr)
     trainer = None
     try:
-        trainer = Trainer(cfg, resume=resume, base=base)
+        trainer = Trainer(cfg, resume=resume, base=base, say=lambda line: print(line, file=sys.stderr, flush=True))
         code = _train(trainer)
     except BaseException:
         if trainer is not None:
@@ -283,7 +283,7 @@ def _estimate_parser(sub) -> None:
         "estimate",
         help="predict memory, alpha, step time and MFU before renting GPUs",
         description="Predict per-GPU device and host memory, alpha, step time, tokens/s and MFU of "
-        "MEMO and the baselines (megatron, deepspeed, offload-all). MFU counts causal attention as the half of "
+        "MEMO and the baselines (alst, megatron, megatron-deepspeed, offload-all). MFU counts causal attention as the half of "
         "the s x s matrix a causal kernel computes; the full-matrix MFU and HFU (recomputation included) are "
         "shown beside it, each named under the table and in the JSON.",
     )

@@ -305,6 +305,12 @@ def use_expandable_segments() -> str:
     return EXPANDABLE
 
 
+# Of a node's host memory, what memo may pin (the activations' pool and offloaded model states). Pinned pages
+# cannot be swapped or reclaimed; the rest stays for the OS and page cache, each rank's own memory (CUDA
+# context, Python, data loading) and a checkpoint's staging copy of the states (docs/estimate.md, host memory)
+HOST_USABLE = 0.75
+
+
 def available_host_bytes(root: str | Path = "/") -> int:
     """Returns the host memory this process may still fill: the least of what the OS reports available and the
     headroom of each memory cgroup it is in, whose limit gets the process killed however much RAM the machine

@@ -12,6 +12,7 @@ Modes of a layer:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -24,6 +25,10 @@ STRATEGIES = ("none", "full", "memo")
 Mode = Literal["keep", "memo", "checkpoint", "recompute"]
 MODES = ("keep", "memo", "checkpoint")  # what a `memo` plan may say per layer
 BUFFERED = ("memo", "checkpoint")  # the modes whose whole-length tensors live in the two rounding buffers
+# A plan may be this fraction of its layers' compute slower than the fastest to pin less host memory: ten times
+# inside the ±10% the published kernel speeds leave a prediction (cost.efficiency), so no prediction tells such
+# plans apart, while every TB pinned takes the OS's memory and minutes of start-up (docs/estimate.md, host memory)
+HOST_SLACK = 0.01
 DEFAULT_TILE_TOKENS = 8192  # rows per tile: full-speed matmuls on a GPU, tile tensors small beside the rest
 
 
@@ -196,6 +201,12 @@ class PlanProblem:
     device_budget: int = 0
     offload_last_layers: bool = False
     tiled: bool = True  # more than one tile: no layer's token-local tensors survive in its tile slot
+    slack: float | None = None  # of the layers' compute a plan may add over the fastest to pin less host (HOST_SLACK)
+
+    @property
+    def slack_seconds(self) -> float:
+        slack = HOST_SLACK if self.slack is None else self.slack
+        return slack * self.n_layers * (self.layer_seconds + self.backward_seconds)
 
 
 def _parts(p: PlanProblem, modes: list[str]) -> list[tuple[float, float, float, float]]:
@@ -276,8 +287,10 @@ def _alphas(p: PlanProblem, modes: list[str]) -> list[float] | None:
 
 
 def solve_plan(p: PlanProblem, modes: list[str] | None = None) -> tuple[list[str], list[float]]:
-    """Returns (mode per layer, α per layer) with the least `plan_seconds` within the host and device
-    budgets; `modes` fixes the plan and leaves α alone to solve.
+    """Returns (mode per layer, α per layer) of the least host memory whose `plan_seconds` is within
+    `p.slack_seconds` of the fastest plan's, within the host and device budgets; `modes` fixes the plan and
+    leaves α alone to solve. Pinned host is not free: it is taken from the OS, the page cache and checkpoint
+    staging, and pinning it costs start-up time (`HOST_SLACK`).
 
     Keep layers (the last ones, as many as `device_budget` holds) cost nothing; then every memo layer, then
     one checkpointed layer more at a time (the first layers) while the host runs short: α first spends the
@@ -286,6 +299,32 @@ def solve_plan(p: PlanProblem, modes: list[str] | None = None) -> tuple[list[str
     training starts.
     """
     candidates = [modes] if modes is not None else _candidate_plans(p)
+    fastest = _fastest(p, candidates)
+    if fastest is None:
+        least = min(candidates, key=lambda m: host_bytes(p, m, [0.0] * p.n_layers))
+        need = host_bytes(p, least, [0.0] * p.n_layers)
+        what = "the layer inputs alone" if modes is None else "this plan at alpha=0"
+        raise ValueError(
+            f"host memory cannot hold the offload: {what} need {format_bytes(int(need))}, "
+            f"the host budget is {format_bytes(p.host_budget)}"
+        )
+    allowed = fastest[0] + p.slack_seconds
+    lo, hi = least_host(p, candidates), host_bytes(p, fastest[1], fastest[2])
+    best = fastest
+    for _ in range(40):  # the least budget whose fastest plan is within the slack: seconds fall as it grows
+        if hi - lo <= max(1.0, 1e-4 * hi):
+            break
+        budget = (lo + hi) / 2
+        found = _fastest(dataclasses.replace(p, host_budget=int(budget)), candidates)
+        if found is not None and found[0] <= allowed:
+            best, hi = found, budget
+        else:
+            lo = budget
+    return best[1], best[2]
+
+
+def _fastest(p: PlanProblem, candidates: list[list[str]]) -> tuple[float, list[str], list[float]] | None:
+    """Returns (seconds, modes, α) of the fastest of `candidates` within the budgets, None if none fits."""
     best = None
     for plan in candidates:
         alphas = _alphas(p, plan)
@@ -294,15 +333,14 @@ def solve_plan(p: PlanProblem, modes: list[str] | None = None) -> tuple[list[str
         seconds = plan_seconds(p, plan, alphas)
         if best is None or seconds < best[0] - 1e-12:
             best = (seconds, plan, alphas)
-    if best is None:
-        least = min(candidates, key=lambda m: host_bytes(p, m, [0.0] * p.n_layers))
-        need = host_bytes(p, least, [0.0] * p.n_layers)
-        what = "the layer inputs alone" if modes is None else "this plan at alpha=0"
-        raise ValueError(
-            f"host memory cannot hold the offload: {what} need {format_bytes(int(need))}, "
-            f"the host budget is {format_bytes(p.host_budget)}"
-        )
-    return best[1], best[2]
+    return best
+
+
+def least_host(p: PlanProblem, candidates: list[list[str]] | None = None) -> float:
+    """Returns the host bytes of the plan that pins least (the most checkpointed layers, α = 0): what any plan
+    at this length needs at least."""
+    plans = _candidate_plans(p) if candidates is None else candidates
+    return min(host_bytes(p, m, [0.0] * p.n_layers) for m in plans)
 
 
 def _candidate_plans(p: PlanProblem) -> list[list[str]]:

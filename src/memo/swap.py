@@ -398,7 +398,7 @@ class ActivationStore:
         self._device = device
         self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
         self._tile, self._heads = self.tiling(layers[0], seq, device)
-        budget = self.policy.host_budget_bytes or int(0.8 * dev.available_host_bytes())
+        budget = self.policy.host_budget_bytes or int(dev.HOST_USABLE * dev.available_host_bytes())
         modes, alphas = self._plan(layers[0], batch, seq, budget)
         self.swaps = layer_swaps(modes, alphas, seq, self._tile, self.policy.offload_last_layers)
         self.layout = store_layout(self.specs, self.swaps, self._tile)

@@ -43,3 +43,10 @@ def parse_length(text: str | int) -> int:
     if n <= 0:
         raise ValueError(f"must be a positive number of tokens, e.g. 512K, got {text!r}")
     return n
+
+
+def format_seconds(s: float) -> str:
+    """Returns a duration people read at a glance: '42 s', '8.5 min', '1.2 h'."""
+    if s < 60:
+        return f"{s:.0f} s"
+    return f"{s / 60:.1f} min" if s < 3600 else f"{s / 3600:.1f} h"

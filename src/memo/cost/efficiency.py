@@ -49,6 +49,7 @@ class Band:
     high: Efficiency
     source: str
     attention: str = ""
+    note: str = ""  # what the speeds do not cover, e.g. a length past the longest published benchmark
 
     @classmethod
     def around(cls, mid: Efficiency, spread: float, source: str, attention: str = "") -> Band:
@@ -70,7 +71,8 @@ class KernelSpeeds:
     host_link: float  # achieved fraction of the PCIe peak, pinned copies
     nvlink: float
     network: float
-    spread: float  # half-width of the band, relative: how far published figures for the same shape disagree
+    spread: float  # the slow end's distance below the published speeds, relative: how far published figures for
+    # the same shape disagree (attention's slow end is `IN_TRAINING`'s)
     source: str
 
 
@@ -185,6 +187,16 @@ SPEEDS: dict[str, KernelSpeeds] = {
 SPEEDS["A800"] = SPEEDS["A100"]  # the A100 die, NVLink cut to 400 GB/s (the spec's bandwidth, not its fraction)
 SPEEDS["H200"] = SPEEDS["H100"]  # the H100 die with more and faster HBM: the kernels are compute-bound
 GENERIC = Efficiency(matmul=0.6, attention_forward=0.4, attention_backward=0.4)
+# What a whole training run's attention reaches of its kernel's published (microbenchmark) speed, at the band's
+# slow end, middle and fast end. Calibrated on one run: TRL's Qwen3-8B at 1,048,576 tokens on one 8x H100 node,
+# 380 s per step (huggingface/trl v1.13.0 release notes; context parallel 8 over SDPA, gradient checkpointing).
+# The kernel is not named: FlashAttention-2 at its best published speed would take 565 s, so the run's kernel was
+# faster; at cuDNN's published speeds the step is 358 s (0.94 of 380 s), at FlashAttention-3's 0.85 of it. The
+# middle is the centre of that range, the fast end the published speed itself (never faster), the slow end the
+# lower reading less `CALIBRATION_SPREAD` (run-to-run variation). Assumed for every kernel and GPU generation: the
+# same fraction of its own benchmark (no whole-run timing of cuDNN, FA3 or FA4 at these lengths is published).
+# The arithmetic and the runs that check it (not used to set it): docs/estimate.md, "In training".
+IN_TRAINING = {"low": 0.85 * (1 - 0.05), "mid": (0.85 + 0.94) / 2, "high": 1.0}
 CALIBRATION_SPREAD = 0.05
 
 
@@ -233,7 +245,7 @@ def published_band(
     # fewer attention blocks than SMs leave SMs idle: the published runs always filled them
     fill = min(1.0, -(-tokens // 128) * heads / speeds.sms)
     peak = spec.peak_flops / 1e12
-    mid = Efficiency(
+    published = Efficiency(
         # the GEMM tables are of square shapes: a tile of fewer rows than the hidden size runs as the smaller one
         matmul=_interpolate(speeds.matmul, min(c.hidden_size, rows or c.hidden_size)) / peak,
         attention_forward=fill * _interpolate(forward, length or tokens) / peak,
@@ -243,7 +255,23 @@ def published_band(
         nvlink=speeds.nvlink,
         network=speeds.network,
     )
-    return Band.around(mid, speeds.spread, speeds.source, kernel)
+    longest = max(n for n, _ in forward)
+    beyond = f"{kernel} attention timed at its {longest // 1024}K speed; unmeasured beyond" if (length or tokens) > longest else ""
+    return Band(
+        low=_in_training(published.scaled(1 - speeds.spread), IN_TRAINING["low"] / (1 - speeds.spread)),
+        mid=_in_training(published, IN_TRAINING["mid"]),
+        high=published,
+        source=speeds.source,
+        attention=kernel,
+        note=beyond,
+    )
+
+
+def _in_training(eff: Efficiency, fraction: float) -> Efficiency:
+    """Returns `eff` with its attention at `fraction` of it: what a whole run reaches of the kernel's benchmark."""
+    return dataclasses.replace(
+        eff, attention_forward=eff.attention_forward * fraction, attention_backward=eff.attention_backward * fraction
+    )
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:

@@ -11,8 +11,15 @@ that fits and saying which:
 - `megatron` (Megatron-LM / Megatron-Core): tensor + sequence parallelism inside a node, context parallelism
   (ring attention) over the rest, selective or full recomputation, distributed optimizer; the logits of the
   local sequence materialised with their fp32 copy, the sequence-parallel all-gather buffer.
-- `deepspeed` (DeepSpeed-Ulysses on Megatron-DeepSpeed): Ulysses of a degree that divides the heads (query
-  and key/value), ZeRO-3, full or no recomputation, the logits materialised over the whole vocabulary.
+- `alst` (Arctic Long Sequence Training, DeepSpeed's recipe for Hugging Face models, arXiv 2506.13996, as its
+  snowflakedb/ArcticTraining projects/sequence-parallelism recipes run Llama-3.1-8B): Ulysses of a degree that
+  divides the heads (query and key/value), FlashAttention-2, every layer recomputed whole with its input
+  checkpointed to the host, the MLP tiled in rows of the hidden size (TiledMLP's ceil(s / h) shards), the loss
+  tiled, ZeRO-3 with the states in host memory and the optimizer on the CPU (priced as FSDP2's CPU offload,
+  `Job.offload_states`; ALST's 8-GPU recipes offload the optimizer alone).
+- `megatron-deepspeed` (DeepSpeed-Ulysses on Megatron-DeepSpeed as shipped): Ulysses of a degree that divides the
+  heads (query and key/value), ZeRO-3 with the states on the GPUs, full or no recomputation, the logits
+  materialised over the whole vocabulary in fp32.
 - `offload-all`: as `memo` but every skeletal tensor of every layer goes to host (α = 1, nothing recomputed).
 
 Time per layer = matmuls and causal attention forward and backward at per-phase efficiencies (published for
@@ -47,8 +54,9 @@ from dataclasses import dataclass, field
 
 from ..attention import CHOICES
 from ..config import ModelConfig
+from ..device import HOST_USABLE
 from ..job import Job
-from ..policy import plan_costs, solve_plan
+from ..policy import least_host, plan_costs, solve_plan
 from ..swap import plan_problem
 from ..units import format_bytes, format_count
 from .efficiency import POINTS, TIMED_AS, Band, Efficiency, attention_kernel, published_band
@@ -66,7 +74,7 @@ from .flops import (
     recompute_flops,
     token_local_flops,
 )
-from .hardware import GPUSpec, runtime_bytes
+from .hardware import PIN_BYTES_PER_S, GPUSpec, runtime_bytes
 from .memory import (
     Traced,
     fragmentation_bytes,
@@ -76,23 +84,24 @@ from .memory import (
     transient_floor,
     transient_peak,
 )
-from .states import device_bytes as state_device_bytes
+from .states import device_terms as state_device_terms
 from .states import host_bytes as state_host_bytes
 from .states import layer_traffic, optimizer_seconds, root_traffic
 
-SYSTEMS = ("memo", "megatron", "deepspeed", "offload-all")
+SYSTEMS = ("memo", "alst", "megatron", "megatron-deepspeed", "offload-all")
 ATTENTION_CHOICES = tuple(k for k in CHOICES if k == "auto" or k in TIMED_AS)  # kernels with published bf16 speeds
 CONVENTIONS = {"mfu": MFU_CAUSAL, "mfu_full": MFU_FULL, "hfu": HFU, "lora": LORA_FLOPS}
 PACKED_CONVENTIONS = {**CONVENTIONS, "mfu": MFU_PACKED, "mfu_full": MFU_PACKED_FULL}  # estimates of packed documents
 RECOMPUTE = {  # what each system can recompute, as it ships
     "memo": ("memo",),  # a plan of keep / memo / checkpoint layers with α (docs/method.md §3)
     "megatron": ("selective", "full"),  # --recompute-granularity: core attention, or the whole layer
-    "deepspeed": ("none", "full"),  # activation checkpointing off or on
+    "alst": ("host-checkpoint",),  # every layer's input to the host, the layer run again before its backward
+    "megatron-deepspeed": ("none", "full"),  # activation checkpointing off or on
     "offload-all": ("offload",),
 }
-TRACED = {"memo": "memo", "offload": "memo", "full": "full", "selective": "none", "none": "none"}
-OFFLOADS = ("memo", "offload")  # the recomputations that keep skeletal tensors in host memory
-STATES = ("memo", "offload-all")  # the systems estimated with LoRA or offloaded model states (`Job.full_states`)
+TRACED = {"memo": "memo", "offload": "memo", "host-checkpoint": "memo", "full": "full", "selective": "none", "none": "none"}
+OFFLOADS = ("memo", "offload", "host-checkpoint")  # the recomputations that keep skeletal tensors in host memory
+STATES = ("memo", "offload-all", "alst")  # the systems estimated with LoRA or offloaded states (`Job.full_states`)
 MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole sequence shard)
 # the caching allocator's mode each system runs: `memo train` turns on expandable segments on CUDA (as
 # torchtitan does); Megatron-LM and DeepSpeed leave PyTorch's default
@@ -106,11 +115,13 @@ ALLOCATOR_NAMES = {
 # gathered ahead of the current module, `reduce_bucket_size` 5e8 elements held in bf16 (stage3.py)
 ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
 ZERO3_REDUCE_BUCKET_BYTES = 2 * 5 * 10**8
-HOST_FRACTION = 0.9  # of a node's host memory that offload may use
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
+# how far a measured step's transient peak lay from the traced prediction at most: "within 10%" of the tiled
+# step's peak on CPU (benchmarks/tiling.py, docs/benchmarks.md); the upper end of memory adds it
+TRANSIENT_ERROR = 0.10
 MAX_SEQ_RANGE = (
-    "low at the slow end of the efficiency band, high at the fast end with memory at LOAD (no caching-allocator "
-    "fragmentation)"
+    "the longest length that fits with memory at the upper end of its band; low at the slow end of the efficiency "
+    "band, high at the fast end with memory at LOAD (no caching-allocator fragmentation)"
 )
 
 
@@ -139,12 +150,12 @@ class Layout:
 @dataclass(frozen=True, kw_only=True)
 class Pricing:
     """Which speeds and memory model price a job: a measured efficiency `band` (`memo calibrate`; None: the
-    published one at each layout's shape), its `point` (low, mid, high) that decides the plan, α and fit, and
-    whether the caching allocator's `fragmentation` counts (False: memory served at LOAD, as an arena would)."""
+    published one at each layout's shape), its `point` (low, mid, high) that decides the plan and α, and the
+    point of the device-memory band that decides the fit (`memory_range`: low is LOAD, as an arena serves it)."""
 
     band: Band | None = None
     point: str = "mid"
-    fragmentation: bool = True
+    memory: str = "mid"  # of the device-memory band (`memory_range`): low (LOAD), mid, high
 
 
 @dataclass(kw_only=True)
@@ -178,14 +189,24 @@ class Estimate:
     states: str = "full fine-tuning"  # what trains and where its states live (Job.states)
     host_state_bytes_per_node: int = 0  # of host_bytes_per_node: offloaded model states (the rest: activations)
     attention_kernel: str = ""  # whose attention speeds time the step (efficiency.TIMED_AS; "calibrated")
+    speeds_note: str = ""  # what the published speeds do not cover at this shape (`Band.note`)
     documents: str = ""  # packed documents (DocumentLengths), "" for sequences that attend whole
     attention_fraction: float = 1.0  # of the attention work of whole sequences left: E[Σ d_i²] / s²
     attention_flops: float = 0.0  # model FLOPs of attention in one step on all GPUs (causal, forward + backward)
+    device_range: tuple[int, int] = (0, 0)  # the device total at the low (LOAD) and high ends of memory
+    host_least_per_node: int = 0  # the pinned host of the plan that pins least at this length (states included)
+    pin_seconds: float = 0.0  # pinning the chosen plan's host, every rank at once (`hardware.PIN_BYTES_PER_S`)
     job: Job | None = field(default=None, repr=False, compare=False)  # what was priced (not in the JSON)
 
     def as_dict(self) -> dict:
         fields = {k: v for k, v in self.__dict__.items() if k != "job"}
         return {**fields, "conventions": PACKED_CONVENTIONS if self.documents else CONVENTIONS}
+
+
+def recipe(job: Job) -> Job:
+    """Returns `job` as ALST's published recipe runs it: FlashAttention-2 (PyTorch's flash kernel is FA2),
+    model states offloaded with the optimizer on the CPU (`Job.offload_states`)."""
+    return dataclasses.replace(job, attention="flash", offload_states=True)
 
 
 def _timed_kernel(job: Job, gpu: GPUSpec) -> str:
@@ -199,7 +220,8 @@ def _check(job: Job, system: str) -> None:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
     if not job.full_states and system not in STATES:
         raise ValueError(
-            f"`--lora-rank` and `--offload-states` are estimated for {' and '.join(STATES)}, not for {system} "
+            f"`--lora-rank` and `--offload-states` are estimated for {', '.join(STATES[:-1])} and {STATES[-1]}, not for "
+            f"{system} "
             "(estimated as it ships)"
         )
 
@@ -223,8 +245,8 @@ def layouts(job: Job, gpu: GPUSpec, system: str) -> list[Layout]:
             for r in RECOMPUTE[system]
         ]
     # DeepSpeed's all-to-all scatters query and key/value heads alike; memo's repeats key/value heads to fit
-    heads = (c.n_heads, c.n_kv_heads) if system == "deepspeed" else (c.n_heads,)
-    tiles = MEMO_TILES if system == "memo" else (None,)
+    heads = (c.n_heads, c.n_kv_heads) if system in ("megatron-deepspeed", "alst") else (c.n_heads,)
+    tiles = MEMO_TILES if system == "memo" else (c.hidden_size,) if system == "alst" else (None,)
     return [
         Layout(system=system, ulysses=d, recompute=r, tile=tile)
         for d in degrees
@@ -241,24 +263,26 @@ def estimate(
     """Returns the predicted memory, step time and MFU of training `job` with `system` on `gpu`s: of `layout`,
     or of the best of the system's layouts (the fastest that fits; if none fits, the one needing least memory).
 
-    Of each node's host memory (`job.host_memory`, default the GPU spec's) `HOST_FRACTION` may hold offloaded
-    tensors and model states; with `job.arena` memo runs its planned allocator, not the caching one.
+    Of each node's host memory (`job.host_memory`, default the GPU spec's) `device.HOST_USABLE` may hold
+    offloaded tensors and model states (pinned), and the plan pins the least that keeps its step within
+    `policy.HOST_SLACK` of the fastest plan's; with `job.arena` memo runs its planned allocator, not the caching one.
     Attention is timed at the published speeds of `job.attention` (`efficiency.attention_kernel`), over packed
     `job.documents` when given.
     """
     _check(job, system)
     if layout and layout.system != system:
         raise ValueError(f"a {layout.system} layout cannot price system {system}")
+    if system == "alst":
+        job = recipe(job)
     kernel = _timed_kernel(job, gpu)
     candidates = [layout] if layout else layouts(job, gpu, system)
     if not candidates:
         return _unsupported(job, gpu, system)
-    fragmentation = None
-    if pricing.fragmentation:
-        fragmentation = (
-            "arena" if job.arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
-        )
-    priced = [Priced(pricing.band or _band(job, lay, gpu, kernel), pricing.point, fragmentation) for lay in candidates]
+    fragmentation = "arena" if job.arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
+    priced = [
+        Priced(pricing.band or _band(job, lay, gpu, kernel), pricing.point, fragmentation, pricing.memory)
+        for lay in candidates
+    ]
     floors = [(_floor_seconds(job, lay, gpu, p.efficiency), i) for i, (lay, p) in enumerate(zip(candidates, priced))]
     results, best = [], None
     for floor, i in sorted(floors):  # the fastest first; stop once none left can beat the best that fits
@@ -275,12 +299,18 @@ def estimate(
 
 @dataclass(frozen=True)
 class Priced:
-    """A layout's efficiency band, the point of it that decides, and the allocator whose overhead counts
-    (`memory.ALLOCATORS`; None: none)."""
+    """A layout's efficiency band, the point of it that decides, the allocator whose overhead counts
+    (`memory.ALLOCATORS`) and the point of the memory band that decides the fit."""
 
     band: Band
     point: str
-    fragmentation: str | None
+    fragmentation: str
+    memory: str = "mid"
+
+    def need(self, device: dict[str, int], layout: Layout, gpus: int) -> int:
+        """Returns the device bytes that decide the fit: `device`'s total at this point of its band."""
+        low, high = memory_range(device, layout, gpus)
+        return {"low": low, "mid": device["total"], "high": high}[self.memory]
 
     @property
     def efficiency(self) -> Efficiency:
@@ -309,7 +339,8 @@ def _band(job: Job, layout: Layout, gpu: GPUSpec, kernel: str) -> Band:
 def _unsupported(job: Job, gpu: GPUSpec, system: str) -> Estimate:
     """Returns the estimate of a system that has no layout here (a fact about the system, not bad input)."""
     c, split = job.model, job.sp or job.gpus
-    heads = f"{c.n_heads} attention heads" + (f" ({c.n_kv_heads} key/value)" if system == "deepspeed" else "")
+    kv = system in ("megatron-deepspeed", "alst")
+    heads = f"{c.n_heads} attention heads" + (f" ({c.n_kv_heads} key/value)" if kv else "")
     why = f"{heads} cannot be split over {split} GPUs" if job.sp else f"no layout of {system} fits {job.gpus} GPUs"
     nan = float("nan")
     return Estimate(
@@ -336,23 +367,26 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
     c, seq, gpus = job.model, job.seq, job.gpus
     eff, band = priced.efficiency, priced.band
     node_gpus = min(gpus, gpu.gpus_per_node)
-    host_capacity = int(HOST_FRACTION * (job.host_memory or gpu.host_memory_per_node))
+    host_capacity = int(HOST_USABLE * (job.host_memory or gpu.host_memory_per_node))
     held = state_host_bytes(job)  # per GPU: offloaded model states come first, the pool gets the rest
     budget = host_capacity // node_gpus - held
     plan, why = (None, "host memory: no room left for the activations")
     if budget >= 0:
         plan, why = _plan(job, layout, gpu, eff, Budgets(host=budget))
-    device = device_bytes(job, layout, plan, priced.fragmentation, gpu.hbm_bytes)
-    room = gpu.hbm_bytes - device["total"]
+    device = device_bytes(job, layout, gpu, plan, priced.fragmentation, gpu.hbm_bytes)
+    room = gpu.hbm_bytes - priced.need(device, layout, gpus)
     if plan and layout.recompute == "memo" and room > 0:  # the layers the device can hold besides: kept
         plan, _ = _plan(job, layout, gpu, eff, Budgets(host=budget, device=room))
-        device = device_bytes(job, layout, plan, priced.fragmentation)
-    host = ((_store(job, layout, plan).host_total if plan else 0) + held) * node_gpus
+        device = device_bytes(job, layout, gpu, plan, priced.fragmentation)
+    need = priced.need(device, layout, gpus)
+    pinned = (_store(job, layout, plan).host_total if plan else 0) + held  # per GPU
+    host = pinned * node_gpus
     if why and held:
         why = _host_refusal(why, held * node_gpus, host_capacity)
-    if not why and device["total"] > gpu.hbm_bytes:
+    if not why and need > gpu.hbm_bytes:
         least = "more than " if device.get("lower_bound") else ""
-        why = f"device memory: needs {least}{device['total'] / 2**30:.1f} GiB of {gpu.hbm_bytes / 2**30:.0f} GiB"
+        point = "" if priced.memory == "mid" else f" at the {priced.memory} end of memory"
+        why = f"device memory: needs {least}{need / 2**30:.1f} GiB{point} of {gpu.hbm_bytes / 2**30:.0f} GiB"
     if not why and host > host_capacity:
         why = _host_refusal(
             f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable",
@@ -373,7 +407,7 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
         again = attention
     model = model_flops_per_token(c, attended, lora=job.lora) * seq
     slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
-    use = {"device memory": (device["total"], gpu.hbm_bytes), "host memory": (host, host_capacity)}
+    use = {"device memory": (need, gpu.hbm_bytes), "host memory": (host, host_capacity)}
     tightest = max(use, key=lambda k: use[k][0] / use[k][1])
     return Estimate(
         system=layout.system,
@@ -384,6 +418,7 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
         why=why,
         alphas=alphas if plan else None,
         device_bytes=device,
+        device_range=memory_range(device, layout, gpus),
         hbm_bytes=gpu.hbm_bytes,
         host_bytes_per_node=host,
         host_capacity_per_node=host_capacity,
@@ -405,18 +440,32 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
         tile=layout.tile,
         binds=f"{tightest} {format_bytes(use[tightest][0])} of {format_bytes(use[tightest][1])}"
         + (" per node" if tightest == "host memory" else " per GPU"),
-        allocator=ALLOCATOR_NAMES[priced.fragmentation]
-        if priced.fragmentation
-        else "an arena at LOAD (no fragmentation)",
+        allocator=ALLOCATOR_NAMES[priced.fragmentation],
         tokens_per_step=sequences * seq,
         states=job.states,
         host_state_bytes_per_node=held * node_gpus,
         attention_kernel=band.attention,
+        speeds_note=band.note,
         documents=str(job.documents or ""),
         attention_fraction=attended / seq,
         attention_flops=3 * attention * sequences,
+        host_least_per_node=(_least_host(job, layout, gpu, eff) + held) * node_gpus,
+        pin_seconds=pinned / PIN_BYTES_PER_S,
         job=job,
     )
+
+
+def _least_host(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency) -> int:
+    """Returns the activations' host bytes per GPU of the plan that pins least at this length: every buffered
+    layer checkpointed at α = 0 for memo, their one plan for offload-all and alst, nothing for the systems that
+    do not offload."""
+    fixed = _fixed_plan(layout, job.model.n_layers)
+    if fixed:
+        return _store(job, layout, fixed).host_total
+    if layout.recompute != "memo":
+        return 0
+    problem = _plan_problem(job, layout, gpu, eff, Budgets(host=1 << 62))
+    return int(least_host(problem))
 
 
 def _host_refusal(why: str, states: int, capacity: int) -> str:
@@ -444,15 +493,26 @@ class Budgets:
 def _plan(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, budgets: Budgets):
     """Returns ((modes, α) per layer, "") for a layout that offloads, (None, why) when its host cannot hold even
     the layer inputs, and (None, "") for one that does not offload."""
-    n = job.model.n_layers
+    fixed = _fixed_plan(layout, job.model.n_layers)
     if layout.recompute == "offload":
-        return (["memo"] * n, [1.0] * n), ""
-    if layout.recompute != "memo":
+        return fixed, ""
+    if layout.recompute not in OFFLOADS:
         return None, ""
     try:
-        return solve_plan(_plan_problem(job, layout, gpu, eff, budgets)), ""
+        return solve_plan(_plan_problem(job, layout, gpu, eff, budgets), fixed and fixed[0]), ""
     except ValueError as err:
         return None, f"host memory: {err}"
+
+
+def _fixed_plan(layout: Layout, n: int) -> tuple[list[str], list[float]] | None:
+    """Returns the one plan of a system that offloads without choosing: offload-all sends every tensor of every
+    layer, alst every layer's input alone (checkpointed); None for memo's solved plans and the systems that do
+    not offload."""
+    if layout.recompute == "offload":
+        return ["memo"] * n, [1.0] * n
+    if layout.recompute == "host-checkpoint":
+        return ["checkpoint"] * n, [0.0] * n
+    return None
 
 
 def _plan_problem(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, budgets: Budgets = Budgets(0)):
@@ -524,23 +584,29 @@ def _host_bandwidth(gpu: GPUSpec, eff: Efficiency) -> float:
 
 
 def device_bytes(
-    job: Job, layout: Layout, plan=None, fragmentation: str | None = "caching", capacity: int | None = None
+    job: Job,
+    layout: Layout,
+    gpu: GPUSpec,
+    plan=None,
+    fragmentation: str | None = "caching",
+    capacity: int | None = None,
 ) -> dict[str, int]:
     """Returns the per-GPU device memory of a system's layout (memo: and its `plan` of modes and α), by term, and
     the total.
 
-    The activation store's buffers are what `memo train`'s store allocates for the plan (`swap.store_layout`);
-    the transient peak and the allocator's overhead (`fragmentation`: an allocator of `memory.ALLOCATORS`, or
-    None for none) come from a traced step of the same tiles and modes. When the
-    terms known without a trace already exceed `capacity`, the step is not traced: its terms are 0 and the
-    total a lower bound (`"lower_bound": 1`); so too when they and the peak of one shorter traced step
-    (`memory.transient_floor`) exceed it, with that peak as the transient term."""
+    Model states by term as each system holds them (`_model_states`); the activation store's buffers are what
+    `memo train`'s store allocates for the plan (`swap.store_layout`); the transient peak and the allocator's
+    overhead (`fragmentation`: an allocator of `memory.ALLOCATORS`, or None for none) come from a traced step of
+    the same tiles and modes; the runtime is the CUDA context's and NCCL's, NVLink SHARP buffers included on
+    `gpu`s that have them. When the terms known without a trace already exceed `capacity`, the step is not
+    traced: its terms are 0 and the total a lower bound (`"lower_bound": 1`); so too when they and the peak of
+    one shorter traced step (`memory.transient_floor`) exceed it, with that peak as the transient term."""
     c, tokens = job.model, job.tokens(layout.sp)
     store = _store(job, layout, plan)
     static = {
-        "model_states": _model_states(job, layout),
+        **_model_states(job, layout),
         "skeletal_buffers": store.device_bytes,
-        "runtime": runtime_bytes(_communicators(layout, job.gpus)),
+        "runtime": runtime_bytes(_communicators(layout, job.gpus), _nvls(layout, job.gpus, gpu)),
     }
     traced = _traced(job, layout, plan)
     if capacity is not None:
@@ -549,7 +615,7 @@ def device_bytes(
             least = {**static, "transient_peak": floor, "fragmentation": 0}
             return {**least, "total": sum(least.values()), "lower_bound": 1}
     transient = transient_peak(c, tokens, traced)
-    if layout.system in ("megatron", "deepspeed"):
+    if layout.system in ("megatron", "megatron-deepspeed"):
         transient = max(transient, _loss_peak(c, tokens, layout))
     terms = {
         **static,
@@ -562,10 +628,28 @@ def device_bytes(
     return {**terms, "total": sum(terms.values())}
 
 
+def memory_range(device: dict[str, int], layout: Layout, gpus: int) -> tuple[int, int]:
+    """Returns (low, high) of a device-memory estimate: low is the step's LOAD (nothing lost to the allocator,
+    as a planned arena serves it); high adds the upper ends of the published runtime figures
+    (`hardware.runtime_bytes`) and `TRANSIENT_ERROR` of the traced transient peak."""
+    total = device["total"]
+    communicators = _communicators(layout, gpus)
+    runtime = runtime_bytes(communicators, high=True) - runtime_bytes(communicators)
+    return total - device.get("fragmentation", 0), total + runtime + int(TRANSIENT_ERROR * device["transient_peak"])
+
+
 def _communicators(layout: Layout, gpus: int) -> int:
     """Returns the NCCL communicators of more than one GPU a rank joins: one per parallel dimension, the
     data-parallel one, and the world (FSDP / ZeRO-3 / the distributed optimizer)."""
     return sum(n > 1 for n in (layout.tp, layout.cp, layout.ulysses, gpus // layout.sp, gpus))
+
+
+def _nvls(layout: Layout, gpus: int, gpu: GPUSpec) -> int:
+    """Returns the NVLink SHARP buffers a rank holds: NCCL sets them up for each communicator of more than two
+    GPUs that reduces (Megatron's tensor-parallel group and its data x context group of the distributed
+    optimizer; FSDP / ZeRO-3's world), on GPUs that have them; all-to-all and ring exchanges do not use them."""
+    groups = (layout.tp, gpus // layout.tp) if layout.system == "megatron" else (gpus,)
+    return gpu.nvls_bytes * sum(n > 2 for n in groups)
 
 
 def _loss_peak(c: ModelConfig, tokens: int, layout: Layout) -> int:
@@ -583,19 +667,20 @@ def _loss_peak(c: ModelConfig, tokens: int, layout: Layout) -> int:
     return 2 * tokens * c.hidden_size * 2 + tokens * c.vocab_size * per_logit
 
 
-def _model_states(job: Job, layout: Layout) -> int:
-    """Returns bytes of weights, gradients and optimizer states per GPU as each system shards them (FSDP2's:
-    `states.device_bytes`)."""
+def _model_states(job: Job, layout: Layout) -> dict[str, int]:
+    """Returns bytes of weights, gradients and optimizer states per GPU as each system shards them: FSDP2's and
+    one process's by term (`states.device_terms`), Megatron's and ZeRO-3's as one."""
     c, gpus = job.model, job.gpus
     params = c.num_parameters()
     if layout.system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
-        return int(params * (2 + 4) / layout.tp + params * 12 / gpus)
+        return {"model_states": int(params * (2 + 4) / layout.tp + params * 12 / gpus)}
     layer = linear_params_per_layer(c)
-    if layout.system == "deepspeed":  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
+    if layout.system == "megatron-deepspeed":  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
         # the current layer gathered plus the prefetch bucket, and the persistent bf16 reduce bucket
         gathered = 2 * (layer + ZERO3_PREFETCH_PARAMETERS) + ZERO3_REDUCE_BUCKET_BYTES
-        return int(params * (2 + 2 + 12) / gpus + gathered)
-    return state_device_bytes(job)  # FSDP2
+        return {"model_states": int(params * (2 + 2 + 12) / gpus + gathered)}
+    terms = state_device_terms(job)
+    return {"model_states": terms["states"], "gathered_weights": terms["gathered"], "gradients": terms["gradients"]}
 
 
 def _step_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan) -> dict[str, float]:
@@ -706,15 +791,16 @@ def max_seq(job: Job, gpu: GPUSpec, system: str, pricing: Pricing = Pricing(), l
 
 
 def max_seq_range(job: Job, gpu: GPUSpec, system: str, band: Band | None = None) -> dict:
-    """Returns the longest sequence that fits: "low" at the slow end of the efficiency band (memo's plan and α,
-    and so its host memory, depend on speed), "mid", and "high" at the fast end with memory served at LOAD (no
-    caching-allocator fragmentation, as a planned arena would give); "why_not": what stops the length after
-    "mid"; "attention_kernel": whose attention speeds time the steps. Of packed `job.documents` when given."""
-    mid = max_seq(job, gpu, system, Pricing(band=band))
+    """Returns the longest sequence that fits: "mid" at the middle of the efficiency band (memo's plan and α,
+    and so its host memory, depend on speed) with memory at the upper end of its band (`memory_range`), "low" at
+    the slow end with memory at the upper end, "high" at the fast end with memory at LOAD (as a planned arena
+    serves it); "why_not": what stops the length after "mid"; "attention_kernel": whose attention speeds time
+    the steps. Of packed `job.documents` when given."""
+    mid = max_seq(job, gpu, system, Pricing(band=band, memory="high"))
     return {
-        "low": max_seq(job, gpu, system, Pricing(band=band, point="low")).tokens,
+        "low": max_seq(job, gpu, system, Pricing(band=band, point="low", memory="high")).tokens,
         "mid": mid.tokens,
-        "high": max_seq(job, gpu, system, Pricing(band=band, point="high", fragmentation=False)).tokens,
+        "high": max_seq(job, gpu, system, Pricing(band=band, point="high", memory="low")).tokens,
         "why_not": mid.why_not,
         "attention_kernel": band.attention if band else _timed_kernel(job, gpu),
     }

@@ -32,6 +32,7 @@ class GPUSpec:
     host_memory_per_node: int
     gpus_per_node: int
     source: str
+    nvls_bytes: int = 0  # NCCL's NVLink SHARP buffers per GPU of a reducing communicator of > 2 GPUs (NVSwitch)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -41,7 +42,7 @@ class GPUSpec:
                 object.__setattr__(self, f.name, value)
             try:
                 if f.type == "int":
-                    check_int(f.name, value)
+                    check_int(f.name, value, least=0 if f.default == 0 else 1)
                 elif f.type == "float":
                     check_number(f.name, value)
             except ValueError as err:
@@ -49,6 +50,9 @@ class GPUSpec:
 
 
 _PCIE4, _PCIE5 = 32 * GB, 64 * GB
+# NCCL's NVLink SHARP buffers on an 8-GPU NVSwitch node (on by default since NCCL 2.17, NCCL_NVLS_ENABLE):
+# "nvlsTotalSize 2415919104" logged per GPU on 8x H200 (vllm-project/vllm#9699)
+NVLS_BYTES = 2415919104
 GPUS: dict[str, GPUSpec] = {
     "A800-80GB": GPUSpec(
         name="A800-80GB",
@@ -92,6 +96,7 @@ GPUS: dict[str, GPUSpec] = {
         source="NVIDIA H100 SXM datasheet (989 TFLOPS bf16 dense, HBM3 3.35 TB/s, NVLink 900 GB/s bidirectional, "
         "PCIe Gen5); "
         "DGX H100: 2 TB host memory, 400 Gb/s NDR per GPU",
+        nvls_bytes=NVLS_BYTES,
     ),
     "H200": GPUSpec(
         name="H200",
@@ -107,19 +112,30 @@ GPUS: dict[str, GPUSpec] = {
         source="NVIDIA H200 SXM datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, "
         "PCIe Gen5); "
         "DGX H200: 2 TB host memory, 400 Gb/s NDR per GPU",
+        nvls_bytes=NVLS_BYTES,
     ),
 }
 
 
+# pinning host memory (cudaHostAlloc / cudaHostRegister: pages faulted in, then locked and mapped), bytes/s per
+# process; ranks pin their own pools at once. SOURCE-TBD; benchmarks/gpu_check.py measures memo's own rate
+PIN_BYTES_PER_S = 3 * GB
 CUDA_CONTEXT_BYTES = 512 << 20  # 300-700 MB with lazy module loading (pytorch/pytorch#107667, #28113)
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # PyTorch's cuBLAS workspace, CUBLAS_WORKSPACE_CONFIG ":4096:8" on Hopper
 NCCL_COMMUNICATOR_BYTES = 600 << 20  # 544-688 MB per communicator measured on A100 (NVIDIA/nccl#964)
+# the upper ends of the published ranges above, for the upper end of a memory estimate
+CUDA_CONTEXT_HIGH_BYTES = 700 << 20
+NCCL_COMMUNICATOR_HIGH_BYTES = 688 << 20
 
 
-def runtime_bytes(communicators: int) -> int:
+def runtime_bytes(communicators: int, nvls: int = 0, high: bool = False) -> int:
     """Returns device bytes a training process holds outside PyTorch's tensors: the CUDA context with its
-    kernels, cuBLAS workspaces, and NCCL's buffers for each of `communicators` process groups."""
-    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * NCCL_COMMUNICATOR_BYTES
+    kernels, cuBLAS workspaces, NCCL's buffers for each of `communicators` process groups and the NVLink SHARP
+    buffers of those that use it (`nvls` bytes in all); `high`: at the upper ends of the published ranges."""
+    context, communicator = (
+        (CUDA_CONTEXT_HIGH_BYTES, NCCL_COMMUNICATOR_HIGH_BYTES) if high else (CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES)
+    )
+    return context + CUBLAS_WORKSPACE_BYTES + communicators * communicator + nvls
 
 
 def is_gpu(device_name: str, spec: GPUSpec) -> bool:

@@ -32,7 +32,7 @@ class EstimateRequest:
     sp: int | None = flag(None, "sequence-parallel GPUs per sequence (default: all GPUs)", parse=int)
     host_memory: int | None = flag(
         None,
-        "host memory per node, e.g. 1.5T or 512G (default: the GPU spec's); 90%% of it may hold offloads",
+        "host memory per node, e.g. 1.5T or 512G (default: the GPU spec's machine); 75%% of it may be pinned",
         parse=parse_size,
     )
     calibration: str | None = flag(None, "JSON written by `memo calibrate` on this GPU type", path=True)

@@ -9,8 +9,12 @@ from ..config import ModelConfig
 from ..job import Job
 from ..lora import adapter_parameters
 
-# a trained weight: bf16 compute copy + fp32 gradient + fp32 Adam master weight, m and v (mixed precision)
-BYTES_PER_PARAM = 2 + 4 + 12
+# a trained weight in one process (`train.optim.MasterAdamW`): its bf16 value and gradient, its fp32 master, AdamW's
+# m and v, and the fp32 gradient the master accumulates into
+BYTES_PER_PARAM = 2 + 2 + 4 + 8 + 2
+# a trained weight under FSDP2 with bf16 mixed precision (`parallel.fsdp`), sharded: the fp32 parameter (its own
+# master), its fp32 gradient, AdamW's m and v; bf16 copies exist only gathered (`device_terms`)
+FSDP_BYTES_PER_PARAM = 4 + 4 + 8
 # offloaded, per trained weight on the host: the fp32 sharded parameter (its own master), its fp32 gradient
 # (FSDP2 reduces in fp32 and copies the shard out), and AdamW's two fp32 moments
 HOST_BYTES_PER_PARAM = 4 + 4 + 8
@@ -51,24 +55,38 @@ def _layer(job: Job) -> tuple[int, int]:
     return adapter_parameters(c, job.lora) // c.n_layers, layer
 
 
-def device_bytes(job: Job) -> int:
-    """Returns one GPU's bytes of model states under FSDP2 over `job.gpus` GPUs.
+def device_terms(job: Job) -> dict[str, int]:
+    """Returns one GPU's bytes of model states by term, as the code that holds them allocates them.
 
-    On the device: every shard (`BYTES_PER_PARAM` per trained weight, `frozen_bytes` per frozen one) and two
-    layers gathered in bf16. Offloaded: the root unit in bf16 for the whole step (its trained weights' bf16
-    gradients from the loss's backward on), two layers gathered in bf16 with the shard of one copied in on its
-    way (FSDP2 copies the host shard to the device before casting it to bf16: `FSDPParam.all_gather_inputs`),
-    and one layer's gradient in flight (its bf16 gradient, the fp32 reduce-scatter input, the fp32 shard out)."""
+    One process (one GPU, states on it): `BYTES_PER_PARAM` per trained weight, `frozen_bytes` per frozen one.
+    FSDP2 (more than one GPU, or states offloaded): the shards (`FSDP_BYTES_PER_PARAM`, or on the host when
+    offloaded); "gathered": two layers in bf16 (the running one, the prefetched one) and the root unit (embedding,
+    final norm, head), which FSDP2 leaves unsharded from its forward to its backward (the root never reshards
+    after forward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, `_lazy_init`); "gradients": the root's
+    trained weights' bf16 gradients, alive from the loss's backward to the end of the step, and one layer's
+    reduce-scatter in flight beside the running layer's (a new fp32 input of the unsharded size and its fp32
+    shard out per call, `_fsdp_collectives.foreach_reduce`; the next call waits for the one before,
+    `_fsdp_param_group.post_backward`). Offloaded, each gathered layer's shard is first copied in as it is
+    stored (`FSDPParam.all_gather_inputs`) and the shard out is then copied to the host."""
     gpus = job.gpus
     train, frozen = trained(job)
+    if gpus == 1 and not job.offload_states:
+        return {"states": train * BYTES_PER_PARAM + frozen * frozen_bytes(job), "gathered": 0, "gradients": 0}
     layer_train, layer_frozen = _layer(job)
-    gathered = GATHERED_LAYERS * 2 * (layer_train + layer_frozen)
+    root = root_parameters(job.model)
+    root_grads = 0 if job.lora else root - job.model.vocab_size * job.model.hidden_size * (not job.model.tie_embeddings)
+    gathered = GATHERED_LAYERS * 2 * (layer_train + layer_frozen) + 2 * root
+    reduce_scatter = layer_train * 4 * (1 + 1 / gpus)
     if not job.offload_states:
-        return int((train * BYTES_PER_PARAM + frozen * frozen_bytes(job)) / gpus + gathered)
-    shard_in = (layer_train * (4 + 2) + layer_frozen * frozen_bytes(job)) / gpus
-    gradient = layer_train * (2 + 4 + 4 / gpus)
-    root = root_parameters(job.model) * (2 + (2 if job.lora is None else 0))
-    return int(gathered + shard_in + gradient + root)
+        shards = (train * FSDP_BYTES_PER_PARAM + frozen * frozen_bytes(job)) / gpus
+    else:  # the shard of one layer on its way in: trained weights fp32, frozen ones as stored
+        shards = (layer_train * 4 + layer_frozen * frozen_bytes(job)) / gpus
+    return {"states": int(shards), "gathered": int(gathered), "gradients": int(2 * root_grads + reduce_scatter)}
+
+
+def device_bytes(job: Job) -> int:
+    """Returns one GPU's bytes of model states (`device_terms`, summed)."""
+    return sum(device_terms(job).values())
 
 
 def host_bytes(job: Job) -> int:

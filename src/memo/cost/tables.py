@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from ..job import Job
 from ..policy import plan_runs
-from ..units import format_count
+from ..units import format_bytes, format_count, format_seconds
 from .efficiency import LENGTHS
 from .estimate import CONVENTIONS, MAX_SEQ_RANGE, PACKED_CONVENTIONS, Estimate
 from .flops import LORA_FLOPS
-from .hardware import GPUSpec
+from .hardware import PIN_BYTES_PER_S, GPUSpec
 
 
 def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list[Estimate]) -> str:
@@ -46,10 +46,22 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
         "tokens/step: one optimizer step's tokens on all GPUs (compare tokens/s across rows, not step seconds)"
     )
     lines += [f"{e.system}: nearest its limit: {e.binds}; memory served by {e.allocator}" for e in results if e.layout]
+    lines += [host_line(e) for e in results if e.layout and e.host_bytes_per_node]
     timed = next((e.attention_kernel for e in results if e.attention_kernel), "-")
     source = results[0].efficiency.get("source", "-")
     lines.append(f"ranges: the efficiency band; attention kernel: {timed}; efficiencies: {source}")
+    lines += sorted({f"speeds: {e.speeds_note}" for e in results if e.speeds_note})
     return "\n".join(lines)
+
+
+def host_line(e: Estimate) -> str:
+    """Returns the pinned host a system's plan needs per node, the least any plan at that length needs, and how
+    long pinning it takes before the first step."""
+    return (
+        f"{e.system}: pinned host per node {format_bytes(e.host_bytes_per_node)} for this plan, "
+        f"{format_bytes(e.host_least_per_node)} at least for any plan at this length; pinning takes "
+        f"{format_seconds(e.pin_seconds)} at {PIN_BYTES_PER_S / 1e9:.0f} GB/s per rank"
+    )
 
 
 def packed_table(job: Job, packed: list[Estimate], whole: list[Estimate]) -> str:

@@ -12,10 +12,9 @@ from .mesh import local_world_size
 
 
 def host_budget_per_rank(node_bytes: int | None = None) -> int:
-    """Returns this rank's host budget for offload: the node's (default: 80% of the host memory available to
-    this process, its container's limit included, as the swap engine assumes for one process) divided among its
-    local ranks."""
-    node = int(0.8 * dev.available_host_bytes()) if node_bytes is None else node_bytes
+    """Returns this rank's host budget for offload: the node's (default: `device.HOST_USABLE` of the host memory
+    available to this process, its container's limit included) divided among its local ranks."""
+    node = int(dev.HOST_USABLE * dev.available_host_bytes()) if node_bytes is None else node_bytes
     return node // local_world_size()
 
 

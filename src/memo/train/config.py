@@ -70,7 +70,7 @@ class TrainConfig:
     )
     host_budget: str | None = flag(
         None,
-        "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 80%% of free)",
+        "memo: pinned host memory for the offload on this node, e.g. 64G, shared by its ranks (default: 75%% of free)",
     )
     arena: bool = flag(
         False, "serve each step's allocations from one arena planned from a recorded step (§5; one CPU process)"

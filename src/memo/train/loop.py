@@ -22,7 +22,7 @@ import time
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from ..cost.estimate import ATTENTION_CHOICES
 from ..cost.flops import model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
-from ..cost.predict import compare, host_pool_bytes, predict_run
+from ..cost.predict import compare, host_pool_bytes, pinned_host_line, predict_run
 from ..cost.states import host_bytes as state_host_bytes
 from ..documents import DocumentLengths, attended_tokens
 from ..files import RUN, claim_folder, mark, read_config_file, write_text
@@ -102,7 +102,9 @@ class Trainer:
     """One run: `records()` trains from the current step to `cfg.steps`, checkpointing as configured. Under
     torchrun every rank makes its own Trainer; `rank == 0` is the one that writes."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, base: ModelConfig | None = None):
+    def __init__(
+        self, cfg: TrainConfig, resume: bool = False, base: ModelConfig | None = None, say: Callable[[str], None] = log.info
+    ):
         world = parallel.world_size()
         cfg.check_world(world)
         self.job = cfg.job(world, base)  # `--model` read once (`base`: already read by the caller)
@@ -121,6 +123,7 @@ class Trainer:
         self.lock = RunLock(self.run_dir) if self.rank == 0 and self.run_dir.is_dir() else None
         self.log = None
         self.created = []  # directories this run made, deepest first: a start that fails removes them
+        self.say = say  # what rank 0 tells the user before the first step (the pinned host, before pinning it)
         try:  # a start that fails (or is signalled) before the first step leaves nothing behind
             self._start(resume)
             self.peak_flops = _peak_flops(self.device)
@@ -143,6 +146,9 @@ class Trainer:
             log.info("CUDA allocator: %s", dev.use_expandable_segments())
         self.attention = choose_attention(cfg.attention, self.device, self.job.torch_dtype)  # impossible: before work
         check_memory(cfg, self.job, self.device, self.mesh)
+        pins = pinned_host_line(self.job, parallel.local_world_size(), _host_budget(cfg) - state_host_bytes(self.job))
+        if pins and self.rank == 0:
+            self.say(pins)
         # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
         modes = saved.state.get("modes") if saved and cfg.alpha is None and cfg.plan is None else None
@@ -613,7 +619,7 @@ def check_memory(cfg: TrainConfig, job: Job, device: torch.device, mesh: DeviceM
             f"{format_bytes(host)} available; lower `--batch-size` or `--seq-len`{hint}"
         )
     if mesh is None and need["host_pool"]:
-        budget = parse_size(cfg.host_budget) if cfg.host_budget else int(0.8 * dev.available_host_bytes())
+        budget = parse_size(cfg.host_budget) if cfg.host_budget else parallel.host_budget_per_rank()
         if need["host_pool"] > budget:
             raise ValueError(
                 f"{what}: memo's host pool needs at least {format_bytes(need['host_pool'])}, the host budget is "
@@ -638,7 +644,7 @@ def _offloaded_states(cfg: TrainConfig, job: Job, device: torch.device, host_poo
 
 
 def _host_budget(cfg: TrainConfig) -> int:
-    """Returns this rank's share of the node's host budget (`--host-budget`, default 80% of what is available)."""
+    """Returns this rank's share of the node's host budget (`--host-budget`, default `device.HOST_USABLE` of what is available)."""
     return parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
 
 
