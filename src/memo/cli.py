@@ -23,7 +23,7 @@ from .cost.memory import check_plan_length
 from .cost.predict import prediction_line
 from .cost.request import EstimateRequest
 from .cost.sweep import default_lengths, plot_sweep, sweep
-from .cost.tables import estimate_table, max_seq_lines, sweep_table
+from .cost.tables import estimate_table, max_seq_lines, one_gpu_lines, sweep_table
 from .device import DTYPES, check_device
 from .eval import (
     EvalRequest,
@@ -343,20 +343,32 @@ def _run_estimate(args) -> int:
         shown = json.dumps({s: [e.as_dict() for e in es] for s, es in results.items()})
         print(shown if args.json else sweep_table(job, lengths, results))
         return 0
+    # one GPU on its default host: answered on a real one-GPU machine's host too
+    alone = dataclasses.replace(job, host_memory=spec.one_gpu_host_memory)
+    one_gpu = job.gpus == 1 and job.host_memory is None and spec.one_gpu_host_memory
     if args.max_seq:
         found = {s: max_seq_range(job, spec, s, band) for s in systems}
-        print(json.dumps(found) if args.json else max_seq_lines(job, found))
+        if one_gpu:
+            for s in systems:
+                found[s]["one_gpu_machine"] = max_seq_range(alone, spec, s, band)
+        print(json.dumps(found) if args.json else max_seq_lines(job, spec, found))
         return 0
     pricing = Pricing(band=band)
     results = [estimate(job, spec, s, pricing) for s in systems]
     unpacked = dataclasses.replace(job, documents=None)
     whole = [estimate(unpacked, spec, s, pricing) for s in systems] if job.documents else []
+    machine = [estimate(alone, spec, s, pricing) for s in systems] if one_gpu else []
     if not args.json:
         print(estimate_table(job, spec, results, whole))
-    elif job.documents:
-        print(json.dumps([{**e.as_dict(), "unpacked": w.as_dict()} for e, w in zip(results, whole)]))
-    else:
-        print(json.dumps([e.as_dict() for e in results]))
+        if machine:
+            print(one_gpu_lines(spec, machine))
+        return 0
+    rows = [e.as_dict() for e in results]
+    for row, w in zip(rows, whole):
+        row["unpacked"] = w.as_dict()
+    for row, m in zip(rows, machine):
+        row["one_gpu_machine"] = m.as_dict()
+    print(json.dumps(rows))
     return 0
 
 

@@ -256,7 +256,11 @@ def published_band(
         network=speeds.network,
     )
     longest = max(n for n, _ in forward)
-    beyond = f"{kernel} attention timed at its {longest // 1024}K speed; unmeasured beyond" if (length or tokens) > longest else ""
+    beyond = (
+        f"{kernel} attention timed at its {longest // 1024}K speed; unmeasured beyond"
+        if (length or tokens) > longest
+        else ""
+    )
     return Band(
         low=_in_training(published.scaled(1 - speeds.spread), IN_TRAINING["low"] / (1 - speeds.spread)),
         mid=_in_training(published, IN_TRAINING["mid"]),

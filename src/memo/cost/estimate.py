@@ -99,7 +99,14 @@ RECOMPUTE = {  # what each system can recompute, as it ships
     "megatron-deepspeed": ("none", "full"),  # activation checkpointing off or on
     "offload-all": ("offload",),
 }
-TRACED = {"memo": "memo", "offload": "memo", "host-checkpoint": "memo", "full": "full", "selective": "none", "none": "none"}
+TRACED = {
+    "memo": "memo",
+    "offload": "memo",
+    "host-checkpoint": "memo",
+    "full": "full",
+    "selective": "none",
+    "none": "none",
+}
 OFFLOADS = ("memo", "offload", "host-checkpoint")  # the recomputations that keep skeletal tensors in host memory
 STATES = ("memo", "offload-all", "alst")  # the systems estimated with LoRA or offloaded states (`Job.full_states`)
 MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole sequence shard)
@@ -116,9 +123,10 @@ ALLOCATOR_NAMES = {
 ZERO3_PREFETCH_PARAMETERS = 5 * 10**7
 ZERO3_REDUCE_BUCKET_BYTES = 2 * 5 * 10**8
 ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
-# how far a measured step's transient peak lay from the traced prediction at most: "within 10%" of the tiled
-# step's peak on CPU (benchmarks/tiling.py, docs/benchmarks.md); the upper end of memory adds it
-TRANSIENT_ERROR = 0.10
+# how far above the traced prediction a measured step's transient peak lay: 1.11x with memo (tiny-gpt, 1024
+# tokens, `memo train --arena` on CPU: docs/estimate.md, "Predicted against measured"); the upper end of memory
+# adds it
+TRANSIENT_ERROR = 0.11
 MAX_SEQ_RANGE = (
     "the longest length that fits with memory at the upper end of its band; low at the slow end of the efficiency "
     "band, high at the fast end with memory at LOAD (no caching-allocator fragmentation)"
@@ -675,7 +683,9 @@ def _model_states(job: Job, layout: Layout) -> dict[str, int]:
     if layout.system == "megatron":  # bf16 weights and fp32 gradient buffer over tp; distributed optimizer over dp·cp
         return {"model_states": int(params * (2 + 4) / layout.tp + params * 12 / gpus)}
     layer = linear_params_per_layer(c)
-    if layout.system == "megatron-deepspeed":  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
+    if (
+        layout.system == "megatron-deepspeed"
+    ):  # ZeRO-3 (deepspeed/runtime/zero/config.py defaults): bf16 gradient partitions,
         # the current layer gathered plus the prefetch bucket, and the persistent bf16 reduce bucket
         gathered = 2 * (layer + ZERO3_PREFETCH_PARAMETERS) + ZERO3_REDUCE_BUCKET_BYTES
         return {"model_states": int(params * (2 + 2 + 12) / gpus + gathered)}

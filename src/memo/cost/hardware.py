@@ -33,6 +33,9 @@ class GPUSpec:
     gpus_per_node: int
     source: str
     nvls_bytes: int = 0  # NCCL's NVLink SHARP buffers per GPU of a reducing communicator of > 2 GPUs (NVSwitch)
+    machine: str = ""  # the real node whose host memory `host_memory_per_node` is
+    one_gpu_host_memory: int = 0  # host memory of a real one-GPU machine of this GPU (0: none listed)
+    one_gpu_machine: str = ""  # which machine that is
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -53,6 +56,9 @@ _PCIE4, _PCIE5 = 32 * GB, 64 * GB
 # NCCL's NVLink SHARP buffers on an 8-GPU NVSwitch node (on by default since NCCL 2.17, NCCL_NVLS_ENABLE):
 # "nvlsTotalSize 2415919104" logged per GPU on 8x H200 (vllm-project/vllm#9699)
 NVLS_BYTES = 2415919104
+# one-GPU cloud machines (Google Cloud, accelerator-optimized machine types): a2-ultragpu-1g, one A100 80GB, 170 GB;
+# a3-highgpu-1g, one H100 80GB, 234 GB (an eighth of a3-highgpu-8g's 1,872 GB). No one-GPU A800 or H200 machine listed
+A2_ULTRAGPU_1G, A3_HIGHGPU_1G = 170 * GB, 234 * GB
 GPUS: dict[str, GPUSpec] = {
     "A800-80GB": GPUSpec(
         name="A800-80GB",
@@ -67,6 +73,7 @@ GPUS: dict[str, GPUSpec] = {
         gpus_per_node=8,
         source="NVIDIA A800 datasheet (312 TFLOPS bf16, HBM2e 2039 GB/s, NVLink 400 GB/s bidirectional, PCIe Gen4); "
         "2 TB host memory per 8-GPU node as in the MEMO paper; 2 GPUs per PCIe switch (DGX A100 layout)",
+        machine="the MEMO paper's 8x A800 node",
     ),
     "A100-80GB": GPUSpec(
         name="A100-80GB",
@@ -81,6 +88,9 @@ GPUS: dict[str, GPUSpec] = {
         gpus_per_node=8,
         source="NVIDIA A100 datasheet (312 TFLOPS bf16, HBM2e 2039 GB/s, NVLink 600 GB/s bidirectional, PCIe Gen4); "
         "DGX A100: 2 GPUs per PCIe switch, 200 Gb/s HDR per GPU, 2 TB host option",
+        machine="DGX A100 (2 TB option)",
+        one_gpu_host_memory=A2_ULTRAGPU_1G,
+        one_gpu_machine="Google Cloud a2-ultragpu-1g",
     ),
     "H100-SXM": GPUSpec(
         name="H100-SXM",
@@ -97,6 +107,9 @@ GPUS: dict[str, GPUSpec] = {
         "PCIe Gen5); "
         "DGX H100: 2 TB host memory, 400 Gb/s NDR per GPU",
         nvls_bytes=NVLS_BYTES,
+        machine="DGX H100",
+        one_gpu_host_memory=A3_HIGHGPU_1G,
+        one_gpu_machine="Google Cloud a3-highgpu-1g",
     ),
     "H200": GPUSpec(
         name="H200",
@@ -113,12 +126,15 @@ GPUS: dict[str, GPUSpec] = {
         "PCIe Gen5); "
         "DGX H200: 2 TB host memory, 400 Gb/s NDR per GPU",
         nvls_bytes=NVLS_BYTES,
+        machine="DGX H200",
     ),
 }
 
 
 # pinning host memory (cudaHostAlloc / cudaHostRegister: pages faulted in, then locked and mapped), bytes/s per
-# process; ranks pin their own pools at once. SOURCE-TBD; benchmarks/gpu_check.py measures memo's own rate
+# process, ranks pinning their own pools at once: 33.38 GiB in 7.96 s with cudaMallocHost (4.5 GB/s,
+# ikawrakow/ik_llama.cpp PR 1517), ~700 GB in ~12 min (1 GB/s, NVIDIA/TensorRT-LLM PR 17773), a 32 MB block in
+# 11.6 ms (2.9 GB/s, rapidsai/dask-cuda#106); benchmarks/gpu_check.py measures memo's own rate
 PIN_BYTES_PER_S = 3 * GB
 CUDA_CONTEXT_BYTES = 512 << 20  # 300-700 MB with lazy module loading (pytorch/pytorch#107667, #28113)
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # PyTorch's cuBLAS workspace, CUBLAS_WORKSPACE_CONFIG ":4096:8" on Hopper
@@ -133,7 +149,9 @@ def runtime_bytes(communicators: int, nvls: int = 0, high: bool = False) -> int:
     kernels, cuBLAS workspaces, NCCL's buffers for each of `communicators` process groups and the NVLink SHARP
     buffers of those that use it (`nvls` bytes in all); `high`: at the upper ends of the published ranges."""
     context, communicator = (
-        (CUDA_CONTEXT_HIGH_BYTES, NCCL_COMMUNICATOR_HIGH_BYTES) if high else (CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES)
+        (CUDA_CONTEXT_HIGH_BYTES, NCCL_COMMUNICATOR_HIGH_BYTES)
+        if high
+        else (CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES)
     )
     return context + CUBLAS_WORKSPACE_BYTES + communicators * communicator + nvls
 

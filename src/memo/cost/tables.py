@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..device import HOST_USABLE
 from ..job import Job
 from ..policy import plan_runs
 from ..units import format_bytes, format_count, format_seconds
@@ -17,7 +18,8 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
     documents = job.documents
     packing = f", {documents}" if documents else ""
     lines = [
-        f"{job.model.name}, {format_count(job.seq)} tokens, {job.gpus}x {spec.name}, {job.states}{packing}",
+        f"{job.model.name}, {format_count(job.seq)} tokens, {job.gpus}x {spec.name}, {job.states}{packing}; "
+        f"{host_memory(job, spec)}",
         "| system | fits | layout | plan (alpha) | device GiB/GPU | host GiB/GPU | tokens/step | step s | tokens/s | "
         f"MFU | MFU full {'Σd²' if documents else 's²'} | HFU | dominant | why not |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
@@ -52,6 +54,25 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
     lines.append(f"ranges: the efficiency band; attention kernel: {timed}; efficiencies: {source}")
     lines += sorted({f"speeds: {e.speeds_note}" for e in results if e.speeds_note})
     return "\n".join(lines)
+
+
+def host_memory(job: Job, spec: GPUSpec) -> str:
+    """Returns whose host memory the estimate assumes and how much of it may be pinned."""
+    size = job.host_memory or spec.host_memory_per_node
+    whose = "`--host-memory`" if job.host_memory else spec.machine or spec.name
+    return f"host {format_bytes(size)} per node ({whose}), {HOST_USABLE:.0%} pinnable"
+
+
+def one_gpu_lines(spec: GPUSpec, results: list[Estimate]) -> str:
+    """Returns each system's answer on a real one-GPU machine's host memory (`GPUSpec.one_gpu_machine`)."""
+    where = f"{spec.one_gpu_machine} ({format_bytes(spec.one_gpu_host_memory)} host)"
+    return "\n".join(
+        f"{e.system} on a one-GPU machine, {where}: "
+        + (f"fits, {e.tokens_per_s:.0f} tokens/s, {e.device_bytes['total'] / 2**30:.1f} GiB" if e.fits else e.why)
+        + (f"; pinned host {format_bytes(e.host_bytes_per_node)}" if e.fits and e.host_bytes_per_node else "")
+        for e in results
+        if e.layout
+    )
 
 
 def host_line(e: Estimate) -> str:
@@ -97,13 +118,22 @@ def packed_table(job: Job, packed: list[Estimate], whole: list[Estimate]) -> str
     return "\n".join(lines)
 
 
-def max_seq_lines(job: Job, found: dict[str, dict]) -> str:
-    """Returns each system's longest sequence (`estimate.max_seq_range`) with its range and what stops it."""
-    lines = [
-        f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])}); "
-        f"{'longer' if n['mid'] else 'shortest tried'}: {n['why_not']}"
-        for s, n in found.items()
-    ]
+def max_seq_lines(job: Job, spec: GPUSpec, found: dict[str, dict]) -> str:
+    """Returns each system's longest sequence (`estimate.max_seq_range`) with its range and what stops it, and
+    on a one-GPU machine's host where one was asked too ("one_gpu_machine")."""
+    lines = [host_memory(job, spec)]
+    for s, n in found.items():
+        lines.append(
+            f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])}); "
+            f"{'longer' if n['mid'] else 'shortest tried'}: {n['why_not']}"
+        )
+        if "one_gpu_machine" in n:
+            alone = n["one_gpu_machine"]
+            lines.append(
+                f"{s} on a one-GPU machine, {spec.one_gpu_machine} ({format_bytes(spec.one_gpu_host_memory)} host): "
+                f"{format_count(alone['mid'])} tokens (range {format_count(alone['low'])}-"
+                f"{format_count(alone['high'])}); longer: {alone['why_not']}"
+            )
     lines.append(f"\nrange: {MAX_SEQ_RANGE}; attention kernel: {next(iter(found.values()))['attention_kernel']}")
     if job.documents:
         lines.append(
