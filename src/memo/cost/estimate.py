@@ -228,8 +228,8 @@ def _check(job: Job, system: str) -> None:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
     if not job.full_states and system not in STATES:
         raise ValueError(
-            f"`--lora-rank` and `--offload-states` are estimated for {', '.join(STATES[:-1])} and {STATES[-1]}, not for "
-            f"{system} "
+            f"`--lora-rank` and `--offload-states` are estimated for {', '.join(STATES[:-1])} and {STATES[-1]}, "
+            f"not for {system} "
             "(estimated as it ships)"
         )
 
