@@ -284,8 +284,8 @@ def _estimate_parser(sub) -> None:
         help="predict memory, alpha, step time and MFU before renting GPUs",
         description="Predict per-GPU device and host memory, alpha, step time, tokens/s and MFU of "
         "MEMO and the systems people run instead (alst, megatron, megatron-deepspeed, offload-all). MFU counts "
-        "causal attention as the half of the s x s matrix a causal kernel computes; the full-matrix MFU and HFU (recomputation included) are "
-        "shown beside it, each named under the table and in the JSON.",
+        "causal attention as the half of the s x s matrix a causal kernel computes; the full-matrix MFU and HFU "
+        "(recomputation included) are shown beside it, each named under the table and in the JSON.",
     )
     _add_flags(p, EstimateRequest)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
