@@ -9,9 +9,9 @@ from ..config import ModelConfig
 from ..job import Job
 from ..lora import adapter_parameters
 
-# a trained weight in one process (`train.optim.MasterAdamW`): its bf16 value and gradient, its fp32 master, AdamW's
-# m and v, and the fp32 gradient the master accumulates into
-BYTES_PER_PARAM = 2 + 2 + 4 + 8 + 2
+# a trained weight in one process (`train.optim.MasterAdamW`) at the update: its bf16 value, its fp32 master, AdamW's
+# m and v, and the master's fp32 gradient (in the backward its bf16 gradient, 2 bytes less: counted at the larger)
+BYTES_PER_PARAM = 2 + 4 + 8 + 4
 # a trained weight under FSDP2 with bf16 mixed precision (`parallel.fsdp`), sharded: the fp32 parameter (its own
 # master), its fp32 gradient, AdamW's m and v; bf16 copies exist only gathered (`device_terms`)
 FSDP_BYTES_PER_PARAM = 4 + 4 + 8
