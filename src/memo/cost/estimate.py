@@ -254,15 +254,21 @@ def layouts(job: Job, gpu: GPUSpec, system: str) -> list[Layout]:
         ]
     # DeepSpeed's all-to-all scatters query and key/value heads alike; memo's repeats key/value heads to fit
     heads = (c.n_heads, c.n_kv_heads) if system in ("megatron-deepspeed", "alst") else (c.n_heads,)
-    tiles = MEMO_TILES if system == "memo" else (c.hidden_size,) if system == "alst" else (None,)
     return [
         Layout(system=system, ulysses=d, recompute=r, tile=tile)
         for d in degrees
         if all(h % d == 0 for h in heads)
         for r in RECOMPUTE[system]
-        for tile in tiles
-        if tile is None or tile < seq // d
+        for tile in _tiles(system, c, seq // d)
     ]
+
+
+def _tiles(system: str, c: ModelConfig, shard: int) -> tuple[int | None, ...]:
+    """Returns the tile lengths a system runs a GPU's `shard` of tokens in: memo searches `MEMO_TILES`, ALST's
+    TiledMLP cuts ceil(shard / hidden size) shards (rows of the hidden size), the others run it whole."""
+    tiles = MEMO_TILES if system == "memo" else (c.hidden_size,) if system == "alst" else (None,)
+    shorter = tuple(t for t in tiles if t is None or t < shard)
+    return shorter or (None,)
 
 
 def estimate(
