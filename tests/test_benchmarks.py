@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end at toy sizes (their numbers live in docs/benchmarks.md, not here)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -148,9 +149,13 @@ def test_backtest_table_at_toy_scale():
         assert 0 < low < row["predicted"] < high and row["error_points"] == pytest.approx(
             100 * (row["predicted"] - row["published"])
         )
-    text = backtest.table(rows)
+    unpublished = dataclasses.replace(toy[0], convention="causal", readings=("causal", "full"))
+    shown = backtest.predict(unpublished)  # a convention the source did not publish: both readings, not scored
+    assert not shown["scored"] and shown["readings"]["full"] > shown["readings"]["causal"]
+    text = backtest.table([*rows, shown])
     assert "| toy source; a note | tiny-gpt" in text and "megatron: tp=2 cp=2, selective recompute" in text
-    assert "median absolute error" in text and "of 2 rows within 5 points" in text
+    assert "median absolute error" in text and "of 2 scored rows within 5 points" in text
+    assert "causal or full" in text and "not scored" in text and "(1 shown in every reading" in text
     assert len({run.source for run in backtest.RUNS}) >= 3 and len(backtest.RUNS) >= 8
 
 
