@@ -34,7 +34,7 @@ def test_memo_train_help_documents_every_flag(capsys):
         assert " ".join(f.metadata["help"].replace("%%", "%").split()[:4]) in out
     for flag in ("--config", "--resume", "--json"):
         assert flag in out
-    assert "(default: 80% of free)" in out  # each flag names its default once
+    assert "(default: 75% of free)" in out  # each flag names its default once
     assert not re.search(r"\(default: [^()]*\) \(default:", out)
 
 

@@ -51,7 +51,7 @@ from memo.lora import LoraConfig, apply_lora, module_shapes
 from memo.plan.caching_sim import replay
 from memo.plan.trace import SCRATCH, Tracer, trace, trace_iteration
 from memo.train.data import write_token_file
-from memo.units import format_count
+from memo.units import format_bytes, format_count, format_seconds
 
 A800 = GPUS["A800-80GB"]
 GPT7B = ModelConfig.preset("gpt-7b")
@@ -358,16 +358,19 @@ def test_estimate_cli_packs_documents_of_a_mean_length(capsys):
     argv = ["estimate", "--model", "tiny", "--seq", "8K", "--gpus", "1", "--gpu", "h100", "--system", "memo"]
     assert main([*argv, "--mean-document-tokens", "1024"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("tiny, 8K tokens, 1x H100-SXM, full fine-tuning, packed documents of 1K tokens\n")
+    assert out.startswith("tiny, 8K tokens, 1x H100-SXM, full fine-tuning, packed documents of 1K tokens; host 2.00TiB")
     assert "MFU full Σd²" in out and "E[Σd²]/s² = 12.500% of whole 8K-token sequences" in out
     assert "| memo | packed documents, Σd² |" in out and "| memo | whole sequences, s² |" in out
     assert f"MFU convention: {MFU_PACKED}" in out and "memory: the same per token packed or not" in out
+    assert "memo on a one-GPU machine, Google Cloud a3-highgpu-1g (217.93GiB host): fits" in out
+    assert "memo: pinned host per node " in out and "at least for any plan at this length; pinning takes" in out
     assert main([*argv, "--mean-document-tokens", "1K", "--json"]) == 0
     (record,) = json.loads(capsys.readouterr().out)
     assert record["attention_fraction"] == 1 / 8 and record["unpacked"]["attention_fraction"] == 1
     assert record["conventions"]["mfu"] == MFU_PACKED and record["unpacked"]["conventions"]["mfu"] != MFU_PACKED
     assert record["attention_flops"] == pytest.approx(record["unpacked"]["attention_flops"] / 8, rel=1e-12)
     assert record["step_seconds"] < record["unpacked"]["step_seconds"]
+    assert record["one_gpu_machine"]["host_capacity_per_node"] < record["host_capacity_per_node"]
 
 
 def test_estimate_cli_reads_document_lengths_from_a_token_file(tmp_path, capsys):
@@ -942,3 +945,16 @@ def test_estimate_bounds_are_one_line_before_any_layout_is_searched(capsys, monk
 def test_calibrate_flags_are_checked_before_measuring(capsys, monkeypatch, flags, message):
     monkeypatch.setattr("memo.cli.calibrate", lambda *a, **k: pytest.fail("measured"))
     _one_line_error(capsys, ["calibrate", "--device", "cpu", *flags], message)
+
+
+def test_memo_train_names_the_pinned_host_before_pinning_it():
+    from memo.cost.predict import host_pool_bytes, pinned_host_line
+
+    job = Job(model=GPT7B, seq=1 << 20, gpus=8, sp=8, policy=ActivationPolicy("memo", alpha=0.5))
+    line = pinned_host_line(job, 8, 1 << 40)
+    fixed = host_pool_bytes(job, *job.policy.least_host_plan(GPT7B.n_layers))
+    assert line.startswith(f"pinned host per node: {format_bytes(8 * fixed)} for this plan")
+    assert f"pinning takes {format_seconds(fixed / PIN_BYTES_PER_S)}" in line
+    solved = dataclasses.replace(job, policy=ActivationPolicy("memo"))  # α solved at the first step
+    assert pinned_host_line(solved, 8, 1 << 40).startswith(f"pinned host per node: up to {format_bytes(8 << 40)}")
+    assert pinned_host_line(dataclasses.replace(job, policy=ActivationPolicy("none")), 8, 1 << 40) is None

@@ -48,7 +48,7 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
         "tokens/step: one optimizer step's tokens on all GPUs (compare tokens/s across rows, not step seconds)"
     )
     lines += [f"{e.system}: nearest its limit: {e.binds}; memory served by {e.allocator}" for e in results if e.layout]
-    lines += [host_line(e) for e in results if e.layout and e.host_bytes_per_node]
+    lines += [host_line(e) for e in results if e.layout]
     timed = next((e.attention_kernel for e in results if e.attention_kernel), "-")
     source = results[0].efficiency.get("source", "-")
     lines.append(f"ranges: the efficiency band; attention kernel: {timed}; efficiencies: {source}")

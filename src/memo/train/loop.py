@@ -103,7 +103,11 @@ class Trainer:
     torchrun every rank makes its own Trainer; `rank == 0` is the one that writes."""
 
     def __init__(
-        self, cfg: TrainConfig, resume: bool = False, base: ModelConfig | None = None, say: Callable[[str], None] = log.info
+        self,
+        cfg: TrainConfig,
+        resume: bool = False,
+        base: ModelConfig | None = None,
+        say: Callable[[str], None] = log.info,
     ):
         world = parallel.world_size()
         cfg.check_world(world)
@@ -146,9 +150,12 @@ class Trainer:
             log.info("CUDA allocator: %s", dev.use_expandable_segments())
         self.attention = choose_attention(cfg.attention, self.device, self.job.torch_dtype)  # impossible: before work
         check_memory(cfg, self.job, self.device, self.mesh)
-        pins = pinned_host_line(self.job, parallel.local_world_size(), _host_budget(cfg) - state_host_bytes(self.job))
-        if pins and self.rank == 0:
-            self.say(pins)
+        if self.device.type == "cuda" and self.rank == 0:  # host memory is pinned for a GPU's copies only
+            pins = pinned_host_line(
+                self.job, parallel.local_world_size(), _host_budget(cfg) - state_host_bytes(self.job)
+            )
+            if pins:
+                self.say(pins)
         # a solved α and plan are pinned to the checkpoint's (they decide which rows are recomputed); given ones win
         pinned = saved.state.get("alphas") if saved and cfg.alpha is None else None
         modes = saved.state.get("modes") if saved and cfg.alpha is None and cfg.plan is None else None
