@@ -344,8 +344,8 @@ def _run_estimate(args) -> int:
         print(shown if args.json else sweep_table(job, lengths, results))
         return 0
     # one GPU on its default host: answered on a real one-GPU machine's host too
-    alone = dataclasses.replace(job, host_memory=spec.one_gpu_host_memory)
     one_gpu = job.gpus == 1 and job.host_memory is None and spec.one_gpu_host_memory
+    alone = dataclasses.replace(job, host_memory=spec.one_gpu_host_memory) if one_gpu else job
     if args.max_seq:
         found = {s: max_seq_range(job, spec, s, band) for s in systems}
         if one_gpu:
