@@ -958,3 +958,9 @@ def test_memo_train_names_the_pinned_host_before_pinning_it():
     solved = dataclasses.replace(job, policy=ActivationPolicy("memo"))  # α solved at the first step
     assert pinned_host_line(solved, 8, 1 << 40).startswith(f"pinned host per node: up to {format_bytes(8 << 40)}")
     assert pinned_host_line(dataclasses.replace(job, policy=ActivationPolicy("none")), 8, 1 << 40) is None
+
+
+def test_a_gpu_without_a_listed_one_gpu_machine_is_answered_on_its_node(capsys):
+    assert main(["estimate", "--model", "tiny", "--seq", "4K", "--gpus", "1", "--gpu", "h200", "--system", "memo"]) == 0
+    out = capsys.readouterr().out
+    assert "host 2.00TiB per node (DGX H200)" in out and "one-GPU machine" not in out
