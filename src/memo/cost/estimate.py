@@ -402,11 +402,8 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
         point = "" if priced.memory == "mid" else f" at the {priced.memory} end of memory"
         why = f"device memory: needs {least}{need / 2**30:.1f} GiB{point} of {gpu.hbm_bytes / 2**30:.0f} GiB"
     if not why and host > host_capacity:
-        why = _host_refusal(
-            f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable",
-            held * node_gpus,
-            host_capacity,
-        )
+        why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
+        why = _host_refusal(why, held * node_gpus, host_capacity) if held else why
     timed = {p: _step_seconds(job, layout, gpu, getattr(band, p), plan) for p in POINTS}
     seconds = timed[priced.point]
     step = sum(seconds.values())
