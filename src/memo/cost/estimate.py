@@ -27,7 +27,7 @@ the GPU, shape and attention kernel, `efficiency.published_band`, or measured by
 recomputation, plus the part of each host copy that does not hide behind the layer's compute, plus
 communication (all-to-all and tensor-parallel collectives on the critical path; parameter gathers and
 context-parallel rings overlapped with compute). Data-parallel gradient reduction and the optimizer step on the
-GPU are left out (once per step, overlapped with backward in all four systems alike). Every time comes as a range
+GPU are left out (once per step, overlapped with backward in every system alike). Every time comes as a range
 from the efficiency band.
 
 Packed documents (`Job.documents`, `DocumentLengths`): a sequence made of documents that attend only within
@@ -44,7 +44,10 @@ Device memory = model states + the activation store's buffers for the plan (`swa
 train` allocates) + the traced step's transient peak (kernel scratch in it; the baselines' materialised loss
 where it is higher) + what the allocator takes beyond that step's LOAD (the caching allocator's fragmentation,
 `plan.caching_sim`, with expandable segments for memo as `memo train` runs it; or memo's planned arena) + the
-runtime (CUDA context, cuBLAS and NCCL buffers).
+runtime (CUDA context, cuBLAS and NCCL buffers, NVLink SHARP buffers on NVSwitch GPUs); FSDP2's gathered root
+unit, its gradients and the reduce-scatter in flight are model-state terms (`states.device_terms`). Memory has
+a band (`memory_range`): LOAD at the low end, the upper published runtime figures and `TRANSIENT_ERROR` of the
+transient at the high end; `max_seq_range` answers at the high end. Speeds have theirs (`efficiency.IN_TRAINING`).
 """
 
 from __future__ import annotations
