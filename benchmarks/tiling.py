@@ -6,7 +6,7 @@ seen) + the most bytes alive at once during a steady forward and backward, as th
 every request at PyTorch's CPU allocator (kernel-internal buffers included; the host pool is allocated with
 the buffers, so it is not in the step). Predicted = the store layout the cost model computes for the plan
 (`swap.store_layout`) + the transient peak of the cost model's traced step (`cost.memory.transient_peak`: a
-4-layer step on `meta` with CPU kernels, float32, read on its lines between traced lengths). Each
+4-layer step on `meta` with CPU kernels, float32, extended from two short traces). Each
 configuration's memory is measured in a process of its own. Step times are measured in one more process that
 alternates a step of each tile length (same weights, same batch), so that a shared machine's drift in speed,
 which is larger than the differences measured, falls on every configuration alike; each time is the median.

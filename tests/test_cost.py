@@ -344,7 +344,9 @@ def test_packed_attention_runs_at_the_published_speed_of_the_documents_length():
     tiny, seq = ModelConfig.preset("tiny"), 16384
     layout = Layout(system="megatron-deepspeed", recompute="full")
     for n, length in [(None, seq), (1024, 1024), (2048, 2048), (100, 512)]:  # below 512: the shortest published
-        e = estimate(Job(model=tiny, seq=seq, documents=n and DocumentLengths(n)), H100, "megatron-deepspeed", layout=layout)
+        e = estimate(
+            Job(model=tiny, seq=seq, documents=n and DocumentLengths(n)), H100, "megatron-deepspeed", layout=layout
+        )
         kernel = "flash" if n else "cudnn"  # "auto" on H100: cuDNN, but flash's one call over packed documents
         assert e.attention_kernel == kernel
         band = published_band(H100, tiny, seq, tiny.n_heads, kernel, rows=seq, length=length)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -602,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs `memo <verb>`; returns the exit code. Expected failures (bad input, a file, device or memory that
     cannot be used: 2; a signal: 128 + its number, 130 for Ctrl-C) are one line on stderr, with the traceback only
     under `--debug`, after the verb removed its temporaries; any other exception is a bug: its traceback."""
+    argv_given = argv is not None
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -612,7 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("memo").addHandler(warnings)
     try:
         with Stopping():
-            return args.run(args)
+            code = args.run(args)
+        if not argv_given:  # a command line: skip the interpreter's last collection over torch's objects at exit
+            gc.freeze()
+        return code
     except BaseException as err:
         failure = _expected_failure(err)
         if failure is None:

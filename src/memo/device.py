@@ -53,7 +53,12 @@ def meta_kernels(device_type: str):
 def kernel_device_type(device: torch.device) -> str:
     """Returns the device type whose kernels run for tensors on `device`: its own, or on `meta` the one
     `meta_kernels` names (default cpu)."""
-    return _META_KERNELS.get() if device.type == "meta" else device.type
+    return meta_kernel_type() if device.type == "meta" else device.type
+
+
+def meta_kernel_type() -> str:
+    """Returns the device type whose kernels ops on `meta` tensors stand for (`meta_kernels`; default cpu)."""
+    return _META_KERNELS.get()
 
 
 def has_fused_kernel(op: str, device_type: str) -> bool:
@@ -204,8 +209,12 @@ class HostBuffer:
             _register(self.chunks, nbytes)
         self.fault_seconds, self.pin_seconds = faulted - start, time.perf_counter() - faulted
         if self.pinned:
-            log.info("pinned %s of host memory: pages faulted in %.1f s, registered in %.1f s",
-                     format_bytes(nbytes), self.fault_seconds, self.pin_seconds)
+            log.info(
+                "pinned %s of host memory: pages faulted in %.1f s, registered in %.1f s",
+                format_bytes(nbytes),
+                self.fault_seconds,
+                self.pin_seconds,
+            )
         # runs before `data` is dropped (weak references die first), so the bytes are never freed while pinned
         ptrs = [ptr for ptr, _ in self.chunks]
         self._unpin = weakref.finalize(self, _unregister, ptrs, device) if self.pinned else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from .attention import check_choice
@@ -209,13 +210,20 @@ class PlanProblem:
         return slack * self.n_layers * (self.layer_seconds + self.backward_seconds)
 
 
+@lru_cache(maxsize=4096)
+def _flags(modes: tuple[str, ...], offload_last_layers: bool, tiled: bool) -> tuple[list[bool], ...]:
+    """Returns (`offloaded`, `reloaded`, `slot_survives`) of a plan: the solver asks them of the same plans
+    again and again (a `--max-seq` search a million times)."""
+    return offloaded(list(modes), offload_last_layers), reloaded(list(modes)), slot_survives(list(modes), tiled)
+
+
 def _parts(p: PlanProblem, modes: list[str]) -> list[tuple[float, float, float, float]]:
     """Returns per layer (host bytes, host bytes per unit of α, seconds recomputed, of which α spares) as §3
     and its generalisation say for the layer's mode: memo sends the input and attention output when its
     rounding buffer is overwritten before its backward, and α of the rows of q, k, v then and of its token-local
     tensors unless they survive in the layer's own tile slot (a single tile, the buffer not overwritten);
     checkpoint sends the input and runs the layer again; recompute keeps the input and runs it again."""
-    sent, back, survive = offloaded(modes, p.offload_last_layers), reloaded(modes), slot_survives(modes, p.tiled)
+    sent, back, survive = _flags(tuple(modes), p.offload_last_layers, p.tiled)
     qkv_rows = p.other_bytes - p.local_bytes
     parts = []
     for i, mode in enumerate(modes):
@@ -245,7 +253,7 @@ def plan_costs(p: PlanProblem, modes: list[str], alphas: list[float]) -> dict[st
     offload that does not hide behind the layer's forward, and of each prefetch behind the backward above).
 
     With FLOPs for the seconds and an infinite bandwidth it counts the recomputed FLOPs (cost/flops.py)."""
-    back = reloaded(modes)
+    back = _flags(tuple(modes), p.offload_last_layers, p.tiled)[1]
     recompute = copy = 0.0
     for i, ((fixed, per_alpha, again, spared), a) in enumerate(zip(_parts(p, modes), alphas)):
         recompute += again + (1 - a) * spared

@@ -2,12 +2,16 @@
 
 Activation terms come from the real model: the skeletal tensor list of `DecoderLayer.skeletal_specs`, the
 bytes the store allocates for a plan (`swap.store_layout`, the code `memo train` sizes its buffers with),
-and an allocation trace of a steady-state training step on the `meta` device (no memory needed).
+and an allocation trace of a steady-state training step on the `meta` device (no memory needed). A trace costs
+its op calls, one pass of each token loop per tile: a long step's trace is that of two short ones extended to its
+length (`plan.extend`), event by event the direct trace, which the memory terms are read from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -21,19 +25,22 @@ from ..layer import DecoderLayer, SkeletalSpec, bytes_by_role
 from ..lora import LoraConfig, apply_lora
 from ..model import Transformer
 from ..parallel.ulysses import Ulysses
-from ..plan.caching_sim import replay
-from ..plan.greedy import greedy
-from ..plan.problem import Problem, max_load, peak
-from ..plan.trace import SCRATCH, trace_iteration, windows
+from ..plan.extend import Measure, Program, events, growth, measure, program
+from ..plan.extend import tokens as trace_tokens
+from ..plan.problem import max_load, peak
+from ..plan.trace import SCRATCH, Trace, no_cycle_collection, trace_iteration
+from ..plan.worker import both
 from ..policy import ActivationPolicy
 from ..swap import StoreLayout, layer_swaps, store_layout
 from ..units import format_bytes, format_count
 from .hardware import GPUS
 from .states import trained
 
+log = logging.getLogger(__name__)
+
 TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
-TRACE_TOKENS = 1 << 18  # longest step traced (a trace's cost grows with the length); past it, extrapolated
-TRACE_TILES = 16  # tiles of the longest tiled step traced, unless its phases are not linear there yet
+TRACE_TOKENS = 1 << 18  # longest of the traces a step is extended from (a trace costs its op calls: tiles, chunks)
+TRACE_TILES = 4  # tiles of the shorter of two traces a longer tiled step is extended from (untiled: 2 loss chunks)
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,9 @@ class Traced:
     checkpointed layer first when the plan has one), the tile length (None: the whole sequence, as the
     baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), the
     query heads per attention call (None: the default at each traced length), LoRA's adapters (frozen base
-    weights: no weight gradient computed), the dtype and whose attention kernels (a device type) run. `of` fixes the heads a run makes at its length, so that the traces
-    around it make the same calls and each phase stays linear in tokens."""
+    weights: no weight gradient computed), the dtype and whose attention kernels (a device type) run. `of`
+    fixes the heads a run makes at its length, so that the shorter traces it is extended from make the same
+    calls."""
 
     strategy: str = "memo"
     checkpoint: bool = False
@@ -109,66 +117,47 @@ def store_bytes(
 
 
 def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
-    """Returns the peak bytes allocated during a steady-state step beyond the store's buffers (layer inputs
-    held for recomputation are the store's). The step is traced at two lengths around `tokens` (`_bracket`)
-    and each phase's peak (a layer's forward or backward, or the rest: embedding and loss) read on the line
-    through its two traced peaks: a phase's tensors are token rows, tiles and the loss chunk are fixed, so each
-    phase's peak is linear in tokens once the whole-length tensors outweigh a tile's (the step's, their
-    maximum, need not be); past the longest traced length the line is taken where it is so (`_linear_top`).
-    A few traces then serve any length (a search over lengths and plans included), in `traced`'s dtype and
-    kernels."""
-    lo, hi = _bracket(tokens, traced.tile)
-    if tokens > hi:
-        lo, hi = _linear_top(c, traced, loss_chunk_tokens, hi)
-    at_lo, at_hi = (_traced_step(c, n, traced, loss_chunk_tokens).peaks for n in (lo, hi))
-    return max(_line(at_lo[k], at_hi[k], lo, hi, tokens) for k in at_hi)
+    """Returns the peak bytes allocated during a steady-state step of `tokens` tokens beyond the store's buffers
+    (layer inputs held for recomputation are the store's): the LOAD of the step's trace at that length, traced
+    whole or extended from two shorter traces (`_program`), in `traced`'s dtype and kernels."""
+    measured, held = _measured(c, tokens, traced, loss_chunk_tokens)
+    return measured.load - held
 
 
 def transient_floor(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
-    """Returns a peak that a step of `tokens` tokens cannot stay below: the traced peak at the longest length
-    `transient_peak` traces that is not past `tokens` (every phase's peak grows with the tokens). One trace,
-    which `transient_peak` makes too: a search refuses a length that cannot fit before extrapolating to it."""
-    lo, hi = _bracket(tokens, traced.tile)
-    return max(_traced_step(c, hi if hi <= tokens else lo, traced, loss_chunk_tokens).peaks.values())
+    """Returns a peak that a step of `tokens` tokens cannot stay below, for a search to refuse a length before it
+    prices it: the transient peak itself, which two short traces give at any length."""
+    return transient_peak(c, tokens, traced, loss_chunk_tokens)
 
 
-@lru_cache(maxsize=64)
-def _linear_top(c: ModelConfig, traced: Traced, loss_chunk_tokens: int, top: int) -> tuple[int, int]:
-    """Returns the two traced lengths (from `top`, doubled at most twice) whose lines extend past them: where
-    every phase's peak grows by the same bytes per token as at half the length (within 1%)."""
-    lo, hi = top // 2, top
-    for _ in range(2):
-        a, b, d = (_traced_step(c, n, traced, loss_chunk_tokens).peaks for n in (lo // 2, lo, hi))
-        if all(abs((d[k] - b[k]) - 2 * (b[k] - a[k])) <= 0.01 * abs(d[k] - b[k]) + (1 << 20) for k in d):
-            break
-        lo, hi = hi, 2 * hi
-    return lo, hi
-
-
-ALLOCATORS = {  # how a run's device memory is served, and the StepTrace field of what it costs beyond LOAD
-    "caching": "fragmentation",  # PyTorch's CUDA caching allocator, default settings
-    "expandable": "expandable",  # the same with expandable_segments (what `memo train` turns on)
-    "arena": None,  # memo's planned allocator (`memo train --arena`): one arena for the step
-}
+ALLOCATORS = (  # how a run's device memory is served
+    "caching",  # PyTorch's CUDA caching allocator, default settings
+    "expandable",  # the same with expandable_segments (what `memo train` turns on)
+    "arena",  # memo's planned allocator (`memo train --arena`): one arena for the step
+)
 
 
 def fragmentation_bytes(
     c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096, allocator: str = "caching"
 ) -> int:
     """Returns the bytes an allocator (`ALLOCATORS`) takes beyond the step's LOAD: the caching allocator's
-    reserved beyond its allocated peak, the traced step replayed through `plan.caching_sim`; or the planned
-    arena's size beyond LOAD, the traced step placed by `plan.greedy` (the planned allocator's first answer;
-    its search only improves on it). Read on the line between the two traced lengths as in `transient_peak`."""
+    reserved beyond its allocated peak, the step replayed through `plan.caching_sim`; or the planned arena's size
+    beyond LOAD, the step placed by `plan.greedy` (the planned allocator's first answer; its search only improves
+    on it)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"unknown allocator {allocator!r}; choose one of {', '.join(ALLOCATORS)}")
     if allocator == "arena":
-        lo, hi = _bracket(tokens, traced.tile)
-        return _line(*(_arena_overhead(c, n, traced, loss_chunk_tokens) for n in (lo, hi)), lo, hi, tokens)
-    return _on_line(c, tokens, traced, loss_chunk_tokens, ALLOCATORS[allocator])
+        return _arena_overhead(c, tokens, traced, loss_chunk_tokens)
+    return _measured(c, tokens, traced, loss_chunk_tokens, allocator)[0].overhead
 
 
 @lru_cache(maxsize=64)
 def _arena_overhead(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int) -> int:
-    """Returns how far a greedy placement of the traced step lies above its LOAD."""
-    problem = _traced_step(c, tokens, traced, loss_chunk_tokens).problem
+    """Returns how far a greedy placement of the step lies above its LOAD."""
+    from ..plan.greedy import greedy  # numba: loads with the first arena priced
+
+    with no_cycle_collection():
+        problem = events(_program(c, tokens, traced, loss_chunk_tokens)[0]).to_problem()
     return peak(problem, greedy(problem)[0]) - max_load(problem)
 
 
@@ -178,104 +167,135 @@ def traffic_bytes(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens
     casts, the loss's softmax...), which run at HBM speed, not at tensor-core speed. Tiles split the same work
     into rows: the untiled step's trace serves."""
     whole = dataclasses.replace(traced, tile=None)
-    return tuple(_on_line(c, tokens, whole, loss_chunk_tokens, k) for k in ("traffic_layer", "traffic_outside"))
-
-
-def _on_line(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int, field: str) -> int:
-    lo, hi = _bracket(tokens, traced.tile)
-    at_lo, at_hi = (getattr(_traced_step(c, n, traced, loss_chunk_tokens), field) for n in (lo, hi))
-    return _line(at_lo, at_hi, lo, hi, tokens)
-
-
-def _line(at_lo: int, at_hi: int, lo: int, hi: int, tokens: int) -> int:
-    return at_hi if hi == lo else max(0, at_lo + (at_hi - at_lo) * (tokens - lo) // (hi - lo))
-
-
-def _bracket(tokens: int, tile: int | None = None) -> tuple[int, int]:
-    """Returns the traced lengths whose lines give the peaks at `tokens`: (t, t) when `tokens` is traced itself;
-    at most `TRACE_TOKENS`, and for tiled steps at most `TRACE_TILES` tiles (a trace's cost grows with the
-    number of tiles; past that, every phase is linear in tokens)."""
-    top = TRACE_TOKENS if tile is None else max(min(TRACE_TOKENS, TRACE_TILES * tile), 1024)
-    if tokens >= top:
-        return (top, top) if tokens == top else (top // 2, top)
-    hi = 1 << max(tokens - 1, 1).bit_length()
-    return (hi, hi) if hi == tokens else (hi // 2, hi)
+    measured = _measured(c, tokens, whole, loss_chunk_tokens)[0]
+    return measured.written_in_layers // min(c.n_layers, TRACE_LAYERS), measured.written_outside
 
 
 def traced_transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
     """Returns the peak bytes allocated during a steady-state step (after buffers are sized) beyond the store's
-    buffers, on `meta`, kernel scratch (`plan.scratch`: the flash backward's fp32 accumulators) included.
+    buffers, on `meta`, kernel scratch (`plan.scratch`: the flash backward's fp32 accumulators) included, traced
+    whole at `tokens` (what `transient_peak` extends shorter traces to).
 
     The step is traced with `TRACE_LAYERS` layers; parameter gradients already exist (accumulated), as in
     training.
     """
-    return max(_traced_step(c, tokens, traced, loss_chunk_tokens).peaks.values())
+    step = _traced_step(c, tokens, traced, loss_chunk_tokens)
+    return step.trace.peak - step.held
 
 
 COMPUTE_BOUND = ("mm", "attention", "empty")  # op names holding these: timed at FLOP/s, or writing nothing
 
 
-@dataclass(frozen=True)
-class StepTrace:
-    """What one traced step gives the cost model (see the callers)."""
-
-    peaks: dict  # phase -> its peak bytes beyond the store: ("fwd" | "bwd", layer), and "rest"
-    fragmentation: int  # the caching allocator's reserved beyond its peak, default settings
-    expandable: int  # the same with expandable segments
-    traffic_layer: int  # memory-bound bytes written per layer
-    traffic_outside: int  # and outside the layers
-    problem: Problem  # the step's tensors as a DSA instance (what an arena places)
+def _written(op) -> bool:
+    """Returns whether an op's outputs count as memory-bound bytes written (`traffic_bytes`)."""
+    return op != SCRATCH and not any(k in str(op) for k in COMPUTE_BOUND)
 
 
 @lru_cache(maxsize=256)
+def _measured(
+    c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int, allocator: str | None = None
+) -> tuple[Measure, int]:
+    """Returns the step's `plan.extend.Measure` (replayed through `allocator`'s mode of the caching allocator, if
+    given) and the bytes of layer inputs its store holds."""
+    with no_cycle_collection():
+        p, held = _program(c, tokens, traced, loss_chunk_tokens)
+        return measure(p, _written, allocator), held
+
+
+def _program(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int) -> tuple[Program, int]:
+    """Returns the step of `tokens` tokens as a program (`plan.extend`) and the bytes of layer inputs its store
+    holds: extended from two shorter traces of the same remainder (`_growth`; the held inputs are token rows: they
+    grow by the same bytes per unit), or traced whole when it is at most a unit past them."""
+    unit = _unit(traced, loss_chunk_tokens)
+    first = tokens % unit + (-(-TRACE_TILES * traced.tile // unit) if traced.tile else 1) * unit
+    grown = _growth(c, first, traced, loss_chunk_tokens) if tokens > first + unit else None
+    if grown is not None and tokens > grown[1] + unit:
+        growing, short, held, more = grown
+        units = (tokens - short) // unit
+        return growing.program(units), held + more * units
+    step = _traced_step(c, tokens, traced, loss_chunk_tokens)
+    return program(trace_tokens(step.trace)), step.held
+
+
+@lru_cache(maxsize=64)
+def _growth(c: ModelConfig, first: int, traced: Traced, loss_chunk_tokens: int) -> tuple | None:
+    """Returns (how the step grows per unit, the length it grows from, the held bytes there, and per unit): from
+    the traces at `first` tokens and a unit on (or, if they do not differ as passes of longer loops do, at lengths a
+    unit on, up to `TRACE_TOKENS`); every length of the same remainder shares them. None if no two do (the step is
+    then traced whole)."""
+    unit = _unit(traced, loss_chunk_tokens)
+    for short in range(first, TRACE_TOKENS - unit + 1, unit):
+        a, b = both(_tokens_of, (c, short, traced, loss_chunk_tokens), (c, short + unit, traced, loss_chunk_tokens))
+        grown = growth(a[0], b[0])
+        if grown is not None:
+            return grown, short, a[1], b[1] - a[1]
+    log.warning(
+        "no two traces of %s up to %d tokens grow as longer loops do: longer steps are traced whole",
+        traced,
+        TRACE_TOKENS,
+    )
+    return None
+
+
+def _unit(traced: Traced, loss_chunk_tokens: int) -> int:
+    """Returns the tokens between the lengths a step is extended from: two tiles (two loss chunks untiled: α's split
+    then falls at the same row of its tile), and whole loss chunks."""
+    return math.lcm(2 * (traced.tile or loss_chunk_tokens), loss_chunk_tokens)
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One steady-state step traced on `meta` (tile marks in it: `plan.extend` cuts there) and the bytes of the
+    layer inputs its store holds for recomputation (the store's, counted there)."""
+
+    trace: Trace
+    held: int
+
+
+@lru_cache(maxsize=16)
 def _traced_step(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int) -> StepTrace:
-    """Returns the peaks, fragmentation and traffic of one steady-state step traced on `meta`."""
-    dtype, kernels = traced.dtype, traced.kernels
+    """Returns one steady-state step traced on `meta` (`_sized_model`)."""
+    with no_cycle_collection():  # building the model imports torch._dynamo on a first call: much garbage
+        model, ids = _sized_model(c, tokens, traced, loss_chunk_tokens)
+        with meta_kernels(traced.kernels):  # a GPU step allocates what the CUDA attention kernels allocate
+            step = trace_iteration(model, ids, scratch=traced.kernels == "cuda", tiles=True)
+    return StepTrace(step, model.store.layout.kept_input_bytes)
+
+
+def _tokens_of(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int) -> tuple[list[tuple], int]:
+    """Returns `_traced_step`'s trace as tokens (`plan.extend.tokens`) and its held bytes: what `plan.worker`'s child
+    sends back."""
+    step = _traced_step(c, tokens, traced, loss_chunk_tokens)
+    return trace_tokens(step.trace), step.held
+
+
+def _sized_model(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int):
+    """Returns (`_model`, its input of `tokens` tokens) with the store sized for them, as after a first step at
+    that length (what a first forward and backward would do, without their cost)."""
+    model = _model(c, traced, loss_chunk_tokens)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    with meta_kernels(traced.kernels):
+        model.store.begin_step(model.layers, 1, tokens, traced.dtype, ids.device)
+    return model, ids
+
+
+@lru_cache(maxsize=8)
+def _model(c: ModelConfig, traced: Traced, loss_chunk_tokens: int) -> Transformer:
+    """Returns the model of `TRACE_LAYERS` layers on `meta` a step is traced with, every parameter gradient made
+    (the store, sized again for each length, keeps nothing of a step after the next begins)."""
     layers = min(c.n_layers, TRACE_LAYERS)
-    small = dataclasses.replace(c, n_layers=layers)
     with torch.device("meta"):
-        model = Transformer(small, traced.policy(layers), loss_chunk_tokens=loss_chunk_tokens).to(dtype)
+        model = Transformer(dataclasses.replace(c, n_layers=layers), traced.policy(layers), loss_chunk_tokens)
+        model = model.to(traced.dtype)
     if traced.lora is not None:
         apply_lora(model, traced.lora)
     if traced.sp > 1:
         for layer in model.layers:
             layer.seq_parallel = Ulysses.traced(traced.sp, c.n_heads, c.n_kv_heads)
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    with meta_kernels(kernels):  # a GPU step allocates what the CUDA attention kernels allocate
-        model(ids, labels=ids).backward()  # sizes the store and creates .grad
-        step = trace_iteration(model, ids, scratch=kernels == "cuda")
-    held = model.store.layout.kept_input_bytes  # layer inputs `recompute` holds: the store's, counted there
-    events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
-    cached, expandable = replay(events), replay(events, expandable_segments=True)
-    written = [
-        e.nbytes if e.kind == "alloc" and e.op != SCRATCH and not any(k in str(e.op) for k in COMPUTE_BOUND) else 0
-        for e in step.events
-    ]
-    spans = windows(step)
-    in_layers = sum(sum(written[lo:hi]) for lo, hi in spans.values())
-    return StepTrace(
-        peaks={k: v - held for k, v in _phase_peaks(step, spans).items()},
-        fragmentation=cached.peak_reserved - cached.peak_allocated,
-        expandable=expandable.peak_reserved - expandable.peak_allocated,
-        traffic_layer=in_layers // layers,
-        traffic_outside=sum(written) - in_layers,
-        problem=step.to_problem(),
-    )
-
-
-def _phase_peaks(step, spans: dict) -> dict:
-    """Returns the most bytes live during each layer phase of the trace, and during the rest of the step."""
-    phase_of = {}
-    for key, (lo, hi) in spans.items():
-        for i in range(lo, hi + 1):
-            phase_of.setdefault(i, key)
-    peaks: dict = {}
-    live = 0
-    for i, e in enumerate(step.events):
-        live += e.nbytes if e.kind == "alloc" else -e.nbytes if e.kind == "free" else 0
-        key = phase_of.get(i, "rest")
-        peaks[key] = max(peaks.get(key, 0), live)
-    return peaks
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return model
 
 
 def training_lower_bound(job: Job) -> dict[str, int]:
@@ -298,7 +318,7 @@ def training_lower_bound(job: Job) -> dict[str, int]:
     return {"states": states, "activations": layout.device_bytes, "host_pool": layout.host_total}
 
 
-PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` traces (a trace takes seconds per million)
+PLAN_MAX_TOKENS = 4 << 20  # tokens per GPU `memo plan` plans (its instances hold every tensor of every tile)
 
 
 def check_plan_length(job: Job) -> None:

@@ -14,6 +14,7 @@ The caching-allocator simulator replays the same step for comparison.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,9 +24,11 @@ from ..config import ModelConfig
 from ..device import meta_kernels
 from ..model import Transformer
 from ..policy import ActivationPolicy
+from . import extend
 from .budget import PLAN_WORK, SAFETY_SECONDS
 from .caching_sim import SimResult, replay
 from .dsa import Solution, solve
+from .extend import events, growth
 from .problem import Problem
 from .trace import Trace, trace_iteration, windows
 
@@ -48,12 +51,43 @@ class Plan:
 
 
 def meta_model(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1, dtype=torch.bfloat16):
-    """Returns a model on `meta` that has run one step (buffers sized, grads created) and its input."""
+    """Returns a model on `meta` as after one step (buffers sized, grads created) and its input: what a first
+    forward and backward would leave, without their cost."""
     with torch.device("meta"):
         model = Transformer(config, dataclasses.replace(policy, host_budget_bytes=1 << 62)).to(dtype)
     ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
-    model(ids, labels=ids).backward()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    model.store.begin_step(model.layers, batch, tokens, dtype, ids.device)
     return model, ids
+
+
+def step_trace(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int = 1) -> tuple[Trace, int]:
+    """Returns the trace of one training step on `meta` with CUDA kernels (the optimizer's update in it) and the
+    bytes of the store's device buffers. A step of many tiles is extended from two of four tiles and more, a unit
+    apart (`plan.extend`, as the cost model's), their attention calls those of the true length, where every
+    layer's α moves its split by whole tiles per unit (0, ½, 1): the trace it gives is the direct one, event by
+    event (tests compare them)."""
+    with meta_kernels("cuda"):  # plan what a GPU step allocates, CUDA attention kernels included
+        model, ids = meta_model(config, policy, tokens, batch)
+        tile, heads = model.store.tiling(model.layers[0], tokens, ids.device)
+        unit = math.lcm(2 * tile, model.loss_chunk_tokens)
+        short = tokens % unit + 2 * unit
+        if tokens > short + unit and all(swap.alpha * unit % tile == 0 for swap in model.store.swaps):
+            fixed = dataclasses.replace(policy, attention_heads=heads)
+            grown = growth(*(_tokens_at(config, fixed, n, batch) for n in (short, short + unit)))
+            step = None if grown is None else events(grown.program((tokens - short) // unit))
+            if step is not None:
+                return step, model.swap_stats().device_skeletal_bytes
+        step = trace_iteration(model, ids, meta_optimizer(model), scratch=True)
+    return step, model.swap_stats().device_skeletal_bytes
+
+
+def _tokens_at(config: ModelConfig, policy: ActivationPolicy, tokens: int, batch: int) -> list[tuple]:
+    """Returns the step at `tokens` tokens as `plan.extend` tokens, traced with its tile marks."""
+    model, ids = meta_model(config, policy, tokens, batch)
+    return extend.tokens(trace_iteration(model, ids, meta_optimizer(model), scratch=True, tiles=True))
 
 
 def meta_optimizer(model: Transformer) -> torch.optim.Optimizer:
@@ -114,9 +148,7 @@ def plan(
     The solves share `work_limit` units of search work and, as a safety net, `time_limit` seconds (`dsa.solve`).
     """
     start = time.perf_counter()
-    with meta_kernels("cuda"):  # plan what a GPU step allocates, CUDA attention kernels included
-        model, ids = meta_model(config, policy, tokens, batch)
-        step = trace_iteration(model, ids, meta_optimizer(model), scratch=True)
+    step, store_bytes = step_trace(config, policy, tokens, batch)
     traced = time.perf_counter() - start
     phases, outer, spans = level_problems(step)
     level1 = _solve_phases(phases, _share(time_limit, work_limit, 8))
@@ -126,7 +158,7 @@ def plan(
         (f"{phase}{layer}", lo + 1, hi, level1[(phase, layer)].peak) for (phase, layer), (lo, hi) in spans.items()
     ]
     level2 = Problem.from_rows([(f"t{r[0]}", *r[1:]) for r in outer] + blocks)
-    events = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
+    allocs = [(e.kind, e.tensor, e.nbytes) for e in step.events if e.kind != "mark"]
     fwd = max((level1[k] for k in level1 if k[0] == "fwd"), key=lambda s: s.peak)
     bwd = max((level1[k] for k in level1 if k[0] == "bwd"), key=lambda s: s.peak)
     iteration = solve(level2, **_share(time_limit, work_limit, 4))
@@ -140,8 +172,8 @@ def plan(
         flat,
         step.peak,
         step.dispatch_peak,
-        replay(events),
-        model.swap_stats().device_skeletal_bytes,
+        replay(allocs),
+        store_bytes,
         step,
         traced,
         sum(s.work for s in solved),

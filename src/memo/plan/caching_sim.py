@@ -41,12 +41,14 @@ def segment_size(rounded: int) -> int:
     return -(-rounded // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass
 class Block:
-    segment: int
-    address: int
-    size: int
-    free: bool = True
+    """A block of a segment; its neighbours by address are `prev` and `next` (None at the segment's ends)."""
+
+    __slots__ = ("segment", "address", "size", "free", "prev", "next")
+
+    def __init__(self, segment: int, address: int, size: int, free: bool = True, prev=None, next=None):
+        self.segment, self.address, self.size, self.free = segment, address, size, free
+        self.prev, self.next = prev, next
 
 
 @dataclass
@@ -60,13 +62,15 @@ class SimResult:
 
 
 class CachingAllocator:
-    """The allocator's state: segments split into blocks, per-pool free lists ordered by (size, address)."""
+    """The allocator's state: segments split into blocks linked by address, per-pool free lists ordered by (size,
+    address); every step is a dictionary lookup or a bisection, so a step of a million events replays in seconds."""
 
     def __init__(self, capacity: int | None = None, expandable_segments: bool = False):
         self.capacity, self.expandable = capacity, expandable_segments
-        self.blocks: dict[int, list[Block]] = {}  # segment id -> blocks by address
+        self.last: dict[int, Block] = {}  # segment id -> its block of the highest address
         self.segment_pool: dict[int, bool] = {}  # segment id -> is small pool
         self.free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # (size, address, segment)
+        self._free_at: dict[int, Block] = {}  # address -> free block (addresses are unique across segments)
         self.reserved = self.allocated = 0
         self._next_segment = 0
         self._next_address = 0
@@ -87,14 +91,11 @@ class CachingAllocator:
         """Frees `block` and merges it with free neighbours in its segment."""
         block.free = True
         self.allocated -= block.size
-        blocks = self.blocks[block.segment]
-        i = blocks.index(block)
-        for j in (i + 1, i - 1):  # next first, so index i stays valid for the previous one
-            if 0 <= j < len(blocks) and blocks[j].free:
-                other = blocks[j]
+        for other in (block.next, block.prev):
+            if other is not None and other.free:
                 self._unlist(other)
+                self._unlink(other)
                 block.address, block.size = min(block.address, other.address), block.size + other.size
-                blocks.remove(other)
         self._list(block)
 
     def _take_free(self, size: int, small: bool) -> Block | None:
@@ -102,14 +103,16 @@ class CachingAllocator:
         k = bisect.bisect_left(free, (size, -1, -1))
         if k == len(free):
             return None
-        _, address, segment = free.pop(k)
-        block = next(b for b in self.blocks[segment] if b.address == address)
+        _, address, _ = free.pop(k)
+        block = self._free_at.pop(address)
         rest = block.size - size
         if (rest >= MIN_BLOCK) if (small or self.expandable) else (rest > SMALL_REQUEST):
-            blocks = self.blocks[segment]
-            tail = Block(segment, block.address + size, rest)
-            blocks.insert(blocks.index(block) + 1, tail)
-            block.size = size
+            tail = Block(block.segment, block.address + size, rest, prev=block, next=block.next)
+            if block.next is None:
+                self.last[block.segment] = tail
+            else:
+                block.next.prev = tail
+            block.next, block.size = tail, size
             self._list(tail)
         return block
 
@@ -120,9 +123,9 @@ class CachingAllocator:
         if not self._fits(seg_size):
             return None
         seg = self._new_segment(seg_size, small)
-        self.blocks[seg] = [Block(seg, self._next_address, seg_size)]
+        self.last[seg] = Block(seg, self._next_address, seg_size)
         self._next_address += seg_size
-        self._list(self.blocks[seg][0])
+        self._list(self.last[seg])
         return self._take_free(size, small)
 
     def _expand(self, size: int, small: bool) -> Block | None:
@@ -130,21 +133,22 @@ class CachingAllocator:
         seg = next((s for s, is_small in self.segment_pool.items() if is_small == small), None)
         if seg is None:
             seg = self._new_segment(0, small)
-            self.blocks[seg] = []
-        blocks = self.blocks[seg]
-        tail_free = blocks[-1].size if blocks and blocks[-1].free else 0
+        last = self.last.get(seg)
+        tail_free = last.size if last is not None and last.free else 0
         page = SMALL_SEGMENT if small else LARGE_SEGMENT
         grow = -(-(size - tail_free) // page) * page
         if not self._fits(grow):
             return None
         self.reserved += grow
         if tail_free:
-            self._unlist(blocks[-1])
-            blocks[-1].size += grow
+            self._unlist(last)
+            last.size += grow
         else:
-            end = blocks[-1].address + blocks[-1].size if blocks else seg << 48
-            blocks.append(Block(seg, end, grow))
-        self._list(blocks[-1])
+            end = last.address + last.size if last is not None else seg << 48
+            last = self.last[seg] = Block(seg, end, grow, prev=last)
+            if last.prev is not None:
+                last.prev.next = last
+        self._list(last)
         return self._take_free(size, small)
 
     def _fits(self, extra: int) -> bool:
@@ -155,11 +159,11 @@ class CachingAllocator:
 
     def _release_cached(self) -> None:
         """Returns every fully free segment to the driver (what the allocator does before reporting OOM)."""
-        for seg, blocks in list(self.blocks.items()):
-            if len(blocks) == 1 and blocks[0].free:
-                self._unlist(blocks[0])
-                self.reserved -= blocks[0].size
-                del self.blocks[seg], self.segment_pool[seg]
+        for seg, block in list(self.last.items()):
+            if block.prev is None and block.free:
+                self._unlist(block)
+                self.reserved -= block.size
+                del self.last[seg], self.segment_pool[seg]
                 self.released += 1
 
     def _new_segment(self, seg_size: int, small: bool) -> int:
@@ -169,12 +173,23 @@ class CachingAllocator:
         self.reserved += seg_size
         return seg
 
+    def _unlink(self, block: Block) -> None:
+        """Takes a merged block out of its segment's chain."""
+        if block.prev is not None:
+            block.prev.next = block.next
+        if block.next is not None:
+            block.next.prev = block.prev
+        else:
+            self.last[block.segment] = block.prev
+
     def _list(self, block: Block) -> None:
         bisect.insort(self.free[self.segment_pool[block.segment]], (block.size, block.address, block.segment))
+        self._free_at[block.address] = block
 
     def _unlist(self, block: Block) -> None:
         free = self.free[self.segment_pool[block.segment]]
         free.pop(bisect.bisect_left(free, (block.size, block.address, block.segment)))
+        del self._free_at[block.address]
 
 
 def replay(events, capacity: int | None = None, expandable_segments: bool = False) -> SimResult:

@@ -5,6 +5,7 @@ that are live at the same time; several orders are tried and the lowest peak kep
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .problem import Problem
 
@@ -26,34 +27,75 @@ def order_by(p: Problem, key: str) -> np.ndarray:
 
 
 def place_greedy(p: Problem, order: np.ndarray, best_fit: bool = True) -> np.ndarray:
-    """Returns offsets placing buffers in `order`, each in the smallest gap that holds it (lowest if not best_fit)."""
-    n = len(p)
+    """Returns offsets placing buffers in `order`, each in the smallest gap that holds it (lowest if not best_fit)
+    among the placed buffers live at the same time (the lowest-addressed first where two start at one address)."""
+    if not len(p):
+        return np.full(0, -1, dtype=np.int64)
+    return _place(p.lower, p.upper, p.size, np.ascontiguousarray(order, dtype=np.int64), best_fit)
+
+
+@njit(cache=True)
+def _place(lower, upper, size, order, best_fit):
+    """The placement loop. The placed buffers live with a buffer are found in a tree over the buffers sorted by
+    their start that keeps the latest end placed under each node: a step costs the buffers it finds, not all n."""
+    n = len(lower)
+    by_start = np.argsort(lower, kind="mergesort")
+    starts = lower[by_start]
+    leaf = np.empty(n, dtype=np.int64)
+    leaf[by_start] = np.arange(n)
+    width = 1
+    while width < n:
+        width *= 2
+    latest = np.full(2 * width, -1, dtype=np.int64)  # per node: the latest end of a placed buffer under it
     offsets = np.full(n, -1, dtype=np.int64)
-    placed = np.zeros(n, dtype=bool)
+    found = np.empty(n, dtype=np.int64)
+    stack = np.empty(64, dtype=np.int64)
     for i in order:
-        live = np.flatnonzero(placed & (p.lower < p.upper[i]) & (p.lower[i] < p.upper))
-        offsets[i] = _best_gap(offsets[live], offsets[live] + p.size[live], int(p.size[i]), best_fit)
-        placed[i] = True
+        before = np.searchsorted(starts, upper[i])  # the buffers starting before i ends
+        count, top = 0, 1
+        stack[0] = 1
+        while top:
+            top -= 1
+            node = stack[top]
+            first = node
+            while first < width:  # the first leaf under the node
+                first *= 2
+            if first - width >= before or latest[node] <= lower[i]:
+                continue
+            if node >= width:
+                found[count] = by_start[node - width]
+                count += 1
+            else:
+                stack[top] = 2 * node + 1
+                stack[top + 1] = 2 * node
+                top += 2
+        offsets[i] = _gap(offsets, size, np.sort(found[:count]), size[i], best_fit)
+        node = width + leaf[i]
+        while node and latest[node] < upper[i]:
+            latest[node] = upper[i]
+            node //= 2
     return offsets
 
 
-def _best_gap(starts: np.ndarray, ends: np.ndarray, size: int, best_fit: bool) -> int:
-    """Returns the offset of the gap for `size` among occupied [starts, ends) intervals."""
-    if not len(starts):
+@njit(cache=True)
+def _gap(offsets, size, live, need, best_fit):
+    """Returns the offset of the gap for `need` bytes among the `live` buffers (by index), by address."""
+    if not len(live):
         return 0
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], ends[order]
-    reach = np.maximum.accumulate(ends)  # top of everything at or below each interval
-    gap_lo = np.concatenate(([0], reach[:-1]))
-    gap_len = starts - gap_lo
-    ok = np.flatnonzero(gap_len >= size)
-    if not len(ok):
-        return int(reach[-1])
-    pick = ok[np.argmin(gap_len[ok])] if best_fit else ok[0]
-    return int(gap_lo[pick])
+    order = np.argsort(offsets[live], kind="mergesort")
+    reach, best, pick = 0, -1, -1
+    for k in order:
+        j = live[k]
+        gap = offsets[j] - reach
+        if gap >= need and (best < 0 or gap < best):
+            best, pick = gap, reach
+            if not best_fit:
+                return pick
+        reach = max(reach, offsets[j] + size[j])
+    return pick if pick >= 0 else reach
 
 
-LARGE = 10_000  # buffers: above this, one pass costs seconds, so only best fit is tried
+LARGE = 10_000  # buffers: above this only best fit is tried (a pass took seconds before the tree; plans keep theirs)
 
 
 def greedy(p: Problem) -> tuple[np.ndarray, str]:
