@@ -59,7 +59,7 @@ from ..attention import CHOICES
 from ..config import ModelConfig
 from ..device import HOST_USABLE
 from ..job import Job
-from ..policy import least_host, plan_costs, solve_plan
+from ..policy import ActivationPolicy, plan_costs, solve_plan
 from ..swap import plan_problem
 from ..units import format_bytes, format_count
 from .efficiency import POINTS, TIMED_AS, Band, Efficiency, attention_kernel, published_band
@@ -77,7 +77,7 @@ from .flops import (
     recompute_flops,
     token_local_flops,
 )
-from .hardware import PIN_BYTES_PER_S, GPUSpec, runtime_bytes
+from .hardware import GPUSpec, pin_seconds, runtime_bytes
 from .memory import (
     Traced,
     fragmentation_bytes,
@@ -206,7 +206,7 @@ class Estimate:
     attention_flops: float = 0.0  # model FLOPs of attention in one step on all GPUs (causal, forward + backward)
     device_range: tuple[int, int] = (0, 0)  # the device total at the low (LOAD) and high ends of memory
     host_least_per_node: int = 0  # the pinned host of the plan that pins least at this length (states included)
-    pin_seconds: float = 0.0  # pinning the chosen plan's host, every rank at once (`hardware.PIN_BYTES_PER_S`)
+    pin_seconds: float = 0.0  # pinning the chosen plan's host, every rank at once (`hardware.pin_seconds`)
     job: Job | None = field(default=None, repr=False, compare=False)  # what was priced (not in the JSON)
 
     def as_dict(self) -> dict:
@@ -463,23 +463,20 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
         documents=str(job.documents or ""),
         attention_fraction=attended / seq,
         attention_flops=3 * attention * sequences,
-        host_least_per_node=(_least_host(job, layout, gpu, eff) + held) * node_gpus,
-        pin_seconds=pinned / PIN_BYTES_PER_S,
+        host_least_per_node=(_least_host(job, layout) + held) * node_gpus,
+        pin_seconds=pin_seconds(pinned),
         job=job,
     )
 
 
-def _least_host(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency) -> int:
-    """Returns the activations' host bytes per GPU of the plan that pins least at this length: every buffered
-    layer checkpointed at α = 0 for memo, their one plan for offload-all and alst, nothing for the systems that
-    do not offload."""
-    fixed = _fixed_plan(layout, job.model.n_layers)
-    if fixed:
-        return _store(job, layout, fixed).host_total
-    if layout.recompute != "memo":
+def _least_host(job: Job, layout: Layout) -> int:
+    """Returns the activations' host bytes per GPU, as the store allocates them, of the plan that pins least at
+    this length: every buffered layer checkpointed at α = 0 for memo (`ActivationPolicy.least_host_plan`), their
+    one plan for offload-all and alst, nothing for the systems that do not offload."""
+    if layout.recompute not in OFFLOADS:
         return 0
-    problem = _plan_problem(job, layout, gpu, eff, Budgets(host=1 << 62))
-    return int(least_host(problem))
+    n = job.model.n_layers
+    return _store(job, layout, _fixed_plan(layout, n) or ActivationPolicy("memo").least_host_plan(n)).host_total
 
 
 def _host_refusal(why: str, states: int, capacity: int) -> str:

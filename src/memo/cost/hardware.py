@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import check_int, check_number
 from ..files import read_json_object
+from ..units import format_seconds
 
 GB, TB = 10**9, 10**12
 GiB, TiB = 2**30, 2**40
@@ -136,6 +137,18 @@ GPUS: dict[str, GPUSpec] = {
 # ikawrakow/ik_llama.cpp PR 1517), ~700 GB in ~12 min (1 GB/s, NVIDIA/TensorRT-LLM PR 17773), a 32 MB block in
 # 11.6 ms (2.9 GB/s, rapidsai/dask-cuda#106); benchmarks/gpu_check.py measures memo's own rate
 PIN_BYTES_PER_S = 3 * GB
+
+
+def pin_seconds(nbytes: float) -> float:
+    """Returns the seconds one rank takes to pin `nbytes` (the ranks pin at once)."""
+    return nbytes / PIN_BYTES_PER_S
+
+
+def pinning(seconds: float) -> str:
+    """Returns how long pinning takes, as the estimate and the trainer say it."""
+    return f"pinning takes {format_seconds(seconds)} at {PIN_BYTES_PER_S / 1e9:.0f} GB/s per rank"
+
+
 CUDA_CONTEXT_BYTES = 512 << 20  # 300-700 MB with lazy module loading (pytorch/pytorch#107667, #28113)
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # PyTorch's cuBLAS workspace, CUBLAS_WORKSPACE_CONFIG ":4096:8" on Hopper
 NCCL_COMMUNICATOR_BYTES = 600 << 20  # 544-688 MB per communicator measured on A100 (NVIDIA/nccl#964)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from ..job import Job
-from ..units import format_bytes, format_seconds
+from ..units import format_bytes
 from .estimate import Layout, estimate
-from .hardware import PIN_BYTES_PER_S, GPUSpec
+from .hardware import GPUSpec, pin_seconds, pinning
 from .memory import Traced, store_bytes, training_lower_bound, transient_peak
 from .states import device_bytes, host_bytes, trained
 
@@ -74,7 +74,7 @@ def host_pool_bytes(job: Job, modes: list[str], alphas: list[float]) -> int:
 def pinned_host_line(job: Job, ranks: int, budget: int) -> str | None:
     """Returns the pinned host a run's node needs before anything is pinned (its `ranks` ranks, each with
     `budget` bytes of host): this plan's (a solved plan: at most the budget), the least any plan at this length
-    needs, and how long pinning takes at `hardware.PIN_BYTES_PER_S`; None when nothing is pinned."""
+    needs, and how long pinning takes (`hardware.pinning`); None when nothing is pinned."""
     policy, n = job.policy, job.model.n_layers
     states = host_bytes(job)
     least = training_lower_bound(job)["host_pool"] + states  # the least-host plan where it is solved
@@ -85,7 +85,7 @@ def pinned_host_line(job: Job, ranks: int, budget: int) -> str | None:
     pinned = f"{format_bytes(plan * ranks)} for this plan" if fixed else f"up to {format_bytes(plan * ranks)} (solved)"
     return (
         f"pinned host per node: {pinned}, {format_bytes(least * ranks)} at least for any plan at this length; "
-        f"pinning takes {format_seconds(plan / PIN_BYTES_PER_S)} at {PIN_BYTES_PER_S / 1e9:.0f} GB/s per rank"
+        f"{pinning(pin_seconds(plan))}"
     )
 
 

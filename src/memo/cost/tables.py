@@ -5,11 +5,11 @@ from __future__ import annotations
 from ..device import HOST_USABLE
 from ..job import Job
 from ..policy import plan_runs
-from ..units import format_bytes, format_count, format_seconds
+from ..units import format_bytes, format_count
 from .efficiency import LENGTHS
 from .estimate import CONVENTIONS, MAX_SEQ_RANGE, PACKED_CONVENTIONS, Estimate
 from .flops import LORA_FLOPS
-from .hardware import PIN_BYTES_PER_S, GPUSpec
+from .hardware import GPUSpec, pinning
 
 
 def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list[Estimate]) -> str:
@@ -65,13 +65,25 @@ def host_memory(job: Job, spec: GPUSpec) -> str:
 
 def one_gpu_lines(spec: GPUSpec, results: list[Estimate]) -> str:
     """Returns each system's answer on a real one-GPU machine's host memory (`GPUSpec.one_gpu_machine`)."""
-    where = f"{spec.one_gpu_machine} ({format_bytes(spec.one_gpu_host_memory)} host)"
     return "\n".join(
-        f"{e.system} on a one-GPU machine, {where}: "
+        f"{e.system} {_on_one_gpu_machine(spec)}: "
         + (f"fits, {e.tokens_per_s:.0f} tokens/s, {e.device_bytes['total'] / 2**30:.1f} GiB" if e.fits else e.why)
         + (f"; pinned host {format_bytes(e.host_bytes_per_node)}" if e.fits and e.host_bytes_per_node else "")
         for e in results
         if e.layout
+    )
+
+
+def _on_one_gpu_machine(spec: GPUSpec) -> str:
+    return f"on a one-GPU machine, {spec.one_gpu_machine} ({format_bytes(spec.one_gpu_host_memory)} host)"
+
+
+def _longest(found: dict) -> str:
+    """Returns one `estimate.max_seq_range` answer: the length, its range, and what stops the next one."""
+    stop = "longer" if found["mid"] else "shortest tried"
+    return (
+        f"{format_count(found['mid'])} tokens (range {format_count(found['low'])}-{format_count(found['high'])}); "
+        f"{stop}: {found['why_not']}"
     )
 
 
@@ -80,8 +92,7 @@ def host_line(e: Estimate) -> str:
     long pinning it takes before the first step."""
     return (
         f"{e.system}: pinned host per node {format_bytes(e.host_bytes_per_node)} for this plan, "
-        f"{format_bytes(e.host_least_per_node)} at least for any plan at this length; pinning takes "
-        f"{format_seconds(e.pin_seconds)} at {PIN_BYTES_PER_S / 1e9:.0f} GB/s per rank"
+        f"{format_bytes(e.host_least_per_node)} at least for any plan at this length; {pinning(e.pin_seconds)}"
     )
 
 
@@ -123,17 +134,9 @@ def max_seq_lines(job: Job, spec: GPUSpec, found: dict[str, dict]) -> str:
     on a one-GPU machine's host where one was asked too ("one_gpu_machine")."""
     lines = [host_memory(job, spec)]
     for s, n in found.items():
-        lines.append(
-            f"{s}: {format_count(n['mid'])} tokens (range {format_count(n['low'])}-{format_count(n['high'])}); "
-            f"{'longer' if n['mid'] else 'shortest tried'}: {n['why_not']}"
-        )
+        lines.append(f"{s}: {_longest(n)}")
         if "one_gpu_machine" in n:
-            alone = n["one_gpu_machine"]
-            lines.append(
-                f"{s} on a one-GPU machine, {spec.one_gpu_machine} ({format_bytes(spec.one_gpu_host_memory)} host): "
-                f"{format_count(alone['mid'])} tokens (range {format_count(alone['low'])}-"
-                f"{format_count(alone['high'])}); longer: {alone['why_not']}"
-            )
+            lines.append(f"{s} {_on_one_gpu_machine(spec)}: {_longest(n['one_gpu_machine'])}")
     lines.append(f"\nrange: {MAX_SEQ_RANGE}; attention kernel: {next(iter(found.values()))['attention_kernel']}")
     if job.documents:
         lines.append(
