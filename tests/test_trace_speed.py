@@ -22,6 +22,7 @@ from memo.parallel.ulysses import Ulysses
 from memo.plan import bilevel, extend, meta_ops, worker
 from memo.plan.caching_sim import CachingAllocator, replay, round_size, segment_size
 from memo.plan.extend import events, growth, measure, program
+from memo.plan.extend import tokens as trace_tokens
 from memo.plan.greedy import ORDERS, greedy, order_by, place_greedy
 from memo.plan.problem import Problem, max_load, peak
 from memo.plan.trace import TILE, TILES_DONE, trace_iteration, windows
@@ -315,3 +316,19 @@ def test_a_production_step_extended_is_the_direct_trace(tile):
     step = memory._traced_step(c, tokens, traced, 4096)
     assert _events(events(p)) == _events(step.trace)
     assert memory.transient_peak(c, tokens, traced) == memory.traced_transient_peak(c, tokens, traced)
+
+
+def test_a_step_whose_extension_is_misread_is_traced_whole():
+    # ALST's tiles of the hidden size on `tiny` (64 rows, 256 tiles at 16K): the growth read from two short
+    # traces frees an allocation it never made; the estimate traces that length whole instead of failing
+    from memo.cost import estimate as E
+    from memo.cost.hardware import gpu
+    from memo.job import Job
+
+    job = E.recipe(Job(model=ModelConfig.preset("tiny"), seq=16384, gpus=1))
+    layout = E.Layout(system="alst", recompute="host-checkpoint", tile=64)
+    traced = E._traced(job, layout, E._fixed_plan(layout, 4))
+    step = memory._traced_step(job.model, 16384, traced, 4096)
+    direct = measure(program(trace_tokens(step.trace)), memory._written, "expandable")
+    assert memory._measured(job.model, 16384, traced, 4096, "expandable")[0] == direct
+    assert E.estimate(job, gpu("h100"), "alst", layout=layout).fits

@@ -212,7 +212,12 @@ def _program(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int
     if grown is not None and tokens > grown[1] + unit:
         growing, short, held, more = grown
         units = (tokens - short) // unit
-        return growing.program(units), held + more * units
+        extended = growing.program(units)
+        try:  # a replay of the extension frees only what it allocated, or the growth was misread
+            measure(extended, _written)
+            return extended, held + more * units
+        except KeyError:
+            log.warning("the step of %s at %d tokens does not extend from short traces: traced whole", traced, tokens)
     step = _traced_step(c, tokens, traced, loss_chunk_tokens)
     return program(trace_tokens(step.trace)), step.held
 
