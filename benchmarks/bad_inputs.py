@@ -7,13 +7,17 @@ what the case expects:
 - success: a documented recovery (a damaged newest checkpoint falls back to the older one): exit 0, no
   traceback, the files that must survive unchanged;
 - signal: SIGTERM, SIGHUP or SIGINT sent while the command works (once a file it writes appears, or after some
-  seconds): exit 128 + the signal's number, at most two lines (a run says where its checkpoint is and how to
-  resume), no traceback, nothing left but what it may change;
+  seconds; some cases send it again later): exit 128 + the signal's number, at most three lines (a run says at
+  once what it will do, then where its checkpoint is and how to resume), no traceback, nothing left but what it
+  may change;
 - reproducible: run twice, the second time beside a busy loop on every core: exit 0 both times, and the output
   (the first path it may change) byte-identical.
 
 Every case also checks that no temporary file or folder (a name holding `.tmp`) and no process of the command's
-session outlives it, and that it answers within TIMEOUT_S (no hang).
+session outlives it, and that it answers within TIMEOUT_S (no hang). Each command starts with SIGINT, SIGTERM and
+SIGHUP at their defaults whatever this script inherited (under `nohup` SIGHUP is ignored, and memo keeps it so),
+except those a case ignores on purpose; a case may also cap the size of every file it writes (`ulimit -f`: a disk
+that fills up).
 
 Writes the table to docs/bad-inputs.md, prints it, and exits 1 when a case is NOT OK (unless --report-only), so
 it doubles as a check.
@@ -58,6 +62,10 @@ RUNS = (
     "allbad",
     "no-ckpt",
     "damaged",
+    "killed",
+    "killed-bare",
+    "lora",
+    "based",
 )  # run folders: copied into a case's folder only when it uses them
 GPU_FIELDS = {
     "peak_flops": 362e12,
@@ -157,6 +165,16 @@ FILES = {  # the user's files, in every case's folder
 DSA_J = ROOT / "benchmarks" / "dsa-instances" / "minimalloc" / "challenging" / "J.1048576.csv"
 BLOW_UP = f"{TINY} --lr 1e30 --schedule constant --warmup-steps 0"  # the loss is nan from step 2
 LONG, SAVED = f"{TINY} --steps 100000 --out sig", "sig/checkpoints/step-*"  # a run to signal, and its first save
+SLOW = "--model tiny --seq-len 8K --batch-size 1 --steps 100000 --out sig"  # a run whose steps take seconds
+FULL = 64 * 1024  # the largest file a case on a "full disk" may write: less than any checkpoint file of `tiny`
+START = """import os, resource, signal, sys
+ignored, limit = sys.argv[1].split(","), sys.argv[2]
+for name in ("INT", "TERM", "HUP"):
+    signal.signal(getattr(signal, "SIG" + name), signal.SIG_IGN if name in ignored else signal.SIG_DFL)
+if limit:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
+os.execv(sys.executable, [sys.executable, "-m", "memo", *sys.argv[3:]])
+"""  # `python -m memo ARGS` with the signal dispositions and file size limit a case sets, not this script's
 
 
 @dataclass(frozen=True)
@@ -168,7 +186,11 @@ class Case:
     may_change: tuple[str, ...] = ()  # paths it may write; every other file there before must survive
     within_s: float | None = None  # the answer must come in fewer seconds (a length that must not be traced)
     signal: str | None = None  # with expect="signal": TERM, HUP or INT
-    when: str = ""  # ... sent once a file matching this glob exists ("file:GLOB") or after seconds ("after:S")
+    when: str = ""  # ... sent once a file matching this glob exists ("file:GLOB", "+S": S seconds later) or after
+    # seconds ("after:S")
+    again_after: float | None = None  # ... and sent again this many seconds later
+    ignored: tuple[str, ...] = ()  # signals the command starts with ignored ("HUP": as under `nohup`)
+    file_limit: int | None = None  # bytes: no file it writes may grow larger (a disk that fills up)
 
     @property
     def signum(self) -> int | None:
@@ -370,7 +392,31 @@ CASES = [
     Case("eval done --lengths 128 --trials 0 --ppl-file held.bin"),
     Case("train --resume gone --steps 3"),
     Case("train --resume changed --steps 3"),
-    Case("train --resume gone --steps 3 --data docs.jsonl", expect="success", may_change=("gone",)),
+    Case("train --resume gone --steps 3 --data docs.jsonl"),  # other data: what trains would change
+    # a resume cannot silently change what trains; how it runs may change, and says so
+    Case("train --resume lora --steps 3 --lora-rank 0"),
+    Case("train --resume lora --steps 3 --lora-targets q"),
+    Case("train --resume lora --steps 3 --lora-targets q,v,k"),
+    Case("train --resume lora --steps 3 --lora-rank 8"),
+    Case("train --resume lora --steps 3 --lora-alpha 64"),
+    Case("train --resume lora --steps 3 --lr 1e-4"),
+    Case("train --resume lora --steps 3 --seed 1"),
+    Case("train --resume lora --steps 3 --data docs.jsonl"),
+    Case("train --resume lora --steps 3 --strategy full", expect="success", may_change=("lora",)),
+    Case("train --resume based --steps 3", expect="success", may_change=("based",)),  # its base folder is gone
+    # flags that cannot take effect are refused wherever they are given
+    Case(f"train {TINY} --lora-targets q,v"),
+    Case(f"train {TINY} --lora-alpha 32"),
+    Case(f"train {TINY.replace('tiny', 'tiny-gpt')} --lora-rank 4 --lora-targets gate"),
+    Case(f"train {TINY} --strategy full --plan keep,keep,keep,keep"),
+    Case(f"train {TINY} --strategy none --host-budget 1G"),
+    Case(f"train {TINY} --data docs.jsonl --pack-documents concat --max-documents-per-sequence 3"),
+    Case(f"estimate {EST} --seq 64K --sweep", within_s=30),
+    Case(f"estimate {EST} --sweep --max-seq", within_s=30),
+    Case(f"estimate {EST} --seq 64K --max-seq", within_s=30),
+    Case(f"estimate {EST} --seq 64K --host-memory 1", within_s=30),
+    Case("eval done --lengths 128 --trials 1 --bucket-size 64"),
+    Case("eval done --lengths 128 --trials 0 --depths 0.5 --ppl-file docs.jsonl"),
     # outputs have owners: nothing a user (or a run) owns is overwritten
     Case("train --model hf-model --seq-len 64 --batch-size 2 --steps 1 --out hf-model"),
     Case("train --seq-len 64 --batch-size 2 --steps 1 --out hf-model"),
@@ -423,6 +469,24 @@ CASES = [
     Case(f"train {LONG}", "signal", ("sig",), signal="HUP", when="file:sig/config.json"),
     Case(f"train {LONG} --save-every 2 --nproc 2", "signal", ("sig",), signal="TERM", when=f"file:{SAVED}"),
     Case(f"train {LONG}", "signal", ("sig",), signal="INT", when="file:sig/metrics.jsonl"),
+    # ... mid-step (the next step under way once the first checkpoint is whole), and again: it stops at once
+    Case(f"train {SLOW} --save-every 1", "signal", ("sig",), signal="TERM", when=f"file:{SAVED}+0.5", again_after=1.5),
+    Case(f"train {SLOW} --save-every 1", "signal", ("sig",), signal="INT", when=f"file:{SAVED}+0.5", again_after=1.5),
+    Case(f"train {TINY} --steps 20 --out sig", "success", ("sig",), signal="HUP", when="file:sig/*", ignored=("HUP",)),
+    Case(
+        f"train {TINY} --steps 20 --nproc 2 --out sig",
+        "success",
+        ("sig",),
+        signal="HUP",
+        when="file:sig/*",
+        ignored=("HUP",),
+    ),
+    # a disk that fills up during a checkpoint, a run killed before its first one
+    Case(f"train {TINY} --save-every 1 --out full", may_change=("full",), file_limit=FULL),
+    Case(f"train {TINY} --save-every 1 --nproc 2 --out full", may_change=("full",), file_limit=FULL),
+    Case(f"train {TINY} --out killed"),
+    Case(f"train {TINY} --out killed-bare"),
+    Case(f"train {TINY} --nproc 2 --out killed"),
     # plans: the same input gives the same plan on a loaded machine
     Case("dsa J.csv --work 2G --out placed.csv", "reproducible", ("placed.csv",)),
     Case("dsa G_1.csv --work 2G --out placed.csv", "reproducible", ("placed.csv",)),
@@ -465,7 +529,7 @@ class Result:
         elif self.case.expect == "signal":
             expected = 128 + self.case.signum
             found += [] if self.exit == expected else [f"exit {self.exit}, expected {expected}"]
-            found += [] if 1 <= self.lines <= 2 else [f"{self.lines} lines"]
+            found += [] if 1 <= self.lines <= 3 else [f"{self.lines} lines"]
             found += [f"left {p}" for p in self.left if not may_change(self.case, p)]
         elif self.exit != 0:
             found.append(f"exit {self.exit}, expected 0")
@@ -481,7 +545,8 @@ class Result:
 def build_fixtures(root: Path) -> None:
     """Writes the user's files and the runs once: `done` (tiny, 2 steps, checkpoints at 1 and 2), `trunc` (its
     newest model.safetensors cut in half), `allbad` (both cut), `no-ckpt` (a run that stopped before a save),
-    `big` (27M parameters, one step) and the public DSA instance J as `J.csv`."""
+    `big` (27M parameters, one step), `killed` (a run killed outright during its first steps), `killed-bare` (only
+    its lock and metrics) and the public DSA instance J as `J.csv`."""
     for name, text in FILES.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -523,6 +588,40 @@ def build_fixtures(root: Path) -> None:
     (root / "no-ckpt" / "checkpoints").mkdir(parents=True)
     shutil.copy2(root / "done" / "config.json", root / "no-ckpt" / "config.json")
     shutil.copy2(root / "done" / "metrics.jsonl", root / "no-ckpt" / "metrics.jsonl")
+    killed_run(root)
+    adapters_and_based(root)
+
+
+def adapters_and_based(root: Path) -> None:
+    """Trains `lora` (rank-4 adapters on q and v) and `based` (on a copy of `hf-model`, then deleted: a run whose
+    base folder is gone)."""
+    shutil.copytree(root / "hf-model", root / "base-copy")
+    for train in (
+        f"train {TINY} --lora-rank 4 --lora-targets q,v --out lora",
+        f"train {TINY.replace('tiny', 'base-copy')} --out based",
+    ):
+        done = subprocess.run(memo_command(train), cwd=root, env=memo_env(), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"building a fixture run failed ({train}):\n{done.stderr}")
+    shutil.rmtree(root / "base-copy")
+
+
+def killed_run(root: Path) -> None:
+    """Trains `killed` until its first step is logged, then kills it outright (SIGKILL: no clean-up, its lock file
+    stays), before any checkpoint; `killed-bare` keeps only its lock and metrics."""
+    run = root / "killed"
+    proc = subprocess.Popen(memo_command(f"train {LONG.replace('sig', 'killed')}"), cwd=root, env=memo_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + TIMEOUT_S
+    while not (metrics.exists() and '"loss"' in metrics.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("building the fixture run `killed` failed")
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    shutil.copytree(run, root / "killed-bare")
+    for name in (".memo", "config.json"):
+        (root / "killed-bare" / name).unlink()
 
 
 def hf_model(folder: Path) -> None:
@@ -536,8 +635,10 @@ def hf_model(folder: Path) -> None:
     subprocess.run([sys.executable, "-c", script, str(folder)], check=True, capture_output=True)
 
 
-def memo_command(args: str) -> list[str]:
-    return [sys.executable, "-m", "memo", *shlex.split(args)]
+def memo_command(args: str, ignored: tuple[str, ...] = (), file_limit: int | None = None) -> list[str]:
+    """Returns the command that runs `python -m memo ARGS` with these signals ignored, the others at their
+    defaults, and no file larger than `file_limit` bytes."""
+    return [sys.executable, "-c", START, ",".join(ignored), str(file_limit or ""), *shlex.split(args)]
 
 
 def memo_env() -> dict[str, str]:
@@ -593,12 +694,16 @@ def run_case(case: Case, fixtures: Path) -> Result:
 def run_command(case: Case, folder: Path) -> tuple[int | None, str, str, bool]:
     """Runs the case's command in its own session (sending its signal when due); returns (exit code or None
     when it did not answer in time, stdout, stderr, whether a process of its session outlived it)."""
-    command = memo_command(case.args)
+    command = memo_command(case.args, case.ignored, case.file_limit)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, cwd=folder, env=memo_env(), stdout=out, stderr=err, start_new_session=True)
         if case.signal:
             wait_for(case.when, folder, proc)
             proc.send_signal(case.signum)
+        if case.again_after is not None:
+            wait_for(f"after:{case.again_after}", folder, proc)
+            if proc.poll() is None:
+                proc.send_signal(case.signum)
         try:
             code = proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -626,12 +731,14 @@ def busy():
 
 
 def wait_for(when: str, folder: Path, proc: subprocess.Popen) -> None:
-    """Returns once `when` ("file:GLOB" exists under `folder`, "after:SECONDS" passed) or the command ended."""
+    """Returns once `when` ("file:GLOB" exists under `folder`, "after:SECONDS" passed; "file:GLOB+SECONDS": that
+    much later) or the command ended."""
     kind, _, what = when.partition(":")
+    what, _, later = what.partition("+")
     deadline = time.monotonic() + (float(what) if kind == "after" else TIMEOUT_S)
     while proc.poll() is None and time.monotonic() < deadline:
         if kind == "file" and any(folder.glob(what)):
-            return
+            return wait_for(f"after:{later}", folder, proc) if later else None
         time.sleep(0.002)
 
 
@@ -695,17 +802,22 @@ PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py      # exits 1 while a 
 Each input runs as `python -m memo ...` in a fresh folder holding the user's files (YAML, JSON, CSV, JSONL and
 model folders, see `FILES` in the script) and the runs it names: `done` (a finished `tiny` run of 2 steps with
 checkpoints at steps 1 and 2), `trunc` (its copy with step 2's `model.safetensors` cut in half), `allbad` (both
-cut), `no-ckpt` (a run that stopped before its first checkpoint), `big` (a 27M-parameter run whose export takes
-long enough to be signalled), `gone` and `changed` (runs whose `--data` was then deleted, or changed), a Llama
-checkpoint saved by transformers (`hf-model`) and public DSA instances. An error is ok with exit 2, one line on
-stderr, no traceback, nothing left behind (a run stopped on a nan loss keeps its folder) and every file that was
-there before unchanged; a success (a documented recovery) with exit 0 and no traceback; a signal (SIGTERM, SIGHUP
-or SIGINT sent once a file the command writes appears, or after some seconds of work) with exit 128 + its number,
-at most two lines (a run stopped after a step names its checkpoint and how to resume) and nothing left but what it
-may change; a reproducible case (a DSA plan) runs twice, the second time beside a busy loop on every core, with
-exit 0 and byte-identical output. Every case also leaves no temporary (a name holding `.tmp`) and no process of
-its session, and answers within {TIMEOUT_S} s. `message` is the last line on stderr (progress bars left out), or
-on stdout when stderr is empty; `s` is the wall time of the command.
+cut), `no-ckpt` (a run that stopped before its first checkpoint), `killed` (a run killed outright, SIGKILL, during
+its first steps: its lock file left behind, no checkpoint) and `killed-bare` (its lock and metrics only), `big` (a
+27M-parameter run whose export takes long enough to be signalled), `gone` and `changed` (runs whose `--data` was
+then deleted, or changed), a Llama checkpoint saved by transformers (`hf-model`) and public DSA instances. Each
+command starts with SIGINT, SIGTERM and SIGHUP at their defaults, whatever the shell that ran the script left
+ignored, except where a case ignores SIGHUP as `nohup` does; the "full disk" cases cap every file the command
+writes at {FULL // 1024} KiB (`ulimit -f`), less than any checkpoint file. An error is ok with exit 2, one line on
+stderr, no traceback, nothing left behind (a run stopped on a nan loss or a failed save keeps its folder) and every
+file that was there before unchanged; a success (a documented recovery) with exit 0 and no traceback; a signal
+(SIGTERM, SIGHUP or SIGINT sent once a file the command writes appears, or after some seconds of work, and in some
+cases sent again 1.5 seconds later) with exit 128 + its number, at most three lines (a run says at once what it
+will do, then names its checkpoint and how to resume) and nothing left but what it may change; a reproducible case
+(a DSA plan) runs twice, the second time beside a busy loop on every core, with exit 0 and byte-identical output.
+Every case also leaves no temporary (a name holding `.tmp`) and no process of its session, and answers within
+{TIMEOUT_S} s. `message` is the last line on stderr (progress bars left out), or on stdout when stderr is empty;
+`s` is the wall time of the command.
 
 Measured {datetime.date.today()} on {platform.platform()} ({os.cpu_count()} cores), Python {platform.python_version()},
 torch {importlib.metadata.version("torch")}, GPUs hidden: {len(results)} cases, {len(results) - bad} ok, {bad} NOT OK,

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import shutil
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.api import _wrap_exception
 
 from memo.cli import main
 from memo.train import checkpoint
+from memo.train.signals import Terminated
 
 SMALL = ["--seq-len", "64", "--batch-size", "2", "--warmup-steps", "2"]
 RUN = [*SMALL, "--steps", "6", "--save-every", "2", "--keep-checkpoints", "3", "--json"]
@@ -153,15 +155,16 @@ def test_a_distributed_checkpoint_has_every_file_checksummed(tmp_path, caplog):
     ]
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, lambda: Terminated(signal.SIGTERM)], ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "as-dcp-reports-it"])
-def test_a_ctrl_c_during_a_distributed_save_leaves_no_partial_folder(tmp_path, monkeypatch, wrapped):
+def test_a_second_signal_during_a_distributed_save_leaves_no_partial_folder(tmp_path, monkeypatch, wrapped, stop):
     dcp = checkpoint._dcp()
 
-    def interrupted(state, storage_writer):  # the shards are written, then the second Ctrl-C arrives
+    def interrupted(state, storage_writer):  # the shards are written, then the second Ctrl-C (or SIGTERM) arrives
         dcp.save(state, storage_writer=storage_writer)
         if wrapped:  # DCP catches what a rank raises inside its write and reports every rank's in one exception
-            raise dcp.CheckpointException("write_data", {0: _wrap_exception(KeyboardInterrupt())})
-        raise KeyboardInterrupt
+            raise dcp.CheckpointException("write_data", {0: _wrap_exception(stop())})
+        raise stop()
 
     tensors = ({"w": torch.ones(4, 3)}, {"w.exp_avg": torch.zeros(4, 3)})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -169,7 +172,7 @@ def test_a_ctrl_c_during_a_distributed_save_leaves_no_partial_folder(tmp_path, m
         checkpoint.save_sharded(tmp_path, 1, *tensors, {"config": {}}, keep=2)
         stopping = SimpleNamespace(HuggingFaceStorageWriter=dcp.HuggingFaceStorageWriter, save=interrupted)
         monkeypatch.setattr(checkpoint, "_dcp", lambda: stopping)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(type(stop())):  # as itself, not as DCP's exception: the run ends as that signal
             checkpoint.save_sharded(tmp_path, 2, *tensors, {"config": {}}, keep=2)
     finally:
         dist.destroy_process_group()

@@ -422,6 +422,23 @@ def test_npy_token_file_is_one_document(tmp_path):
     assert source.vocab_size_needed == 6
 
 
+def test_a_bin_token_file_without_its_document_starts_is_refused_under_mask_packing(tmp_path, capsys):
+    from memo.cli import main
+
+    write_token_file(_write_jsonl(tmp_path / "d.jsonl", ["one", "two", "three"]), tmp_path / "c.bin")
+    (tmp_path / "c.docs.npy").unlink()
+    with pytest.raises(ValueError, match=r"^`--eval-data` '.*c.bin' has no c.docs.npy \(its document boundaries\)"):
+        token_dataset(tmp_path / "c.bin", 4, flag="--eval-data", pack_documents="mask")
+    concat = make_source(tmp_path / "c.bin", seq_len=4, pack_documents="concat")  # asked for: one document
+    assert bytes(concat.tokens.tolist()) == b"onetwothree"
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path / "c.bin"), "--seq-len", "4", "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not out.exists()
+    assert "c.bin' has no c.docs.npy" in err and "`--pack-documents mask` needs it" in err
+    assert "write_token_file, or give `--pack-documents concat`" in err
+
+
 # ----------------------------------------------------------------------------------------- determinism
 
 

@@ -1,12 +1,14 @@
 """Faults of a distributed `memo train` (real launches, gloo on CPU): a failure injected on rank 1 of 2 ends every
 rank within seconds, on one node or across two, with that rank's one line (or the launcher's, for a rank killed
-outright) and its exit code; Ctrl-C to the terminal's process group saves on every rank, a second one stops at
-once. Without the fault watch the surviving rank would wait in its collective for gloo's 30-minute timeout."""
+outright) and its exit code; a full disk on rank 1 during a save is one line, the previous checkpoint kept; Ctrl-C
+to the terminal's process group saves on every rank (rank 0 alone saying so at once), a second one stops at once.
+Without the fault watch the surviving rank would wait in its collective for gloo's 30-minute timeout."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,10 +24,20 @@ from memo.train import checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["train", "--seq-len", "64", "--batch-size", "2", "--eval-every", "1000", "--json"]
 RUN += ["--schedule", "constant", "--warmup-steps", "0"]  # a resumed run follows the long run's schedule
-# a sitecustomize (imported by every Python started with it on the path) that makes rank 1 fail at step 2
+# a sitecustomize (imported by every Python started with it on the path) that makes rank 1 fail at step 2, or (disk)
+# its writes of step 2's checkpoint fail as on a full disk
 INJECT = """
 import os
-if os.environ.get("RANK") == "1":
+if os.environ.get("RANK") == "1" and os.environ["FAULT"] == "disk":
+    import errno
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    write = HuggingFaceStorageWriter.write_data
+    def full(self, plan, planner):
+        if "step-0000002" in str(self.path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, plan, planner)
+    HuggingFaceStorageWriter.write_data = full
+elif os.environ.get("RANK") == "1":
     import signal
     from memo.train import loop
     step = loop.Trainer._train_step
@@ -85,6 +97,21 @@ def test_a_failure_on_the_second_node_ends_the_first(tmp_path, free_port):
     assert [r["step"] for r in map(json.loads, out.splitlines()) if "loss" in r] == [1]
 
 
+def test_a_full_disk_on_rank_1_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    args = [*RUN, "--steps", "2", "--save-every", "1", "--nproc", "2", "--out", str(run)]
+    launcher = _memo(_env(tmp_path, "disk"), *args)
+    _, err = launcher.communicate(timeout=HANG)
+    assert launcher.returncode == 2, err
+    assert _errors(err) == [
+        f"memo train: error: cannot save checkpoint step-0000002 in {run / 'checkpoints'}: No space left on device "
+        "(step-0000001 is intact)"
+    ]
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step-0000001"]
+    assert checkpoint.damage(run / "checkpoints" / "step-0000001") is None
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+
 def _logged(run: Path) -> int:
     metrics = run / "metrics.jsonl"
     return sum('"loss"' in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
@@ -119,6 +146,13 @@ def test_ctrl_c_saves_on_every_rank_and_the_run_resumes_to_the_same_losses(tmp_p
     assert launcher.returncode == 130, err
     last = _logged(run)
     assert f"after step {last}; checkpoint" in err and "Traceback" not in err
+    # at once, from rank 0 alone
+    [notice] = [line for line in err.splitlines() if "finishing step" in line]
+    assert re.fullmatch(
+        r"memo train: SIGINT: finishing step \d+, then saving a checkpoint; press Ctrl-C again to stop now without "
+        "saving",
+        notice,
+    )
     saved = checkpoint.load_latest(run)
     assert saved.sharded and saved.step == last
 

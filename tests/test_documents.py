@@ -272,6 +272,9 @@ def test_document_lengths_of_a_token_file_are_its_documents(tmp_path):
         assert documents.squares(seq) == pytest.approx(sum(brute) / len(brute), rel=1e-12)
     np.save(tmp_path / "one.npy", np.arange(100))  # a .npy without document starts: one document
     assert DocumentLengths.of_file(tmp_path / "one.npy").histogram == ((100, 1),)
+    (tmp_path / "c.docs.npy").unlink()  # a .bin without them would read as one document: refused
+    with pytest.raises(ValueError, match=r"`--document-lengths` '.*c.bin' has no c.docs.npy \(its document bound"):
+        DocumentLengths.of_file(tmp_path / "c.bin")
 
 
 @pytest.mark.parametrize(

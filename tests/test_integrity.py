@@ -120,7 +120,7 @@ def _group_ended(group: int) -> bool:
     return False
 
 
-def test_a_second_trainer_on_a_folder_in_use_exits_at_once_naming_the_holder(tmp_path, wait_until):
+def test_a_second_trainer_on_a_folder_in_use_exits_at_once_naming_the_holder(tmp_path, wait_until, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen(
         [sys.executable, "-m", "memo", "train", *SMALL, "--steps", "100000", "--nproc", "2", "--out", str(run)],
@@ -137,7 +137,9 @@ def test_a_second_trainer_on_a_folder_in_use_exits_at_once_naming_the_holder(tmp
         os.killpg(first.pid, signal.SIGKILL)  # no clean-up: the kernel releases the lock
         first.wait()
         wait_until(lambda: _group_ended(first.pid), "the killed trainer's ranks to end")
-    assert main(["train", *SMALL, "--steps", "1", "--out", str(run), "--json"]) == 0
+    assert main(["train", *SMALL, "--steps", "1", "--out", str(run), "--json"]) == 2
+    # not "in use" (the kernel dropped the lock), and not started afresh over: it holds no checkpoint to resume
+    assert "is a `memo train` run killed before its first checkpoint" in capsys.readouterr().err
 
 
 # ---- files checked against their content ----------------------------------------------------------------------

@@ -145,6 +145,24 @@ def test_train_writes_an_empty_folder_and_marks_it_as_a_run(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "left", [(MARK, "config.json", "metrics.jsonl"), ("metrics.jsonl",)], ids=["marked", "killed-before-its-mark"]
+)
+def test_train_refuses_to_start_afresh_over_its_own_run_killed_before_its_first_checkpoint(tmp_path, capsys, left):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in left:
+        (run / name).write_text('{"purpose": "run"}\n' if name == MARK else "{}\n")
+    (run / ".lock").write_text(json.dumps({"pid": 1234, "host": "node-7"}) + "\n")  # no process holds it: killed
+    before = _tree(run)
+    assert main(["train", *TINY, "--steps", "1", "--out", str(run)]) == 2
+    assert _error(capsys, "train") == (
+        f"memo train: error: `--out` {run} is a `memo train` run killed before its first checkpoint, so there is "
+        "nothing to `--resume`: give another folder, or delete this one to start afresh there"
+    )
+    assert _tree(run) == before
+
+
+@pytest.mark.parametrize(
     "argv, message",
     [
         (["--out", "{run}/checkpoints/step-0000001/model.safetensors"], "is inside the checkpoints of run {run}"),

@@ -97,12 +97,14 @@ def test_a_resume_from_another_folder_reads_the_runs_own_files_or_those_given_ag
     assert config["data"] == str(a / "data.txt") and config["tokenizer"] == str(a / "tokenizer.json")
     assert not (b / "run").exists()
     (b / "moved.json").write_bytes((a / "tokenizer.json").read_bytes())  # the same tokenizer, elsewhere
+    (b / "moved.txt").write_bytes((a / "data.txt").read_bytes())  # the same data
+    assert main(["train", "--resume", str(a / "run"), "--steps", "3", "--data", "data.txt"]) == 2  # B's own: other
     assert (
-        main(["train", "--resume", str(a / "run"), "--steps", "3", "--data", "data.txt", "--tokenizer", "moved.json"])
+        main(["train", "--resume", str(a / "run"), "--steps", "3", "--data", "moved.txt", "--tokenizer", "moved.json"])
         == 0
     )
     config = _config(a / "run")
-    assert config["data"] == str(b / "data.txt") and config["tokenizer"] == str(b / "moved.json")
+    assert config["data"] == str(b / "moved.txt") and config["tokenizer"] == str(b / "moved.json")
 
 
 def test_a_resume_refuses_data_that_changed_or_is_missing_in_one_line(fresh, capsys):

@@ -1,5 +1,7 @@
 """Ctrl-C and SIGTERM during `memo train` (a real subprocess): the run stops after its step with a checkpoint,
-says how to resume, exits 130 / 143, and the resumed run gives the uninterrupted run's losses."""
+says how to resume, exits 130 / 143, and the resumed run gives the uninterrupted run's losses. Every test here sets
+the dispositions it tests: run under `nohup`, pytest (and each child it starts) inherits an ignored SIGHUP, which
+memo rightly keeps ignored."""
 
 import json
 import os
@@ -12,8 +14,21 @@ import pytest
 from conftest import HANG
 
 from memo.cli import main
+from memo.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def hangup_handled():
+    """Runs each test with SIGHUP handled, as under a terminal, whatever pytest inherited. A handler that does
+    nothing rather than the default: a real hangup meanwhile still leaves pytest running, and a child started
+    meanwhile gets the default (exec resets handlers)."""
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
 # a constant learning rate, so that a shorter resumed run follows the same schedule as the long one
 RUN = ["--seq-len", "64", "--batch-size", "2", "--eval-every", "1000", "--schedule", "constant", "--warmup-steps", "0"]
 
@@ -151,6 +166,64 @@ def test_sighup_during_training_stops_after_the_step_with_a_checkpoint(tmp_path,
     err = capsys.readouterr().err
     assert "stopped by SIGHUP after step 1; checkpoint" in err and "Traceback" not in err
     assert (run / "checkpoints" / "step-0000001" / "state.json").exists() and _leftovers(run) == []
+
+
+def _signal_at_step(monkeypatch, capsys, step: int, *signums: int) -> list[str]:
+    """Makes step `step` start by sending `signums` to this process, one after the other; returns a list that then
+    holds what was printed by the time they were handled, before the step's work (read out of `capsys`)."""
+    from memo.train.loop import Trainer
+
+    said, original = [], Trainer._train_step
+
+    def signalled(self):
+        if self.step == step:
+            for signum in signums:
+                os.kill(os.getpid(), signum)
+            said.append(capsys.readouterr().err)
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "_train_step", signalled)
+    return said
+
+
+def _notice(signum: int, step: int) -> str:
+    name = signal.Signals(signum).name
+    again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+    return f"memo train: {name}: finishing step {step}, then saving a checkpoint; {again} to stop now without saving"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_mid_step_is_answered_at_once_and_the_launchers_copy_of_it_changes_nothing(
+    tmp_path, capsys, monkeypatch, signum
+):
+    said = _signal_at_step(monkeypatch, capsys, 2, signum, signum)  # the second as memo's launcher passes it on
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--steps", "5", "--out", str(run)]) == 128 + signum
+    err = said[0] + capsys.readouterr().err
+    assert _notice(signum, 2) in said[0]  # before step 2 did its work
+    assert err.count("finishing step") == 1 and "Traceback" not in err
+    assert f"stopped by {signal.Signals(signum).name} after step 2; checkpoint" in err
+    assert checkpoint.list_checkpoints(run)[-1].name == "step-0000002" and _leftovers(run) == []
+
+
+@pytest.mark.parametrize(
+    "signum, said",
+    [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGHUP, "stopped by SIGHUP"), (signal.SIGINT, "interrupted")],
+)
+def test_the_same_signal_again_stops_mid_step_and_keeps_the_last_checkpoint(
+    tmp_path, capsys, monkeypatch, signum, said
+):
+    from memo.train import signals
+
+    monkeypatch.setattr(signals, "REPEAT_SECONDS", 0.0)  # a person's second try, not the launcher's copy
+    printed = _signal_at_step(monkeypatch, capsys, 2, signum, signum)
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--steps", "5", "--save-every", "1", "--out", str(run)]) == 128 + signum
+    err = "".join(printed) + capsys.readouterr().err
+    assert err.splitlines()[-1].split("\r")[-1] == f"memo train: {said}", err
+    assert _notice(signum, 2) in err and "Traceback" not in err
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step-0000001"] and _leftovers(run) == []
+    assert _steps(run / "metrics.jsonl") == 1  # step 2 stopped before its end
 
 
 def test_an_ignored_signal_stays_ignored(monkeypatch):

@@ -593,7 +593,7 @@ def test_mask_packing_resumes_to_the_losses_of_an_uninterrupted_run(tmp_path, ca
 
 
 def test_a_resume_keeps_how_the_run_packs_its_documents(tmp_path, capsys):
-    from memo.train.loop import resume_config
+    from memo.train.resume import resume_config
 
     out = str(tmp_path / "run")
     data = ["--data", str(_short_documents(tmp_path))]
@@ -614,8 +614,9 @@ def test_a_resume_keeps_how_the_run_packs_its_documents(tmp_path, capsys):
     state.write_text(json.dumps(saved))
     cfg = resume_config(out, {"steps": 3})
     assert (cfg.packing(), cfg.document_separator) == ("concat", "none")
-    for documents in (1024, 5):  # concat has no document bounds: the guard changes nothing, any value resumes
-        assert resume_config(out, {"steps": 3, "max_documents_per_sequence": documents}).packing() == "concat"
+    for documents in (1024, 5):  # concat has no document bounds: the flag could not take effect
+        with pytest.raises(ValueError, match="applies only with `--pack-documents mask`"):
+            resume_config(out, {"steps": 3, "max_documents_per_sequence": documents})
 
 
 @pytest.mark.parametrize(

@@ -53,8 +53,9 @@ from .train.config import (
     with_model_tokenizer,
 )
 from .train.launch import launch
-from .train.loop import Trainer, start_config
+from .train.loop import Trainer
 from .train.report import plot_report
+from .train.resume import resumed_base, start_config
 from .train.signals import Interrupted, Stopping, StopRequest, Terminated
 from .train.summary import memory_label, run_summary
 from .units import format_bytes, format_count, parse_length, parse_size
@@ -152,7 +153,7 @@ def _run_train(args) -> int:
     if (cfg.nproc > 1 or cfg.nnodes > 1) and not launched():
         return launch(cfg, args.argv)
     cfg = cfg if resume else with_model_tokenizer(cfg)  # a resumed run keeps the tokenizer it trained with
-    base = named_model(cfg.model)  # `--model` read once: the trainer extends its context
+    base = resumed_base(cfg.out, cfg) if resume else named_model(cfg.model)  # read once: the trainer extends it
     replaced = None if resume else replaced_rope(base, cfg)
     if replaced and rank() == 0:
         print(f"memo train: warning: {replaced}", file=sys.stderr)
@@ -189,7 +190,8 @@ def _train(trainer: Trainer) -> int:
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", file=sys.stderr, disable=as_json or quiet)
     history, evals = [], []
     try:
-        with StopRequest() as stop:
+        say = None if quiet else lambda line: bar.write(f"memo train: {line}", file=sys.stderr)  # above the bar
+        with StopRequest(say, lambda: trainer.step) as stop:
             for record in trainer.records(stop):
                 _show(record, quiet, as_json, bar, history, evals)
     except Interrupted as stopped:
@@ -197,7 +199,7 @@ def _train(trainer: Trainer) -> int:
         if not quiet:
             print(str(stopped), file=sys.stderr)
         return stopped.exit_code
-    except (ValueError, Terminated, KeyboardInterrupt):  # a run stopped before its first step leaves no folder
+    except (ValueError, OSError, Terminated, KeyboardInterrupt):  # a run stopped before its first step: no folder
         bar.close()
         if not history and not checkpoint.list_checkpoints(trainer.run_dir):
             trainer.discard()
@@ -333,6 +335,7 @@ def _run_estimate(args) -> int:
     inputs = {"`--model`": args.model, "`--gpu-file`": args.gpu_file, "`--calibration`": args.calibration}
     _claim_output(args.plot, "--plot", args, {**inputs, "`--document-lengths`": args.document_lengths})
     job = request.job()
+    request.check_host(job, spec)
     systems = request.systems(job)
     if args.sweep:
         lengths = default_lengths()

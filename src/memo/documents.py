@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .config import check_int
-from .token_files import TOKEN_SUFFIXES, read_token_file
+from .token_files import TOKEN_SUFFIXES, check_document_starts, read_token_file
 from .units import format_count
 
 
@@ -129,6 +129,7 @@ class DocumentLengths:
             tokens, starts, _ = read_token_file(path, flag=flag)
         except ValueError as err:
             raise ValueError(str(err) if f"`{flag}`" in str(err) else f"`{flag}`: {err}") from None
+        check_document_starts(path, flag, "the documents' lengths are read from it")
         return cls.of_lengths(document_lengths(starts, len(tokens)), source=str(path))
 
     @property

@@ -184,7 +184,13 @@ class EvalRequest:
     plot: str | None = flag(None, "write the pass-key heatmap (length x depth) to this PNG", path=True)
 
     def with_defaults(self, device: torch.device) -> "EvalRequest":
-        """Returns the request with the unset flags at `device`'s defaults, checked."""
+        """Returns the request with the unset flags at `device`'s defaults, checked (flags given where they cannot
+        take effect first: the defaults hide which were given)."""
+        for name in ("max_sequences", "bucket_size"):
+            if getattr(self, name) is not None and not self.ppl_file:
+                raise ValueError(f"`--{name.replace('_', '-')}` applies to the loss by position: give `--ppl-file`")
+        if self.depths is not None and self.trials == 0:
+            raise ValueError("`--depths` places the pass key: it needs `--trials` > 0")
         chosen = defaults(device)
         unset = ("lengths", "depths", "trials", "max_sequences")
         request = dataclasses.replace(

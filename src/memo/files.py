@@ -5,11 +5,14 @@ a full disk never leaves half a file or a temporary one behind.
 Outputs have owners. A command writes a folder only when it is new or empty, or memo wrote it for the same purpose
 (its `.memo` mark says which: "run", "export"), or the user gave `--overwrite`: then it is replaced whole. It writes
 a file only when it is new, memo wrote it, or with `--overwrite`. Never an input of the command, a run's
-checkpoints or a run's own files (`claim_folder`, `claim_file`, called before any work starts)."""
+checkpoints or a run's own files (`claim_folder`, `claim_file`, called before any work starts). A run killed before
+its first checkpoint (its trainer's lock file left behind) is not started afresh over: its config and metrics may
+say why it died, and it has nothing to resume."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -23,6 +26,7 @@ from typing import Any, Iterator
 import yaml
 
 MARK = ".memo"  # in a folder memo wrote whole: {"purpose": ...}, so that it may write there again
+LOCK = ".lock"  # a trainer's lock on its run folder (train/lock.py): {"pid": ..., "host": ...}, gone when it ends
 RUN = "run"
 EXPORT = "export"
 
@@ -54,7 +58,8 @@ def claim_folder(
     """Checks, before any work, that a command may write its `purpose` folder at `path` (given as `flag`): a new or
     empty folder, one memo wrote for the same purpose, or any other with `overwrite` (to be replaced whole; None:
     the command has no `--overwrite`). Never an input (`inputs`: {what: path}, symlinks resolved), a run folder
-    for another purpose or a run's checkpoints. ValueError in one line naming `flag` and the folder otherwise."""
+    for another purpose, a run's checkpoints or a run killed before its first one. ValueError in one line naming
+    `flag` and the folder otherwise."""
     real, shown = _target(path, flag)
     if real.exists() and not real.is_dir():
         raise ValueError(f"{shown} is a file: give a folder path")
@@ -67,6 +72,11 @@ def claim_folder(
     run = next(_runs_in(real), None) if found != RUN else None
     if run is not None:  # replacing the folder whole would delete it
         raise ValueError(f"{shown} holds run {run}: give another folder")
+    if found == RUN and _lock_left(real) and not _has_checkpoints(real):
+        raise ValueError(
+            f"{shown} is a `memo train` run killed before its first checkpoint, so there is nothing to `--resume`: "
+            "give another folder, or delete this one to start afresh there"
+        )
     if found == purpose or overwrite:
         return
     names = sorted(p.name for p in real.iterdir())
@@ -110,7 +120,30 @@ def folder_purpose(folder: str | Path) -> str | None:
     with suppress(OSError, ValueError, KeyError, TypeError):
         return str(json.loads((folder / MARK).read_text())["purpose"])
     before_marks = (folder / "config.json").is_file() and (folder / "metrics.jsonl").is_file()  # a run saving none
-    return RUN if before_marks or any((folder / "checkpoints").glob("step-*/state.json")) else None
+    return RUN if before_marks or _trainer_lock(folder) or _has_checkpoints(folder) else None
+
+
+def _has_checkpoints(folder: Path) -> bool:
+    return any((folder / "checkpoints").glob("step-*/state.json"))
+
+
+def _trainer_lock(folder: Path) -> bool:
+    """Returns whether `folder` holds a trainer's lock file, by what it says (a run killed before its mark)."""
+    with suppress(OSError, ValueError):
+        holder = json.loads((folder / LOCK).read_text())
+        return isinstance(holder, dict) and {"pid", "host"} <= holder.keys()
+    return False
+
+
+def _lock_left(folder: Path) -> bool:
+    """Returns whether `folder` holds a trainer's lock file that no process holds: its trainer was killed (one
+    that ends removes it)."""
+    try:
+        with open(folder / LOCK) as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+    except OSError:  # none, or held by a trainer at work (`RunLock` then names it)
+        return False
+    return True
 
 
 def mark(folder: str | Path, purpose: str) -> None:

@@ -21,7 +21,7 @@ from .config import PRESETS, ModelConfig, check_int, model_config_from
 from .device import DTYPES
 from .documents import DocumentLengths
 from .files import read_config_file, read_json_object
-from .lora import LoraConfig
+from .lora import LoraConfig, check_targets
 from .policy import ActivationPolicy
 
 MODEL_HELP = f"a preset ({', '.join(PRESETS)}), a model config file (.yaml/.toml/.json) or a Hugging Face folder"
@@ -70,6 +70,8 @@ class Job:
             raise ValueError(
                 f"`--lora-rank` ({self.lora.rank}) must be at most {width}, {self.model.name}'s narrowest projection"
             )
+        if self.lora:
+            check_targets(self.lora, self.model)
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, seq: int, lora: LoraConfig | None = None) -> "Job":

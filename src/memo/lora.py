@@ -72,19 +72,34 @@ class LoraConfig:
 
 
 def lora_of_flags(
-    rank: int, alpha: float = 16.0, targets: tuple[str, ...] | None = None, dropout: float = 0.0
+    rank: int, alpha: float | None = None, targets: tuple[str, ...] | None = None, dropout: float | None = None
 ) -> LoraConfig | None:
-    """Returns the adapters the `--lora-*` flags ask for (None: full fine-tuning): the one check of them that
-    `memo train` and `memo estimate` share."""
+    """Returns the adapters the `--lora-*` flags ask for (None: full fine-tuning; None for the others: not given,
+    their defaults): the one check of them that `memo train` and `memo estimate` share. A flag of the adapters
+    given without a rank would be dropped while every weight trains, the opposite of what was asked: refused."""
     if rank < 0:
         raise ValueError(f"`--lora-rank` must not be negative, got {rank}")
+    given = {"alpha": alpha, "targets": targets, "dropout": dropout}
     if rank:
-        return LoraConfig(rank, alpha=alpha, targets=targets or ALL_TARGETS, dropout=dropout)
-    if dropout:
-        raise ValueError("`--lora-dropout` applies to LoRA's adapters: give `--lora-rank`")
-    if targets is not None and tuple(targets) != ALL_TARGETS:
-        raise ValueError("`--lora-targets` names the projections of LoRA's adapters: give `--lora-rank` too")
+        return LoraConfig(rank, **{name: value for name, value in given.items() if value is not None})
+    named = [name for name, value in given.items() if value is not None]
+    if named:
+        raise ValueError(f"`--lora-{named[0]}` applies to LoRA's adapters: give `--lora-rank` too")
     return None
+
+
+def check_targets(lora: LoraConfig, config: ModelConfig) -> None:
+    """Raises ValueError when `--lora-targets` names a projection `config`'s layers lack (a GPT layer has no gate):
+    those adapters would silently not exist, and with none left nothing would train."""
+    if lora.targets == ALL_TARGETS:  # the default: every projection the layer has
+        return
+    shapes = module_shapes(config)
+    absent = [t for t in lora.targets if TARGETS[t][0] not in shapes]
+    if absent:
+        has = ",".join(t for t in TARGETS if TARGETS[t][0] in shapes)
+        raise ValueError(
+            f"`--lora-targets` names {','.join(absent)}, which {config.name}'s layers lack (they have {has})"
+        )
 
 
 def targets_value(text: str) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ def write_tokens(
             num_tokens += len(ids)
         if num_tokens == 0:
             raise ValueError(empty)
-    with atomic_output(_doc_starts_path(out)) as tmp:
+    with atomic_output(doc_starts_path(out)) as tmp:
         np.save(tmp, np.asarray(starts, dtype=np.int64))
     sidecar = {
         "format": TOKEN_FILE_FORMAT,
@@ -87,7 +87,7 @@ def read_token_file(
     """
     path = Path(path)
     check_regular(path, flag)
-    docs_path = _doc_starts_path(path)
+    docs_path = doc_starts_path(path)
     if path.suffix == ".npy":
         tokens = _load_npy(path)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -173,7 +173,15 @@ def _sidecar(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
-def _doc_starts_path(path: Path) -> Path:
+def check_document_starts(path: Path, flag: str, remedy: str) -> None:
+    """Raises ValueError when .bin token file `path` lacks the document starts `write_tokens` writes beside it
+    (a .npy without them is one document by the format's definition); `remedy` says what needs them and what to do."""
+    starts = doc_starts_path(path)
+    if path.suffix == ".bin" and not starts.is_file():
+        raise ValueError(f"`{flag}` {str(path)!r} has no {starts.name} (its document boundaries): {remedy}")
+
+
+def doc_starts_path(path: Path) -> Path:
     return path.with_suffix(".docs.npy")
 
 

@@ -3,17 +3,20 @@ names a user typed), and the `Job`, GPU and efficiency band they price."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from ..device import HOST_USABLE
 from ..documents import DocumentLengths
 from ..files import read_json_object
 from ..flags import flag
 from ..job import MODEL_HELP, Job, named_model
 from ..lora import ALL_TARGETS, lora_of_flags, targets_value
-from ..units import format_count, parse_length, parse_size
+from ..units import format_bytes, format_count, parse_length, parse_size
 from .efficiency import LENGTHS, Band, check_calibration_device, efficiency_from_calibration
 from .estimate import ATTENTION_CHOICES, SYSTEMS
 from .hardware import GPUS, GPUSpec, gpu, load_gpus
+from .memory import skeletal_bytes
 from .sweep import default_lengths
 
 
@@ -79,6 +82,11 @@ class EstimateRequest:
                 "`--attention` picks published kernel speeds; `--calibration` has measured its own: give one"
             )
         lora_of_flags(self.lora_rank, targets=self.lora_targets)
+        asked = [name for name, given in (("--seq", self.seq), ("--max-seq", self.max_seq)) if given]
+        if self.sweep and asked:
+            raise ValueError(f"`--sweep` estimates its own lengths (32K..4M): leave out `{asked[0]}`")
+        if self.max_seq and self.seq is not None:
+            raise ValueError("`--max-seq` searches the length: leave out `--seq`")
         if self.plot and not self.sweep:
             raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
         first = default_lengths()[0]
@@ -133,6 +141,24 @@ class EstimateRequest:
             host_memory=self.host_memory,
             arena=self.arena,
         )
+
+    def check_host(self, job: Job, spec: GPUSpec) -> None:
+        """Raises ValueError naming `--host-memory` when the pinnable part of it cannot hold, per GPU, one layer's
+        offload at the job's (first) length: the least any of memo's plans pins per layer (its input and attention
+        output always go to the host); below that no host figure of the estimate means anything."""
+        if self.host_memory is None:
+            return
+        per_gpu = int(HOST_USABLE * self.host_memory) // min(job.gpus, spec.gpus_per_node)
+        tokens = job.tokens(job.sp or job.gpus)
+        held = skeletal_bytes(job.model, tokens, job.torch_dtype)
+        least = held["input"] + held["attention"]
+        if per_gpu < least:
+            node = math.ceil(least * min(job.gpus, spec.gpus_per_node) / HOST_USABLE)
+            raise ValueError(
+                f"`--host-memory` {format_bytes(self.host_memory)} pins {format_bytes(per_gpu)} per GPU "
+                f"({HOST_USABLE:.0%}), less than one layer's offload at {format_count(tokens)} tokens "
+                f"({format_bytes(least)}): give at least {format_bytes(node)}"
+            )
 
     def systems(self, job: Job) -> list[str]:
         """Returns `--system`, by default every system (memo alone for LoRA or offloaded states)."""

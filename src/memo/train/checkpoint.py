@@ -48,7 +48,9 @@ from ..config import ModelConfig
 from ..files import EXPORT, atomic_output, claim_file, claim_folder, disk_errors, fsync, read_json_object
 from ..hf import config_token_ids, save_hf
 from ..lora import LoraConfig, merge_adapters
+from ..parallel import faults
 from .config import TrainConfig, check_inputs, model_config
+from .signals import Terminated
 
 PREFIX = "step-"
 PARTS = ("model", "optimizer")
@@ -212,29 +214,33 @@ def save_sharded(run_dir: Path, step: int, model: dict, optimizer: dict, state: 
             _dcp().save({k: v.detach() for k, v in tensors.items()}, storage_writer=writer)
         if rank0:  # DCP's save ends once every rank's files are written
             _write_state(tmp, state, step)
+            _publish(tmp, final)
     except BaseException as err:  # a full disk, a second Ctrl-C: each rank deletes the folder once its writes stopped
         shutil.rmtree(tmp, ignore_errors=True)
-        if _interrupted(err):
-            raise KeyboardInterrupt from None
-        if isinstance(err, OSError):  # rank 0's own writes (DCP reports a rank's failure as a CheckpointException)
-            raise _save_failed(run_dir, final, err) from err
+        cause = _cause(err)
+        if isinstance(cause, OSError):
+            if cause is not err and not rank0:  # DCP gave every rank the same failure: rank 0 says it, after its bar
+                faults.awaited_failure()
+            raise _save_failed(run_dir, final, cause) from err
+        if cause is not err:  # a signal that stopped a rank's write, unwrapped: the run ends as that signal
+            raise cause from None
         raise
     if rank0:
-        _publish(tmp, final)
         _prune(run_dir, keep)
     dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
     return final
 
 
-def _interrupted(err: BaseException) -> bool:
-    """Returns whether `err` is Ctrl-C, also as DCP reports it: a CheckpointException holding each rank's
-    exception (a second Ctrl-C reaches every rank, mid-write, and must end the run as Ctrl-C, not as a bug)."""
+def _cause(err: BaseException) -> BaseException:
+    """Returns what stopped a distributed save: DCP reports what any rank raised while writing as one
+    CheckpointException holding every rank's exception (a full disk on rank 1, a second Ctrl-C reaching every rank
+    mid-write); the first rank's OSError, Ctrl-C or signal of it, else `err` itself."""
     from torch.distributed.checkpoint.api import CheckpointException  # loaded with DCP, which raised `err`
 
-    if isinstance(err, KeyboardInterrupt):
-        return True
-    failures = err.failures.values() if isinstance(err, CheckpointException) else ()
-    return any(isinstance(cause, KeyboardInterrupt) for cause, _ in failures)
+    if not isinstance(err, CheckpointException):
+        return err
+    causes = [cause for _, (cause, _) in sorted(err.failures.items())]
+    return next((c for c in causes if isinstance(c, (OSError, KeyboardInterrupt, Terminated))), err)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -25,6 +25,7 @@ from ..policy import DEFAULT_TILE_TOKENS, STRATEGIES, ActivationPolicy
 from ..token_files import TOKEN_SUFFIXES, check_tokenizer, token_file_tokenizer
 from ..units import parse_size
 from .data import MAX_DOCUMENTS, PACKINGS, SEPARATORS, TEXT_SUFFIXES, HFTokenizer, separator_kind, tokenizer_identity
+from .defaults import FINE_TUNING, LORA, MIN_LR_DIVISOR, SCRATCH, with_defaults
 from .optim import OptimizerConfig
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -82,14 +83,17 @@ class TrainConfig:
     )
     # LoRA: a frozen base and trainable low-rank adapters (memo.lora)
     lora_rank: int = flag(0, "LoRA rank r of the adapters (0: full fine-tuning, every parameter trains)")
-    lora_alpha: float = flag(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha)")
-    lora_dropout: float = flag(
-        0.0,
-        "LoRA dropout on the adapters' input; its mask is a function of step, token and feature, so the "
-        "token-wise recompute drops what the forward dropped",
+    lora_alpha: float | None = flag(
+        None, "LoRA alpha: the adapters' update is scaled by alpha / r (PEFT's lora_alpha) (default: 16)", kind=float
     )
-    lora_targets: tuple[str, ...] = flag(
-        ALL_TARGETS, f"projections that get adapters, some of {','.join(ALL_TARGETS)} (default: all of them)"
+    lora_dropout: float | None = flag(
+        None,
+        "LoRA dropout on the adapters' input; its mask is a function of step, token and feature, so the "
+        "token-wise recompute drops what the forward dropped (default: 0)",
+        kind=float,
+    )
+    lora_targets: tuple[str, ...] | None = flag(
+        None, f"projections that get adapters, some of {','.join(ALL_TARGETS)} (default: all the model has)"
     )
     # context extension, applied on top of --model (its own RoPE is kept unless these are given)
     rope_theta: float | None = flag(
@@ -134,13 +138,30 @@ class TrainConfig:
     grad_accum: int = flag(1, "micro-batches per optimizer step (gradient accumulation)")
     # optimisation
     steps: int = flag(500, "optimizer steps")
-    lr: float = flag(3e-3, "peak AdamW learning rate")
-    min_lr: float = flag(3e-4, "learning rate at the end of the schedule")
-    warmup_steps: int = flag(20, "linear warm-up steps from 0 to --lr")
+    lr: float | None = flag(
+        None,
+        f"peak AdamW learning rate (default: {SCRATCH.lr:g} from scratch; from a Hugging Face checkpoint "
+        f"{FINE_TUNING.lr:g}, TRL's SFT default, or {LORA.lr:g} with --lora-rank, TRL's LoRA rate)",
+        kind=float,
+    )
+    min_lr: float | None = flag(
+        None, f"learning rate at the end of the schedule (default: --lr / {MIN_LR_DIVISOR})", kind=float
+    )
+    warmup_steps: int | None = flag(
+        None,
+        f"linear warm-up steps from 0 to --lr (default: {SCRATCH.warmup_steps} from scratch, "
+        f"{FINE_TUNING.warmup_steps} from a checkpoint: transformers' Trainer)",
+        kind=int,
+    )
     schedule: str = flag("cosine", "decay after warm-up", choices=SCHEDULES)
     weight_decay: float = flag(0.0, "AdamW weight decay (matrices only)")
     beta1: float = flag(0.9, "AdamW beta1")
-    beta2: float = flag(0.95, "AdamW beta2")
+    beta2: float | None = flag(
+        None,
+        f"AdamW beta2 (default: {SCRATCH.beta2} from scratch, {FINE_TUNING.beta2} from a checkpoint: "
+        "transformers' Trainer)",
+        kind=float,
+    )
     grad_clip: float = flag(1.0, "max global gradient norm")
     skip_nonfinite: int = flag(
         0, "steps whose loss or gradient norm is nan/inf that are skipped (no update) before the run stops"
@@ -192,17 +213,10 @@ class TrainConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_every", "weight_decay", "skip_nonfinite"):
+        for name in ("save_every", "weight_decay", "skip_nonfinite"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`--{_flag(name)}` must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "grad_clip"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"`--min-lr` must be in [0, --lr], got {self.min_lr}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"`--{name}` must be in [0, 1), got {getattr(self, name)}")
+        self._check_optimizer()
         if self.batch_size % self.grad_accum:
             raise ValueError(f"`--batch-size` {self.batch_size} is not a multiple of `--grad-accum` {self.grad_accum}")
         for f in dataclasses.fields(self):
@@ -226,8 +240,28 @@ class TrainConfig:
         self._check_packing()
         self._check_eval_source()
         self._check_rope()
+        if self.plan is not None and self.strategy != "memo":  # the policy would never see it
+            raise ValueError(
+                f"`--plan` places memo's layers: it applies only with `--strategy memo`, not {self.strategy}"
+            )
         self.policy()
         self.lora()
+
+    def _check_optimizer(self) -> None:
+        """Checks the optimizer fields that are given (None: the run's default, `train.defaults`)."""
+        if not self.grad_clip > 0:
+            raise ValueError(f"`--grad-clip` must be positive, got {self.grad_clip}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"`--lr` must be positive, got {self.lr}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"`--warmup-steps` must not be negative, got {self.warmup_steps}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= (math.inf if self.lr is None else self.lr):
+            peak = "--lr" if self.lr is None else f"--lr {self.lr:g}"
+            raise ValueError(f"`--min-lr` must be in [0, {peak}], got {self.min_lr:g}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"`--{name}` must be in [0, 1), got {value}")
 
     def _check_rope(self) -> None:
         if self.rope_theta is not None and not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
@@ -328,9 +362,11 @@ class TrainConfig:
         )
 
     def optimizer(self) -> OptimizerConfig:
-        """Returns the optimizer's and the learning-rate schedule's settings."""
+        """Returns the optimizer's and the learning-rate schedule's settings, the fields left out at their defaults
+        for this run (`with_defaults`; a run saves them so resolved)."""
+        resolved = with_defaults(self)
         names = [f.name for f in dataclasses.fields(OptimizerConfig)]
-        return OptimizerConfig(**{name: getattr(self, name) for name in names})
+        return OptimizerConfig(**{name: getattr(resolved, name) for name in names})
 
     def to_dict(self) -> dict:
         """Returns the fields, paths absolute (`absolute_paths`: a run's own files wherever it is resumed, evaluated
@@ -566,14 +602,15 @@ def _changed(was: dict, now: dict | None) -> list[str]:
     return [key for key in was if key != "mtime_ns" and was[key] != (now or {}).get(key)]
 
 
-def check_same_tokenizer(tokenizer: str, config: dict, run: str) -> None:
-    """Raises ValueError when `--tokenizer` given with `--resume` is not the file the run recorded (moved is
-    fine): the checkpoint's ids are that tokenizer's."""
-    was = (config.get("inputs") or {}).get("tokenizer")
-    if was and _changed(was, input_fingerprint("tokenizer", tokenizer)):
+def check_same_input(name: str, value: str, config: dict, run: str) -> None:
+    """Raises ValueError when an input file given with `--resume` (`--tokenizer`, `--data`) is not the one the run
+    recorded (moved is fine): the checkpoint learned that tokenizer's ids, from that data."""
+    was = (config.get("inputs") or {}).get(name)
+    if was and _changed(was, input_fingerprint(name, value)):
+        what = "the tokenizer {} trained with" if name == "tokenizer" else "the data {} trained on"
         raise ValueError(
-            f"`--tokenizer` {tokenizer} is not the tokenizer {run} trained with ({config.get('tokenizer')}): resume "
-            "without `--tokenizer`, or give a copy of that file"
+            f"`--{_flag(name)}` {value} is not {what.format(run)} ({config.get(name)}): resume without "
+            f"`--{_flag(name)}`, or give a copy of it"
         )
 
 

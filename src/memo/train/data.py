@@ -27,6 +27,7 @@ from ..documents import document_lengths, document_positions
 from ..loss import IGNORE_INDEX, shift_labels
 from ..token_files import (
     TOKEN_SUFFIXES,
+    check_document_starts,
     check_regular,
     check_separator,
     check_tokenizer,
@@ -693,6 +694,8 @@ def token_dataset(
     if path.suffix in TOKEN_SUFFIXES:
         tokens, starts, max_id = read_token_file(path, flag, tokenizer)
         check_separator(path, token_file_separator(path), separator, flag)
+        if pack_documents == "mask":
+            _check_document_starts(path, flag)
         return TokenDataset(tokens, starts, seq_len, seed, max_id, **packing)
     text_tokenizer = load_tokenizer(tokenizer_path)
     check_tokenizer(path, text_tokenizer.identity, tokenizer, flag)
@@ -705,6 +708,17 @@ def token_dataset(
     if total == 0:
         raise ValueError(f"`{flag}` {str(path)!r} holds no text to tokenize")
     return TokenDataset(np.concatenate(chunks), np.asarray(starts, dtype=np.int64), seq_len, seed, **packing)
+
+
+def _check_document_starts(path: Path, flag: str) -> None:
+    """Raises ValueError when .bin token file `path` lacks its document starts (`check_document_starts`): read as
+    one document, its documents would attend to each other under mask packing, without a word."""
+    check_document_starts(
+        path,
+        flag,
+        "`--pack-documents mask` needs it; write the token file again with "
+        "memo.train.data.write_token_file, or give `--pack-documents concat`",
+    )
 
 
 def separator_kind(path: str | Path, tokenizer_path: str | Path | None = None, separator: str = "auto") -> str | None:

@@ -3,11 +3,11 @@
 Why not torchrun's agent: it starts each rank in a session of its own, passes a signal on once and kills the
 ranks 30 s later (a long-context step and its checkpoint can take longer), and buries the failing rank's
 one-line message under a launcher traceback. Here the ranks stay in the terminal's process group, so Ctrl-C
-reaches each of them once (they finish the step and save together; a second Ctrl-C stops them at once); the
-launcher passes SIGTERM and SIGHUP on (preemption, a closed session), hosts the rendezvous store on node 0 as
-torchrun's agent does (the ranks join it through torch's TORCHELASTIC_USE_AGENT_STORE protocol), so that the
-store outlives any rank, and exits with the failing rank's code. Plain torchrun works as well: nothing in the
-ranks depends on this launcher.
+reaches each of them once (they finish the step and save together, rank 0 alone saying so at once; a second
+Ctrl-C stops them at once); the launcher passes SIGTERM and SIGHUP on (preemption, a closed session), hosts the
+rendezvous store on node 0 as torchrun's agent does (the ranks join it through torch's
+TORCHELASTIC_USE_AGENT_STORE protocol), so that the store outlives any rank, and exits with the failing rank's
+code. Plain torchrun works as well: nothing in the ranks depends on this launcher.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def launch(cfg: TrainConfig, argv: list[str]) -> int:
     ranks = [subprocess.Popen(command, env=_rank_env(cfg, i, port)) for i in range(cfg.nproc)]
     # Ctrl-C reaches every rank from the terminal; this process only waits (and passes SIGTERM on)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
-    for signum in FORWARDED:  # a rank that gets the same signal twice stops once; `nohup`'s hangup stays ignored
+    # a rank sent one directly too gets it twice at once: it stops once (`signals.REPEAT_SECONDS`)
+    for signum in FORWARDED:  # `nohup`'s hangup stays ignored
         if not nohup(signum):
             previous[signum] = signal.signal(signum, lambda signum, frame: [r.send_signal(signum) for r in ranks])
     try:

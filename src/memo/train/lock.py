@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-NAME = ".lock"
+from ..files import LOCK as NAME
 
 
 class RunLock:
@@ -27,12 +27,8 @@ class RunLock:
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(self.path)
                 self._file.close()
-                raise ValueError(
-                    f"{run_dir} is in use by another `memo train` ({holder}): wait for it to end or stop it, or "
-                    "give another `--out`"
-                ) from None
+                raise _in_use(run_dir) from None
             if _same_file(self._file, self.path):
                 break
             self._file.close()  # its holder removed it as we opened it: lock the file there now
@@ -46,6 +42,27 @@ class RunLock:
             self.path.unlink(missing_ok=True)
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
+
+
+def check_free(run_dir: Path) -> None:
+    """Raises the in-use error when a trainer holds `run_dir`'s lock, changing nothing on disk: a probe before a
+    resume reads the run (a killed run's leftover lock file stays, so the folder is still known as killed)."""
+    try:
+        file = (run_dir / NAME).open()
+    except OSError:  # no lock file: no trainer
+        return
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+        except BlockingIOError:
+            raise _in_use(run_dir) from None
+
+
+def _in_use(run_dir: Path) -> ValueError:
+    return ValueError(
+        f"{run_dir} is in use by another `memo train` ({_holder(run_dir / NAME)}): wait for it to end or stop it, "
+        "or give another `--out`"
+    )
 
 
 def _same_file(file, path: Path) -> bool:

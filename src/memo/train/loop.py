@@ -39,26 +39,17 @@ from ..cost.memory import training_lower_bound
 from ..cost.predict import compare, host_pool_bytes, pinned_host_line, predict_run
 from ..cost.states import host_bytes as state_host_bytes
 from ..documents import DocumentLengths, attended_tokens
-from ..files import RUN, claim_folder, mark, read_config_file, write_text
+from ..files import RUN, claim_folder, mark, write_text
 from ..job import Job
 from ..lora import apply_lora
 from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..parallel import faults
 from ..plan.allocator import PlannedAllocator, pool_high_water, reset_pool_high_water
-from ..policy import ActivationPolicy
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
 from .config import (
-    BEFORE_PACKING,
-    INPUTS,
-    LAUNCH,
     TrainConfig,
-    check_inputs,
-    check_same_model,
-    check_same_packing,
-    check_same_tokenizer,
-    check_token_files,
     run_tokenizer_id,
     with_packing,
 )
@@ -72,6 +63,7 @@ from .data import (
     split_documents,
     token_dataset,
 )
+from .defaults import with_defaults
 from .lock import RunLock
 from .metrics import MetricsLog
 from .optim import MasterAdamW, learning_rate
@@ -112,7 +104,7 @@ class Trainer:
         world = parallel.world_size()
         cfg.check_world(world)
         self.job = cfg.job(world, base)  # `--model` read once (`base`: already read by the caller)
-        cfg = cfg if resume else with_packing(cfg)  # saved resolved: a resumed run keeps the packing it saved
+        cfg = cfg if resume else with_defaults(with_packing(cfg))  # saved resolved: a resume keeps them
         self.mesh: DeviceMesh | None = _mesh(cfg, world)
         self.watch = faults.FaultWatch(faults.connect() if self.mesh else None).start()  # another rank's failure
         self.rank = dist.get_rank() if self.mesh else 0
@@ -553,7 +545,19 @@ class Trainer:
             masters = {name: torch.zeros_like(m) for name, m in zip(self.optimizer.names, self.optimizer.master)}
             saved.load_into("model", masters)
             state.update({f"{name}.master": m for name, m in masters.items()})
+        _check_all_read(set(model_shapes) | set(optim_shapes), set(params) | set(state))
         self.optimizer.load_state_tensors(state)
+
+
+def _check_all_read(saved: set[str], read: set[str]) -> None:
+    """Raises KeyError when a checkpoint holds tensors this run does not read (adapters of targets it lacks, of
+    another rank): loading the rest would silently drop what they trained. A bf16 run's weights are read as their
+    fp32 masters (`name.master`) by a float32 run: those are not lost."""
+    unread = sorted(name for name in saved - read if f"{name}.master" not in read)
+    weights = [name for name in unread if not name.endswith((".master", ".exp_avg", ".exp_avg_sq", ".step"))] or unread
+    if unread:
+        shown = ", ".join(weights[:3]) + (", ..." if len(weights) > 3 else "")
+        raise RuntimeError(f"it holds {len(weights)} tensor(s) this model has no place for ({shown})")
 
 
 def _document_lengths(source: Source) -> DocumentLengths | None:
@@ -651,7 +655,8 @@ def _offloaded_states(cfg: TrainConfig, job: Job, device: torch.device, host_poo
 
 
 def _host_budget(cfg: TrainConfig) -> int:
-    """Returns this rank's share of the node's host budget (`--host-budget`, default `device.HOST_USABLE` of what is available)."""
+    """Returns this rank's share of the node's host budget (`--host-budget`, default `device.HOST_USABLE` of what
+    is available)."""
     return parallel.host_budget_per_rank(parse_size(cfg.host_budget) if cfg.host_budget else None)
 
 
@@ -690,46 +695,6 @@ def _record_launch(cfg: TrainConfig) -> TrainConfig:
     really ran (under plain torchrun too)."""
     ranks = parallel.local_world_size()
     return dataclasses.replace(cfg, nproc=ranks, nnodes=parallel.world_size() // ranks)  # no to_dict: no fingerprints
-
-
-def start_config(flags: dict, config: str | None, resume: str | None) -> tuple[TrainConfig, bool]:
-    """Returns the config a `memo train` start runs and whether it resumes: `--resume RUN`'s saved config with the
-    `flags` given, else `--config FILE`'s fields with the flags over them."""
-    if resume:
-        if config:
-            raise ValueError("`--resume` takes the run's own config; give changes as flags, not `--config`")
-        return resume_config(resume, flags), True
-    values = {**(read_config_file(config) if config else {}), **flags}
-    if values.get("alpha") is not None and values.get("strategy", TrainConfig.strategy) != "memo":
-        ActivationPolicy(values.get("strategy"), alpha=values["alpha"])  # raises the clear error
-    return TrainConfig.from_dict(values, config or "flags"), False
-
-
-def resume_config(run_dir: str | Path, overrides: dict) -> TrainConfig:
-    """Returns the config saved in `run_dir` with `overrides` (flags given with --resume) applied; an error when
-    its `--steps` is behind the checkpoint (equal is a finished run, which resumes to nothing), when a file it
-    recorded (at an absolute path) and is not given again is missing or changed, or when a `--model` given is
-    shaped unlike the checkpoint's."""
-    if Path(run_dir).is_dir() and parallel.rank() == 0:  # rank 0 alone locks, so alone probes
-        RunLock(Path(run_dir)).release()  # a run still in progress is the error, not its missing checkpoint
-    saved = checkpoint.load_latest(Path(run_dir))
-    recorded = saved.state["config"]
-    run = f"run {run_dir}"
-    check_inputs(recorded, [name for name in INPUTS if name not in overrides], run)
-    overrides = check_same_packing(overrides, recorded, run)
-    if "tokenizer" in overrides:
-        check_same_tokenizer(overrides["tokenizer"], recorded, run)
-    check_token_files(overrides, recorded)
-    if "model" in overrides:
-        check_same_model(overrides["model"], checkpoint.saved_model_config(saved.state, Path(run_dir)), run)
-    kept = {k: v for k, v in recorded.items() if k not in LAUNCH}  # a 2-node run resumes on one
-    cfg = TrainConfig.from_dict({**BEFORE_PACKING, **kept, **overrides, "out": str(run_dir)}, f"{run_dir}")
-    if cfg.steps < saved.step:  # a target behind the checkpoint: most likely meant as steps to add
-        raise ValueError(
-            f"`--steps {cfg.steps}` is not past the checkpoint's step {saved.step}: nothing to train; "
-            "give a larger `--steps`"
-        )
-    return cfg
 
 
 def _new_run_dir() -> Path:

@@ -6,20 +6,26 @@ every `finally`: a temporary export file, a half-made run folder or a checkpoint
 `Stopping` turns each into an exception (`Terminated`, a BaseException like KeyboardInterrupt, so that no
 `except Exception` swallows it) in every verb: cleanups run, the CLI exits 128 + the signal's number.
 
-While a run trains, `StopRequest` takes over: the first signal only asks the trainer to stop; it finishes the
-step, saves (every rank together under torchrun) and the CLI exits 128 + the signal's number (130, 143, 129)
-saying how to resume. A second Ctrl-C stops at once: checkpoints are written to a temporary folder and renamed,
-so the last one stays whole.
+While a run trains, `StopRequest` takes over: the first signal only asks the trainer to stop, and rank 0 says at
+once what will happen (a step can take minutes: a run that is stopping must not look like one that ignored the
+user); it finishes the step, saves (every rank together under torchrun) and the CLI exits 128 + the signal's number
+(130, 143, 129) saying how to resume. The same signal again, or Ctrl-C, stops at once: checkpoints are written to
+a temporary folder and renamed, so the last one stays whole. A repeat of a SIGTERM or SIGHUP within
+`REPEAT_SECONDS` is the first one delivered twice, not a second request: memo's launcher passes on what a
+scheduler or a closed terminal may have sent every rank already.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+REPEAT_SECONDS = 1.0  # a forwarded signal arrives again within milliseconds; a person's second try takes longer
 
 
 class Terminated(BaseException):
@@ -72,16 +78,31 @@ class Stopping(_Handlers):
 
 
 class StopRequest(_Handlers):
-    """While entered, records the first signal in `signum` instead of stopping (a second Ctrl-C stops at once)."""
+    """While entered, records the first signal in `signum` instead of stopping and tells `say` at once what will
+    happen to the step `step()` names; the same signal again (`REPEAT_SECONDS` later), or Ctrl-C, stops at once."""
 
-    def __init__(self):
+    def __init__(self, say: Callable[[str], None] | None, step: Callable[[], int]):
         self.signum: int | None = None
+        self._say, self._step = say, step
+        self._first_at = 0.0
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: now
+        now = time.monotonic()
         if self.signum is None:
-            self.signum = signum
+            self.signum, self._first_at = signum, now
+            if self._say is not None:
+                self._say(notice(signum, self._step()))
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: now
+        elif signum == self.signum and now - self._first_at > REPEAT_SECONDS:  # not the launcher's copy
+            raise Terminated(signum)
+
+
+def notice(signum: int, step: int) -> str:
+    """Returns what a run does on its first `signum` during `step`, and how to stop it at once instead."""
+    name = signal.Signals(signum).name
+    again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+    return f"{name}: finishing step {step}, then saving a checkpoint; {again} to stop now without saving"
 
 
 @dataclass
