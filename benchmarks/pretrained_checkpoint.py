@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from memo import to_hf  # noqa: E402
-from memo.files import MARK  # noqa: E402
 from memo.cli import main as memo  # noqa: E402
 from memo.eval import load  # noqa: E402
+from memo.files import MARK  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pretrained-tiny"
 SEQ = 128  # pretraining length
