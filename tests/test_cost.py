@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memo import ActivationPolicy, ModelConfig, Transformer, to_hf
 from memo import policy as planning
 from memo.cli import main
+from memo.cost import memory
 from memo.cost.efficiency import (
     SPEEDS,
     Efficiency,
@@ -19,17 +20,20 @@ from memo.cost.efficiency import (
     published_band,
 )
 from memo.cost.estimate import (
+    HEADROOM,
     SYSTEMS,
     Layout,
     Pricing,
     _compute_seconds,
     _loss_peak,
     _step_seconds,
+    _traced,
     device_bytes,
     estimate,
     layouts,
     max_seq,
     max_seq_range,
+    recipe,
 )
 from memo.cost.flops import MFU_PACKED, model_flops_per_token
 from memo.cost.hardware import GPUS, PIN_BYTES_PER_S, gpu, load_gpus
@@ -406,7 +410,8 @@ def test_estimate_cli_sweeps_and_searches_lengths_of_packed_documents(capsys, mo
 
     def longest(job, *args, **kwargs):
         asked["job"] = job
-        return {"low": 1024, "mid": 2048, "high": 4096, "why_not": "device memory", "attention_kernel": "cudnn"}
+        found = {"low": 1024, "mid": 2048, "high": 4096, "why_not": "device memory", "attention_kernel": "cudnn"}
+        return {**found, "headroom": 3 << 30}
 
     monkeypatch.setattr("memo.cli.max_seq_range", longest)
     assert main([*argv, "--max-seq", "--mean-document-tokens", "2K"]) == 0
@@ -622,8 +627,13 @@ def test_every_prediction_has_a_range_and_names_its_dominant_term():
     assert est.ranges["mfu"][0] < est.mfu < est.ranges["mfu"][1]
     assert est.dominant.endswith("attention") and int(est.dominant.split("%")[0]) > 90
     assert "FlashAttention-2" in est.efficiency["source"]
-    found = max_seq_range(Job(model=LLAMA1B, seq=8 * 1024, gpus=8, sp=8), SMALL, "memo")
+    job = Job(model=LLAMA1B, seq=8 * 1024, gpus=8, sp=8)
+    found = max_seq_range(job, SMALL, "memo")
     assert 0 < found["low"] <= found["mid"] <= found["high"]
+    kept = HEADROOM  # the longest length leaves it free at the upper end of memory; without it, a longer one fits
+    at = estimate(job.at(found["mid"]), SMALL, "memo", Pricing(memory="high", headroom=kept))
+    assert found["headroom"] == kept and at.fits and at.device_range[1] + kept <= SMALL.hbm_bytes
+    assert max_seq_range(job, SMALL, "memo", headroom=0)["mid"] > found["mid"]
 
 
 def test_published_efficiencies_follow_the_shape():
@@ -695,6 +705,33 @@ def test_hopper_kernels_shorten_the_step_at_1m_tokens():
         eff = published_band(h100, llama, seq, llama.n_heads // 8, kernel, rows=16384).mid
         steps[kernel] = sum(_step_seconds(Job(model=llama, seq=seq, gpus=8), layout, h100, eff, None).values())
     assert steps["fa4"] < steps["cudnn"] < steps["flash"]
+
+
+def test_the_step_is_traced_with_the_attention_kernel_that_times_it():
+    job, layout = Job(model=ModelConfig.preset("tiny"), seq=4096, gpus=1), Layout(recompute="memo")
+    asked = [("H100-SXM", "auto"), ("A100-80GB", "auto"), ("H100-SXM", "fa4"), ("H200", "flash")]
+    ran = [_traced(dataclasses.replace(job, attention=a), layout, GPUS[g], None).attention for g, a in asked]
+    assert ran == ["cudnn", "flash", "fa4", "flash"]
+    alst = Layout(system="alst", recompute="host-checkpoint")
+    assert _traced(recipe(job), alst, GPUS["H100-SXM"], None).attention == "flash"  # ALST's recipe: FlashAttention-2
+    assert Traced() == Traced(attention="flash") != Traced(attention="cudnn")  # "auto" on meta: one trace, not two
+
+
+def test_a_cudnn_step_allocates_dense_copies_of_each_head_chunk_beyond_a_flash_step():
+    # one query head a call: q, k, v (and in the backward dout and out too) are views of a few heads of token-major
+    # buffers, which cuDNN's path copies into dense ones (attention._dense); flash takes them as they are
+    c, s, chunk = ModelConfig.preset("tiny"), 400, 64
+    flash = Traced(checkpoint=True, tile=128, heads=1, attention="flash")
+
+    def allocated(traced: Traced) -> int:  # by every op but the kernels themselves (outputs, flash's scratch)
+        events = memory._traced_step(c, s, traced, chunk).trace.events
+        kernel = [e.op == SCRATCH or "_scaled_dot_product" in str(e.op) for e in events]
+        return sum(e.nbytes for e, k in zip(events, kernel) if e.kind == "alloc" and not k)
+
+    head = s * c.head_dim * 2  # one head's q, k, v, out or dout, bf16
+    forward = c.n_layers + 1  # attention passes: each layer's, and the checkpointed layer's again
+    copies = c.n_heads * (3 * forward + 5 * c.n_layers) * head  # a call per query head
+    assert allocated(dataclasses.replace(flash, attention="cudnn")) - allocated(flash) == copies
 
 
 def test_estimate_names_its_attention_kernel_in_the_table_and_the_json(tmp_path, capsys):

@@ -97,7 +97,9 @@ def available(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
         found.append("cudnn")
     capability = _capability(device)
     fa4_arch = capability is None or capability[0] in (9, 10)
-    fa4_here = has_fused_kernel("memo::fa4_attention", kind) and (kind != "cuda" or _fa4_installed())
+    # the package matters on a real GPU only: on meta the op's fake kernel stands for it (a cost model prices FA4
+    # without it installed)
+    fa4_here = has_fused_kernel("memo::fa4_attention", kind) and (device.type != "cuda" or _fa4_installed())
     if half and fa4_arch and fa4_here:
         found.append("fa4")
     if has_fused_kernel("aten::_scaled_dot_product_efficient_attention", kind):
@@ -396,7 +398,16 @@ def _documents_backward(name, dout, q, k, v, out, lse, aux, scale, documents: Do
         cu, most = documents.cu_seqlens, documents.max_length
         tokens_lse = lse.transpose(0, 1).flatten(1).contiguous()  # (h, b·s), as the kernel wrote it
         grads = aten._flash_attention_backward(
-            *(_tokens(t) for t in (dout, q, k, v, out)), tokens_lse, cu, cu, most, most, 0.0, True, seed, offset,
+            *(_tokens(t) for t in (dout, q, k, v, out)),
+            tokens_lse,
+            cu,
+            cu,
+            most,
+            most,
+            0.0,
+            True,
+            seed,
+            offset,
             scale=scale,
         )
         return tuple(_heads(g, b) for g in grads)

@@ -351,10 +351,10 @@ def _run_estimate(args) -> int:
     one_gpu = job.gpus == 1 and job.host_memory is None and spec.one_gpu_host_memory
     alone = dataclasses.replace(job, host_memory=spec.one_gpu_host_memory) if one_gpu else job
     if args.max_seq:
-        found = {s: max_seq_range(job, spec, s, band) for s in systems}
+        found = {s: max_seq_range(job, spec, s, band, request.kept_free()) for s in systems}
         if one_gpu:
             for s in systems:
-                found[s]["one_gpu_machine"] = max_seq_range(alone, spec, s, band)
+                found[s]["one_gpu_machine"] = max_seq_range(alone, spec, s, band, request.kept_free())
         print(json.dumps(found) if args.json else max_seq_lines(job, spec, found))
         return 0
     pricing = Pricing(band=band)

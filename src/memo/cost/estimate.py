@@ -130,9 +130,16 @@ ATTENTION_BACKWARD = 2.5  # flash backward runs 5 matmuls to forward's 2
 # tokens, `memo train --arena` on CPU: docs/estimate.md, "Predicted against measured"); the upper end of memory
 # adds it
 TRANSIENT_ERROR = 0.11
+# what `--max-seq` keeps free on the device beyond the upper end of memory (`--headroom`): room for what no trace
+# of the step and no runtime figure above covers, and a run adds after its step is planned: one more NCCL
+# communicator with its NVLink SHARP buffers (an evaluation's or a checkpoint's group: `NCCL_COMMUNICATOR_HIGH_BYTES`
+# + `NVLS_BYTES`, 2.9 GiB), or a profiler's or another library's CUDA context and workspaces. A longest length
+# answered to the last byte of the device is one no run should be started at.
+HEADROOM = 3 << 30
 MAX_SEQ_RANGE = (
-    "the longest length that fits with memory at the upper end of its band; low at the slow end of the efficiency "
-    "band, high at the fast end with memory at LOAD (no caching-allocator fragmentation)"
+    "the longest length that fits with memory at the upper end of its band and {headroom} of the device kept free "
+    "(--headroom); low at the slow end of the efficiency band, high at the fast end with memory at LOAD (no "
+    "caching-allocator fragmentation) and nothing kept free"
 )
 
 
@@ -167,6 +174,7 @@ class Pricing:
     band: Band | None = None
     point: str = "mid"
     memory: str = "mid"  # of the device-memory band (`memory_range`): low (LOAD), mid, high
+    headroom: int = 0  # device bytes kept free beyond that point (`max_seq_range`: HEADROOM)
 
 
 @dataclass(kw_only=True)
@@ -297,7 +305,9 @@ def estimate(
         return _unsupported(job, gpu, system)
     fragmentation = "arena" if job.arena and system == "memo" else "expandable" if system in EXPANDABLE else "caching"
     priced = [
-        Priced(pricing.band or _band(job, lay, gpu, kernel), pricing.point, fragmentation, pricing.memory)
+        Priced(
+            pricing.band or _band(job, lay, gpu, kernel), pricing.point, fragmentation, pricing.memory, pricing.headroom
+        )
         for lay in candidates
     ]
     floors = [(_floor_seconds(job, lay, gpu, p.efficiency), i) for i, (lay, p) in enumerate(zip(candidates, priced))]
@@ -323,11 +333,13 @@ class Priced:
     point: str
     fragmentation: str
     memory: str = "mid"
+    headroom: int = 0
 
     def need(self, device: dict[str, int], layout: Layout, gpus: int) -> int:
-        """Returns the device bytes that decide the fit: `device`'s total at this point of its band."""
+        """Returns the device bytes that decide the fit: `device`'s total at this point of its band, and the
+        headroom kept free."""
         low, high = memory_range(device, layout, gpus)
-        return {"low": low, "mid": device["total"], "high": high}[self.memory]
+        return {"low": low, "mid": device["total"], "high": high}[self.memory] + self.headroom
 
     @property
     def efficiency(self) -> Efficiency:
@@ -403,7 +415,13 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
     if not why and need > gpu.hbm_bytes:
         least = "more than " if device.get("lower_bound") else ""
         point = "" if priced.memory == "mid" else f" at the {priced.memory} end of memory"
-        why = f"device memory: needs {least}{need / 2**30:.1f} GiB{point} of {gpu.hbm_bytes / 2**30:.0f} GiB"
+        hbm, kept = gpu.hbm_bytes / 2**30, priced.headroom / 2**30
+        of = (
+            f"of the {hbm - kept:.1f} GiB left of {hbm:.0f} GiB with {kept:.1f} GiB kept free"
+            if kept
+            else f"of {hbm:.0f} GiB"
+        )
+        why = f"device memory: needs {least}{need / 2**30 - kept:.1f} GiB{point} {of}"
     if not why and host > host_capacity:
         why = f"host memory: offload needs {host / 2**40:.2f} TiB per node, {host_capacity / 2**40:.2f} TiB usable"
         why = _host_refusal(why, held * node_gpus, host_capacity) if held else why
@@ -539,13 +557,17 @@ def _plan_problem(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, budge
     return plan_problem(specs, c.n_layers, seconds, bandwidth, budgets.host, budgets.device, tile=layout.tile)
 
 
-def _traced(job: Job, layout: Layout, plan) -> Traced:
+def _traced(job: Job, layout: Layout, gpu: GPUSpec, plan) -> Traced:
     """Returns the step whose trace gives a layout's transient memory: its strategy, a checkpointed layer when
-    the plan has one, its tiles, Ulysses' all-to-all buffers, its attention calls on a GPU, LoRA's adapters."""
+    the plan has one, its tiles, Ulysses' all-to-all buffers, its attention calls on a GPU by the kernel that
+    times them (`_timed_kernel`), LoRA's adapters."""
     checkpoint = bool(plan) and "checkpoint" in plan[0]
     tokens = job.tokens(layout.sp)
     recompute = TRACED[layout.recompute]
-    return Traced.of(job.model, tokens, recompute, checkpoint, layout.tile, layout.ulysses, lora=job.lora)
+    kernel = _timed_kernel(job, gpu)
+    return Traced.of(
+        job.model, tokens, recompute, checkpoint, layout.tile, layout.ulysses, lora=job.lora, attention=kernel
+    )
 
 
 def _store(job: Job, layout: Layout, plan):
@@ -619,7 +641,7 @@ def device_bytes(
         "skeletal_buffers": store.device_bytes,
         "runtime": runtime_bytes(_communicators(layout, job.gpus), _nvls(layout, job.gpus, gpu)),
     }
-    traced = _traced(job, layout, plan)
+    traced = _traced(job, layout, gpu, plan)
     if capacity is not None:
         floor = 0 if sum(static.values()) > capacity else transient_floor(c, tokens, traced)
         if sum(static.values()) + floor > capacity:
@@ -715,7 +737,7 @@ def _step_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan)
     checkpointed = plan[0].count("checkpoint") if plan else n if layout.recompute == "full" else 0
     plain, rerun = (_layer_comm_seconds(job, layout, gpu, eff, t, again) for again in (False, True))
     head = (2 if job.lora else 3) * 2 * c.vocab_size * c.hidden_size * tokens / (gpu.peak_flops * eff.matmul)
-    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(job, layout, plan))
+    per_layer_bytes, outside = traffic_bytes(c, tokens, _traced(job, layout, gpu, plan))
     node_gpus = min(gpus, gpu.gpus_per_node)
     return {
         "attention": n * (t["attention"] + t["attention_backward"]),
@@ -803,17 +825,19 @@ def max_seq(job: Job, gpu: GPUSpec, system: str, pricing: Pricing = Pricing(), l
     return Longest(lo, why.get(lo + step) or f"the search stops at {format_count(limit)} tokens")
 
 
-def max_seq_range(job: Job, gpu: GPUSpec, system: str, band: Band | None = None) -> dict:
+def max_seq_range(job: Job, gpu: GPUSpec, system: str, band: Band | None = None, headroom: int = HEADROOM) -> dict:
     """Returns the longest sequence that fits: "mid" at the middle of the efficiency band (memo's plan and α,
-    and so its host memory, depend on speed) with memory at the upper end of its band (`memory_range`), "low" at
-    the slow end with memory at the upper end, "high" at the fast end with memory at LOAD (as a planned arena
-    serves it); "why_not": what stops the length after "mid"; "attention_kernel": whose attention speeds time
-    the steps. Of packed `job.documents` when given."""
-    mid = max_seq(job, gpu, system, Pricing(band=band, memory="high"))
+    and so its host memory, depend on speed) with memory at the upper end of its band (`memory_range`) and
+    `headroom` bytes of the device kept free, "low" at the slow end with the same memory, "high" at the fast end
+    with memory at LOAD (as a planned arena serves it) and nothing kept free; "why_not": what stops the length
+    after "mid"; "attention_kernel": whose attention speeds time the steps. Of packed `job.documents` when given."""
+    upper = dict(band=band, memory="high", headroom=headroom)
+    mid = max_seq(job, gpu, system, Pricing(**upper))
     return {
-        "low": max_seq(job, gpu, system, Pricing(band=band, point="low", memory="high")).tokens,
+        "low": max_seq(job, gpu, system, Pricing(point="low", **upper)).tokens,
         "mid": mid.tokens,
         "high": max_seq(job, gpu, system, Pricing(band=band, point="high", memory="low")).tokens,
         "why_not": mid.why_not,
+        "headroom": headroom,
         "attention_kernel": band.attention if band else _timed_kernel(job, gpu),
     }

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from ..attention import heads_per_call
+from ..attention import check_choice, choose, heads_per_call
 from ..config import ModelConfig
 from ..device import meta_kernels
 from ..job import Job
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 TRACE_LAYERS = 4  # a steady-state step of 4 layers shows every phase; deeper models add only kept inputs
 TRACE_TOKENS = 1 << 18  # longest of the traces a step is extended from (a trace costs its op calls: tiles, chunks)
-TRACE_TILES = 4  # tiles of the shorter of two traces a longer tiled step is extended from (untiled: 2 loss chunks)
+TRACE_TILES = 4  # tiles of the shorter of two traces a longer tiled step is extended from, at least (`_shortest`)
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,10 @@ class Traced:
     checkpointed layer first when the plan has one), the tile length (None: the whole sequence, as the
     baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), the
     query heads per attention call (None: the default at each traced length), LoRA's adapters (frozen base
-    weights: no weight gradient computed), the dtype and whose attention kernels (a device type) run. `of`
-    fixes the heads a run makes at its length, so that the shorter traces it is extended from make the same
-    calls."""
+    weights: no weight gradient computed), the dtype, whose kernels (a device type) run and which attention kernel
+    (`attention.KERNELS`; "auto": memo's choice on `kernels` of a GPU it does not know): a cuDNN step allocates
+    dense copies of its head chunks, a flash step its backward's scratch. `of` fixes the heads a run makes at its
+    length, so that the shorter traces it is extended from make the same calls."""
 
     strategy: str = "memo"
     checkpoint: bool = False
@@ -61,6 +62,13 @@ class Traced:
     lora: LoraConfig | None = None
     dtype: torch.dtype = torch.bfloat16
     kernels: str = "cuda"  # whose attention kernels' allocations the step makes (a device type)
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention == "auto":  # one name per kernel: the traces of "auto" and of its kernel are one
+            with meta_kernels(self.kernels):
+                object.__setattr__(self, "attention", choose("auto", torch.device("meta"), self.dtype))
+        check_choice(self.attention)
 
     @classmethod
     def of(
@@ -74,15 +82,15 @@ class Traced:
         kernels="cuda",
         lora=None,
         dtype=torch.bfloat16,
+        attention="auto",
     ) -> "Traced":
         """Returns the step of a run of `tokens` tokens per GPU: its attention calls as they are at that length."""
         heads = heads_per_call(c.n_heads // sp, tokens * sp, tile or tokens, torch.device(kernels))
-        return cls(
-            strategy, checkpoint=checkpoint, tile=tile, sp=sp, heads=heads, lora=lora, dtype=dtype, kernels=kernels
-        )
+        every = dict(heads=heads, lora=lora, dtype=dtype, kernels=kernels, attention=attention)
+        return cls(strategy, checkpoint=checkpoint, tile=tile, sp=sp, **every)
 
     def policy(self, layers: int) -> ActivationPolicy:
-        every = dict(tile_tokens=self.tile, attention_heads=self.heads)
+        every = dict(tile_tokens=self.tile, attention_heads=self.heads, attention=self.attention)
         if self.strategy != "memo":
             return ActivationPolicy(self.strategy, **every)
         plan = ("checkpoint" if self.checkpoint else "memo",) + ("memo",) * (layers - 1)
@@ -191,7 +199,7 @@ def _written(op) -> bool:
     return op != SCRATCH and not any(k in str(op) for k in COMPUTE_BOUND)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=8192)  # a few numbers each: every length a search prices
 def _measured(
     c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int, allocator: str | None = None
 ) -> tuple[Measure, int]:
@@ -207,22 +215,17 @@ def _program(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int
     holds: extended from two shorter traces of the same remainder (`_growth`; the held inputs are token rows: they
     grow by the same bytes per unit), or traced whole when it is at most a unit past them."""
     unit = _unit(traced, loss_chunk_tokens)
-    first = tokens % unit + (-(-TRACE_TILES * traced.tile // unit) if traced.tile else 1) * unit
+    first = _shortest(tokens, traced, loss_chunk_tokens)
     grown = _growth(c, first, traced, loss_chunk_tokens) if tokens > first + unit else None
     if grown is not None and tokens > grown[1] + unit:
         growing, short, held, more = grown
         units = (tokens - short) // unit
-        extended = growing.program(units)
-        try:  # a replay of the extension frees only what it allocated, or the growth was misread
-            measure(extended, _written)
-            return extended, held + more * units
-        except KeyError:
-            log.warning("the step of %s at %d tokens does not extend from short traces: traced whole", traced, tokens)
+        return growing.program(units), held + more * units
     step = _traced_step(c, tokens, traced, loss_chunk_tokens)
     return program(trace_tokens(step.trace)), step.held
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=512)
 def _growth(c: ModelConfig, first: int, traced: Traced, loss_chunk_tokens: int) -> tuple | None:
     """Returns (how the step grows per unit, the length it grows from, the held bytes there, and per unit): from
     the traces at `first` tokens and a unit on (or, if they do not differ as passes of longer loops do, at lengths a
@@ -240,6 +243,16 @@ def _growth(c: ModelConfig, first: int, traced: Traced, loss_chunk_tokens: int) 
         TRACE_TOKENS,
     )
     return None
+
+
+def _shortest(tokens: int, traced: Traced, loss_chunk_tokens: int) -> int:
+    """Returns the shortest length of `tokens`' remainder a step is extended from: `TRACE_TILES` tiles and two loss
+    chunks at least. A loop's first pass frees nothing of a pass before it and its second frees the first's, so only
+    from the third on are passes alike: the passes a unit adds to a trace that makes fewer are not those that a
+    longer step repeats (`plan.extend`)."""
+    unit = _unit(traced, loss_chunk_tokens)
+    tiles = -(-TRACE_TILES * traced.tile // unit) if traced.tile else 1
+    return tokens % unit + max(tiles, -(-2 * loss_chunk_tokens // unit)) * unit
 
 
 def _unit(traced: Traced, loss_chunk_tokens: int) -> int:

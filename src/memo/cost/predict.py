@@ -17,8 +17,9 @@ OFF_BY = 0.15  # a measured peak further than this from its prediction is a warn
 
 def predict_run(job: Job, kernels: str, spec: GPUSpec | None = None, loss_chunk_tokens: int = 4096) -> dict:
     """Returns one rank's predicted memory (model states, the activation store's buffers for the policy's plan,
-    the step's transient peak traced at the run's dtype, `kernels` (a device type), tiles and modes, with the
-    gradients a one-process step makes anew, their sum, and memo's host pool when the plan and α are known) and,
+    the step's transient peak traced at the run's dtype, `kernels` (a device type), attention kernel
+    (`job.attention`), tiles and modes, with the gradients a one-process step makes anew, their sum, and memo's
+    host pool when the plan and α are known) and,
     on a known GPU (`spec`), the step time and MFU with their ranges, attention timed as `job.attention`'s.
     Offloaded states (`job.offload_states`) leave on the device only what FSDP gathers (`states.device_bytes`);
     packed `job.documents` are timed and counted as E[Σ d_i²] (memory is the same)."""
@@ -30,7 +31,9 @@ def predict_run(job: Job, kernels: str, spec: GPUSpec | None = None, loss_chunk_
     tile = policy.tile_for(tokens)
     store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
     cut = tile if tile < tokens else None
-    traced = Traced.of(c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, job.lora, dtype)
+    traced = Traced.of(
+        c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, job.lora, dtype, job.attention
+    )
     transient = transient_peak(c, tokens, traced, loss_chunk_tokens)
     if job.offload_states:
         model_states = device_bytes(job)

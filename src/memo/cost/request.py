@@ -14,7 +14,7 @@ from ..job import MODEL_HELP, Job, named_model
 from ..lora import ALL_TARGETS, lora_of_flags, targets_value
 from ..units import format_bytes, format_count, parse_length, parse_size
 from .efficiency import LENGTHS, Band, check_calibration_device, efficiency_from_calibration
-from .estimate import ATTENTION_CHOICES, SYSTEMS
+from .estimate import ATTENTION_CHOICES, HEADROOM, SYSTEMS
 from .hardware import GPUS, GPUSpec, gpu, load_gpus
 from .memory import skeletal_bytes
 from .sweep import default_lengths
@@ -73,6 +73,12 @@ class EstimateRequest:
         exclusive="packed",
     )
     max_seq: bool = flag(False, "search the longest sequence that fits, per system")
+    headroom: int | None = flag(
+        None,
+        "with --max-seq: device memory kept free beyond the upper end of memory, e.g. 3G or 0 (default: 3G: one "
+        "more NCCL communicator with its NVLS buffers, or another library's context)",
+        parse=parse_size,
+    )
     sweep: bool = flag(False, "MFU against sequence length (32K..4M) for all systems")
     plot: str | None = flag(None, "with --sweep: write the MFU plot to this PNG", path=True)
 
@@ -87,6 +93,8 @@ class EstimateRequest:
             raise ValueError(f"`--sweep` estimates its own lengths (32K..4M): leave out `{asked[0]}`")
         if self.max_seq and self.seq is not None:
             raise ValueError("`--max-seq` searches the length: leave out `--seq`")
+        if self.headroom is not None and not self.max_seq:
+            raise ValueError("`--headroom` is what `--max-seq` keeps free: give `--max-seq` too")
         if self.plot and not self.sweep:
             raise ValueError("`--plot` draws the `--sweep` of MFU against length: give `--sweep` too")
         first = default_lengths()[0]
@@ -141,6 +149,10 @@ class EstimateRequest:
             host_memory=self.host_memory,
             arena=self.arena,
         )
+
+    def kept_free(self) -> int:
+        """Returns the device bytes `--max-seq` keeps free (`--headroom`, default `estimate.HEADROOM`)."""
+        return HEADROOM if self.headroom is None else self.headroom
 
     def check_host(self, job: Job, spec: GPUSpec) -> None:
         """Raises ValueError naming `--host-memory` when the pinnable part of it cannot hold, per GPU, one layer's

@@ -137,7 +137,9 @@ def max_seq_lines(job: Job, spec: GPUSpec, found: dict[str, dict]) -> str:
         lines.append(f"{s}: {_longest(n)}")
         if "one_gpu_machine" in n:
             lines.append(f"{s} {_on_one_gpu_machine(spec)}: {_longest(n['one_gpu_machine'])}")
-    lines.append(f"\nrange: {MAX_SEQ_RANGE}; attention kernel: {next(iter(found.values()))['attention_kernel']}")
+    first = next(iter(found.values()))
+    kept = MAX_SEQ_RANGE.format(headroom=format_bytes(first["headroom"]))
+    lines.append(f"\nrange: {kept}; attention kernel: {first['attention_kernel']}")
     if job.documents:
         lines.append(
             f"{job.documents}: memory per token as unpacked; memo's plan hides its copies behind less attention"

@@ -4,13 +4,15 @@ writing it out.
 
 Tracing costs its op calls, and a step makes a pass of each token loop per tile (per chunk, the loss). Two lengths
 a unit apart (whole tiles, even in number so that α's split falls at the same row of its tile; whole loss chunks),
-with the same remainder, trace the same step but for more passes. Cut at the marks that start each pass
+with the same remainder, trace the same step but for more passes, once the shorter makes two passes of each loop
+at least: a loop's first pass frees nothing of a pass before it and its second frees what the first made, so only
+the passes after those are alike (`growth` refuses added passes that are not). Cut at the marks that start each pass
 (`trace_iteration(tiles=True)`), the two traces are the same pieces in the same order: a piece repeated more times
 where a loop runs longer, a piece whose sizes and distances (from an allocation to its free) change by the same
 amount per unit where they span the sequence, and the loss, whose chunk loop is not marked, longer by its chunks.
 `growth` reads that difference off the two traces; its `program` is the trace any number of units further as
-pieces and repeat counts, which `measure` replays pass by pass until a pass leaves everything as the one before it
-did (the rest repeat it). Tests compare both with direct traces of longer steps, event by event.
+pieces and repeat counts, which `measure` replays pass by pass until a pass leaves everything as an earlier pass of
+the run did (the rest repeat that cycle). Tests compare both with direct traces of longer steps, event by event.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .caching_sim import CachingAllocator
 from .trace import TILE, TILES_DONE, Event, Trace
 
 Program = list[tuple[tuple, int]]  # pieces of tokens, each with how many times it runs in a row
-WATCHED = 8  # passes of a run compared with the pass before: a run repeats from its first few passes or never
+WATCHED = 128  # passes of a run whose states are compared: a run repeats from its first few passes or never
 FEW = 64  # tokens left in a run below which replaying them costs less than comparing states
 
 
@@ -56,7 +58,12 @@ def growth(a: list[tuple], b: list[tuple]) -> Growth | None:
             items.append(("run", pa, ca, cb - ca))
         elif ca == cb == 1 and len(pa) == len(pb) and _same_shape(pa, pb):
             items.append(("scale", pa, pb))
-        elif ca == cb == 1 and len(pa) < len(pb) and (at := _insertion(pa, pb)) is not None:
+        elif (
+            ca == cb == 1
+            and len(pa) < len(pb)
+            and (at := _insertion(pa, pb)) is not None
+            and _repeats(pb, at, len(pb) - len(pa))
+        ):
             items.append(("insert", pa, pb, at))
         else:
             return None
@@ -134,6 +141,18 @@ def _insertion(pa: tuple, pb: tuple) -> int | None:
     return min(range(len(pa) - tail, head + 1), key=lambda i: before[i] + after[i])
 
 
+def _repeats(pb: tuple, at: int, grown: int) -> bool:
+    """Returns whether the tokens a unit adds (`pb[at:at + grown]`) can follow themselves: each that frees an
+    allocation made before them would, one repetition on, free an allocation like it made in the repetition before.
+    A loop's second pass, which frees what its first (shorter) pass made, cannot: the passes a longer step repeats
+    free what a pass like themselves made."""
+    for j in range(at, at + grown):
+        kind, _, back = pb[j]
+        if kind == "free" and j - back < at and (j - back + grown < 0 or pb[j - back + grown] != pb[j - back]):
+            return False
+    return True
+
+
 def _grown(item: tuple, units: int) -> Program:
     """Returns one item `units` units past the shorter trace, as program parts."""
     if item[0] == "run":
@@ -191,19 +210,23 @@ class _Replay:
         self.sim_peaks = [0, 0]  # allocated, reserved
 
     def piece(self, piece: tuple, times: int) -> None:
-        """Runs `piece` `times` times; once a pass leaves the state as the pass before it left it (seen from the
-        start of the run), skips the passes left: each would do the same."""
-        start, seen = self.position, None
+        """Runs `piece` `times` times; once a pass leaves the state as an earlier pass of the run left it (seen from
+        the start of the run), skips the whole cycles of passes left: each would do what the cycle did."""
+        start, seen = self.position, {}
         for done in range(1, times + 1):
-            before = dict(self.written)
             self._pass(piece)
             if done > WATCHED or len(piece) * (times - done) < FEW:
                 continue  # a run that has not settled in its first passes is replayed whole
             state = self._state(start)
-            if state == seen:
-                self._skip(start, len(piece), times - done, {k: v - before[k] for k, v in self.written.items()})
+            if state in seen:
+                first, written = seen[state]
+                cycles = (times - done) // (done - first)
+                grown = {k: (v - written[k]) * cycles for k, v in self.written.items()}
+                self._skip(start, len(piece) * (done - first) * cycles, grown)
+                for _ in range(times - done - cycles * (done - first)):
+                    self._pass(piece)
                 return
-            seen = state
+            seen[state] = done, dict(self.written)
 
     def _pass(self, piece: tuple) -> None:
         """Runs the tokens of one pass (the replay's inner loop: locals only)."""
@@ -253,13 +276,13 @@ class _Replay:
         held = None if sim is None else (sim.allocated, sim.reserved, tuple(sim.free[True]), tuple(sim.free[False]))
         return live, held, self.live_bytes, frozenset(self.open)
 
-    def _skip(self, start: int, length: int, passes: int, per_pass: dict) -> None:
-        """Moves past `passes` more passes of a run whose passes repeat: the run's live allocations move along."""
-        shift = length * passes
+    def _skip(self, start: int, shift: int, written: dict) -> None:
+        """Moves `shift` tokens on in a run whose passes repeat, writing `written` bytes: the run's live allocations
+        move along."""
         self.live = {(i + shift if i >= start else i): v for i, v in self.live.items()}
         self.position += shift
-        for k, v in per_pass.items():
-            self.written[k] += v * passes
+        for k, v in written.items():
+            self.written[k] += v
 
 
 def _where(block) -> tuple | None:
