@@ -20,7 +20,7 @@ import json
 import sys
 
 from memo.cost.efficiency import IN_TRAINING
-from memo.cost.estimate import Layout, Pricing, estimate, max_seq
+from memo.cost.estimate import HEADROOM, Layout, Pricing, estimate, max_seq
 from memo.cost.hardware import gpu
 from memo.job import Job, named_model
 from memo.units import format_count
@@ -54,7 +54,7 @@ def validation() -> list[dict]:
     for gpus, name, length in ALST:
         job = Job(model=named_model("llama3.1-8b"), seq=length // (1024 * gpus) * 1024 * gpus, gpus=gpus)
         e = estimate(job, gpu(name), "alst")
-        longest = max_seq(job, gpu(name), "alst", Pricing(memory="high"))
+        longest = max_seq(job, gpu(name), "alst", Pricing(memory="high", headroom=HEADROOM))
         rows.append(
             {
                 "gpus": gpus,
@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in fitted:
         print(f"  at {r['kernel']}'s published speed: {r['predicted_s']:.1f} s predicted, run at {r['fraction']:.3f}")
     print("  in-training fraction: " + ", ".join(f"{k} {v:.3f}" for k, v in IN_TRAINING.items()))
-    print("validation: ALST's published lengths, memo estimate --system alst (memory at its upper end for the longest)")
+    print(
+        "validation: ALST's published lengths, memo estimate --system alst (the longest: memory at its upper end, "
+        "3 GiB kept free)"
+    )
     for r in checked:
         answer = f"fits, {r['device_gib']:.1f} GiB" if r["fits"] else f"does not fit: {r['why']}"
         print(

@@ -353,9 +353,9 @@ def test_eval_of_a_hugging_face_folder_reads_its_tokenizer_and_draws_the_heatmap
 def test_eval_masks_documents_by_default_for_a_hugging_face_folder_and_packs_prompts(tmp_path, capsys):
     to_hf(Transformer(ModelConfig.preset("tiny")), tmp_path / "hf")
     held = _held_out_documents(tmp_path, ["There and back again. " * 3, "Here we go."] * 4)  # 66 and 11 bytes
-    argv = ["eval", str(tmp_path / "hf"), "--lengths", "128", "--depths", "0,1", "--json"]
+    argv = ["eval", str(tmp_path / "hf"), "--lengths", "128", "--json"]
     loss = ["--trials", "0", "--ppl-file", str(held), "--bucket-size", "16"]
-    assert main([*argv, "--trials", "2", "--passkey-pack", "2"]) == 0  # two prompts a forward
+    assert main([*argv, "--depths", "0,1", "--trials", "2", "--passkey-pack", "2"]) == 0  # two prompts a forward
     cells = json.loads(capsys.readouterr().out)["passkey"]
     assert [(c["length"], c["depth"], c["trials"], c["correct"]) for c in cells] == [(128, 0, 2, 0), (128, 1, 2, 0)]
 
