@@ -72,7 +72,7 @@ def claim_folder(
     run = next(_runs_in(real), None) if found != RUN else None
     if run is not None:  # replacing the folder whole would delete it
         raise ValueError(f"{shown} holds run {run}: give another folder")
-    if found == RUN and _lock_left(real) and not _has_checkpoints(real):
+    if found == RUN and lock_held(real) is False and not _has_checkpoints(real):
         raise ValueError(
             f"{shown} is a `memo train` run killed before its first checkpoint, so there is nothing to `--resume`: "
             "give another folder, or delete this one to start afresh there"
@@ -135,15 +135,19 @@ def _trainer_lock(folder: Path) -> bool:
     return False
 
 
-def _lock_left(folder: Path) -> bool:
-    """Returns whether `folder` holds a trainer's lock file that no process holds: its trainer was killed (one
-    that ends removes it)."""
+def lock_held(folder: Path) -> bool | None:
+    """Returns whether a trainer holds `folder`'s lock file (True), or one is left with no holder, its trainer killed
+    (False: one that ends removes it); None without a lock file. Changes nothing on disk."""
     try:
-        with open(folder / LOCK) as f:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
-    except OSError:  # none, or held by a trainer at work (`RunLock` then names it)
-        return False
-    return True
+        file = open(folder / LOCK)
+    except OSError:
+        return None
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+        except BlockingIOError:
+            return True
+    return False
 
 
 def mark(folder: str | Path, purpose: str) -> None:

@@ -16,7 +16,7 @@ from ..units import format_bytes, format_count, parse_length, parse_size
 from .efficiency import LENGTHS, Band, check_calibration_device, efficiency_from_calibration
 from .estimate import ATTENTION_CHOICES, HEADROOM, SYSTEMS
 from .hardware import GPUS, GPUSpec, gpu, load_gpus
-from .memory import skeletal_bytes
+from .memory import store_bytes
 from .sweep import default_lengths
 
 
@@ -160,12 +160,13 @@ class EstimateRequest:
         output always go to the host); below that no host figure of the estimate means anything."""
         if self.host_memory is None:
             return
-        per_gpu = int(HOST_USABLE * self.host_memory) // min(job.gpus, spec.gpus_per_node)
+        node_gpus = min(job.gpus, spec.gpus_per_node)
+        per_gpu = int(HOST_USABLE * self.host_memory) // node_gpus
         tokens = job.tokens(job.sp or job.gpus)
-        held = skeletal_bytes(job.model, tokens, job.torch_dtype)
-        least = held["input"] + held["attention"]
+        one_layer = store_bytes(job.model, tokens, ["memo"], [0.0], tokens, offload_last=True, dtype=job.torch_dtype)
+        least = one_layer.host_total  # as the store allocates it
         if per_gpu < least:
-            node = math.ceil(least * min(job.gpus, spec.gpus_per_node) / HOST_USABLE)
+            node = math.ceil(least * node_gpus / HOST_USABLE)
             raise ValueError(
                 f"`--host-memory` {format_bytes(self.host_memory)} pins {format_bytes(per_gpu)} per GPU "
                 f"({HOST_USABLE:.0%}), less than one layer's offload at {format_count(tokens)} tokens "

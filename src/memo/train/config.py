@@ -203,19 +203,19 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"`--{_flag(f.name)}` must be a finite number, got {value}")
+                raise ValueError(f"`--{flag_name(f.name)}` must be a finite number, got {value}")
             if isinstance(value, str) and not value.strip():  # "" would mean the current folder, silently
-                raise ValueError(f"`--{_flag(f.name)}` must not be empty")
+                raise ValueError(f"`--{flag_name(f.name)}` must not be empty")
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "keep_checkpoints", "eval_every", "eval_batches")
         positive += ("sp", "nproc", "nnodes")
         if self.tile_tokens is not None and self.tile_tokens <= 0:
             raise ValueError(f"`--tile-tokens` must be positive, got {self.tile_tokens}")
         for name in positive:
             if not getattr(self, name) > 0:
-                raise ValueError(f"`--{_flag(name)}` must be positive, got {getattr(self, name)}")
+                raise ValueError(f"`--{flag_name(name)}` must be positive, got {getattr(self, name)}")
         for name in ("save_every", "weight_decay", "skip_nonfinite"):
             if getattr(self, name) < 0:
-                raise ValueError(f"`--{_flag(name)}` must not be negative, got {getattr(self, name)}")
+                raise ValueError(f"`--{flag_name(name)}` must not be negative, got {getattr(self, name)}")
         self._check_optimizer()
         if self.batch_size % self.grad_accum:
             raise ValueError(f"`--batch-size` {self.batch_size} is not a multiple of `--grad-accum` {self.grad_accum}")
@@ -223,7 +223,7 @@ class TrainConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(
-                    f"`--{_flag(f.name)}` must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
+                    f"`--{flag_name(f.name)}` must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"`--node-rank` must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
@@ -269,7 +269,7 @@ class TrainConfig:
         if self.rope_scaling is None:
             given = [n for n in ("rope_factor", "original_max_positions") if getattr(self, n) is not None]
             if given:
-                raise ValueError(f"`--{_flag(given[0])}` needs `--rope-scaling` ({', '.join(ROPE_SCALINGS)})")
+                raise ValueError(f"`--{flag_name(given[0])}` needs `--rope-scaling` ({', '.join(ROPE_SCALINGS)})")
             return
         if self.rope_factor is None:
             raise ValueError(f"`--rope-scaling {self.rope_scaling}` needs `--rope-factor` (new length / original)")
@@ -493,7 +493,8 @@ def check_same_packing(overrides: dict, recorded: dict, run: str) -> dict:
         if name == "max_documents_per_sequence" and saved["pack_documents"] == "concat":
             continue  # concat packing has no document bounds to count
         raise ValueError(
-            f"`--{_flag(name)} {given}` changes how {run} packs its documents ({saved.get(name)}): resume without it"
+            f"`--{flag_name(name)} {given}` changes how {run} packs its documents ({saved.get(name)}): resume "
+            "without it"
         )
     return {k: v for k, v in overrides.items() if not (k == "document_separator" and v == "auto")}
 
@@ -585,7 +586,7 @@ def check_inputs(config: dict, fields: Iterable[str] = INPUTS, run: str = "the r
         if name not in recorded or not config.get(name):
             continue
         was, now = recorded[name], input_fingerprint(name, config[name])
-        where, flag = f"`--{_flag(name)}` {config[name]}", f"`--{_flag(name)}`"
+        where, flag = f"`--{flag_name(name)}` {config[name]}", f"`--{flag_name(name)}`"
         if now is None:
             again = remedy or f"put it back, or give {flag} with its new place"
             raise ValueError(f"{where} of {run} is missing: {again}")
@@ -609,8 +610,8 @@ def check_same_input(name: str, value: str, config: dict, run: str) -> None:
     if was and _changed(was, input_fingerprint(name, value)):
         what = "the tokenizer {} trained with" if name == "tokenizer" else "the data {} trained on"
         raise ValueError(
-            f"`--{_flag(name)}` {value} is not {what.format(run)} ({config.get(name)}): resume without "
-            f"`--{_flag(name)}`, or give a copy of it"
+            f"`--{flag_name(name)}` {value} is not {what.format(run)} ({config.get(name)}): resume without "
+            f"`--{flag_name(name)}`, or give a copy of it"
         )
 
 
@@ -627,7 +628,7 @@ def check_token_files(overrides: dict, config: dict) -> None:
     for name in ("data", "eval_data"):
         if overrides.get(name):
             given = token_file_tokenizer(overrides[name])
-            check_tokenizer(overrides[name], given, expected, f"--{_flag(name)}")
+            check_tokenizer(overrides[name], given, expected, f"--{flag_name(name)}")
 
 
 def check_same_model(model: str, saved: ModelConfig, run: str) -> None:
@@ -643,7 +644,8 @@ def check_same_model(model: str, saved: ModelConfig, run: str) -> None:
         )
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """Returns the flag of field `name`, without its leading dashes: min_lr -> min-lr."""
     return name.replace("_", "-")
 
 

@@ -694,8 +694,11 @@ def token_dataset(
     if path.suffix in TOKEN_SUFFIXES:
         tokens, starts, max_id = read_token_file(path, flag, tokenizer)
         check_separator(path, token_file_separator(path), separator, flag)
-        if pack_documents == "mask":
-            _check_document_starts(path, flag)
+        if pack_documents == "mask":  # read as one document, its documents would attend to each other
+            remedy = (
+                "write the token file again with memo.train.data.write_token_file, or give `--pack-documents concat`"
+            )
+            check_document_starts(path, flag, f"`--pack-documents mask` needs it; {remedy}")
         return TokenDataset(tokens, starts, seq_len, seed, max_id, **packing)
     text_tokenizer = load_tokenizer(tokenizer_path)
     check_tokenizer(path, text_tokenizer.identity, tokenizer, flag)
@@ -708,17 +711,6 @@ def token_dataset(
     if total == 0:
         raise ValueError(f"`{flag}` {str(path)!r} holds no text to tokenize")
     return TokenDataset(np.concatenate(chunks), np.asarray(starts, dtype=np.int64), seq_len, seed, **packing)
-
-
-def _check_document_starts(path: Path, flag: str) -> None:
-    """Raises ValueError when .bin token file `path` lacks its document starts (`check_document_starts`): read as
-    one document, its documents would attend to each other under mask packing, without a word."""
-    check_document_starts(
-        path,
-        flag,
-        "`--pack-documents mask` needs it; write the token file again with "
-        "memo.train.data.write_token_file, or give `--pack-documents concat`",
-    )
 
 
 def separator_kind(path: str | Path, tokenizer_path: str | Path | None = None, separator: str = "auto") -> str | None:

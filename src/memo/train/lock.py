@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 from ..files import LOCK as NAME
+from ..files import lock_held
 
 
 class RunLock:
@@ -47,15 +48,8 @@ class RunLock:
 def check_free(run_dir: Path) -> None:
     """Raises the in-use error when a trainer holds `run_dir`'s lock, changing nothing on disk: a probe before a
     resume reads the run (a killed run's leftover lock file stays, so the folder is still known as killed)."""
-    try:
-        file = (run_dir / NAME).open()
-    except OSError:  # no lock file: no trainer
-        return
-    with file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
-        except BlockingIOError:
-            raise _in_use(run_dir) from None
+    if lock_held(run_dir):
+        raise _in_use(run_dir)
 
 
 def _in_use(run_dir: Path) -> ValueError:

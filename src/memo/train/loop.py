@@ -550,7 +550,7 @@ class Trainer:
 
 
 def _check_all_read(saved: set[str], read: set[str]) -> None:
-    """Raises KeyError when a checkpoint holds tensors this run does not read (adapters of targets it lacks, of
+    """Raises RuntimeError when a checkpoint holds tensors this run does not read (adapters of targets it lacks, of
     another rank): loading the rest would silently drop what they trained. A bf16 run's weights are read as their
     fp32 masters (`name.master`) by a float32 run: those are not lost."""
     unread = sorted(name for name in saved - read if f"{name}.master" not in read)

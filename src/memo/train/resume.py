@@ -31,6 +31,7 @@ from .config import (
     check_same_model,
     check_same_packing,
     check_token_files,
+    flag_name,
     input_fingerprint,
 )
 from .lock import check_free
@@ -148,7 +149,7 @@ def check_same_training(was: TrainConfig, now: TrainConfig, run: str) -> None:
     if was.lora() != now.lora():
         name = next(n for n in LORA if getattr(was, n) != getattr(now, n))
         raise ValueError(
-            f"`--{_flag(name)} {_shown(getattr(now, name))}` changes the adapters {run} trains "
+            f"`--{flag_name(name)} {_shown(getattr(now, name))}` changes the adapters {run} trains "
             f"({_adapters(was)} -> {_adapters(now)}): resume without it, or start a new run from its export "
             "(`memo export`)"
         )
@@ -177,7 +178,7 @@ def _same(a, b) -> bool:
 def _changes(name: str, value, was, run: str) -> ValueError:
     before = "the generated task" if name == "data" and was is None else _shown(was)
     return ValueError(
-        f"`--{_flag(name)} {_shown(value)}` changes what {run} trains ({before}): resume without it, or start a "
+        f"`--{flag_name(name)} {_shown(value)}` changes what {run} trains ({before}): resume without it, or start a "
         "new run"
     )
 
@@ -191,7 +192,7 @@ def run_changes(was: TrainConfig, now: TrainConfig, run: str) -> list[str]:
             continue
         what = "the schedule is stretched to it" if name == "steps" else "how it runs, not what it trains"
         given, before = _shown(getattr(now, name)), _shown(getattr(was, name))
-        lines.append(f"resuming {run} with `--{_flag(name)} {given}` (was {before}: {what})")
+        lines.append(f"resuming {run} with `--{flag_name(name)} {given}` (was {before}: {what})")
     return lines
 
 
@@ -222,7 +223,3 @@ def _shown(value) -> str:
     if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value)
     return "not given" if value is None else str(value)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
