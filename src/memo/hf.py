@@ -47,7 +47,7 @@ FAMILIES = {
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # memo parameter name in a layer -> HF tensor name in `model.layers.i`
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "wq": "self_attn.q_proj",
     "wk": "self_attn.k_proj",
@@ -81,7 +81,7 @@ def hf_name(name: str) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     _, index, module, kind = name.split(".")
-    return f"model.layers.{index}.{_LAYER_NAMES[module]}.{kind}"
+    return f"model.layers.{index}.{LAYER_NAMES[module]}.{kind}"
 
 
 # ModelConfig field -> the config.json field it is read from: errors name the file's

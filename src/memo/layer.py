@@ -49,6 +49,7 @@ Attention alone sees all tokens: for a/sp heads, between the all-to-alls `seq_pa
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -172,7 +173,9 @@ class FreshTiles:
 
     def open(self, t, rows, group):
         r = rows.stop - rows.start
-        return {n: t["x"].new_empty((self.batch, r, *tail), dtype=dtype) for n, g, tail, dtype in self.shapes if g == group}
+        return {
+            n: t["x"].new_empty((self.batch, r, *tail), dtype=dtype) for n, g, tail, dtype in self.shapes if g == group
+        }
 
     def close(self, rows, group) -> None:
         pass
@@ -248,6 +251,7 @@ class DecoderLayer(nn.Module):
         self.attention_kernel = "auto"  # the kernel asked for (`attention.CHOICES`); the model sets its policy's
         self.attention_ran: str | None = None  # the kernel the last forward's attention ran (one document a row)
         self.packed_ran: str | None = None  # ... over packed documents, and how: "varlen" or "per document"
+        self.source = None  # a patch's weights: binds this twin's modules to a transformers layer's at each call
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
@@ -461,7 +465,9 @@ class DecoderLayer(nn.Module):
                 heads_major(dk)[:, kv_heads].copy_(dkc)
                 heads_major(dv)[:, kv_heads].copy_(dvc)
             else:
-                sp.to_tokens(heads_major(dkc.to(k.dtype)), heads_major(dvc.to(v.dtype)), out=(dk, dv), heads=(kv_heads,) * 2)
+                sp.to_tokens(
+                    heads_major(dkc.to(k.dtype)), heads_major(dvc.to(v.dtype)), out=(dk, dv), heads=(kv_heads,) * 2
+                )
             del kc, vc, dkc, dvc
         return (dattn, dk, dv) if sp is None else (dattn, sp.fold_kv(dk), sp.fold_kv(dv))
 
@@ -497,9 +503,7 @@ class DecoderLayer(nn.Module):
             return phase(self, t, *args)
         return self.phases.run(self, phase, t, *args)
 
-    def forward(
-        self, x: torch.Tensor, store: Store | None = None, documents: Documents | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, store: Store | None = None, documents: Documents | None = None) -> torch.Tensor:
         """Returns the layer output: without grad, straight (tile by tile); with grad, through the explicit
         autograd function and `store`, which keeps the skeletal tensors for the backward. `documents`: the packed
         documents of the batch (attention within each, RoPE from each start)."""
@@ -596,7 +600,7 @@ class LayerFunction(torch.autograd.Function):
         t, tiles = store.slots(layer.index, x)
         y, aux = layer.run(forward_phase, _with_positions(layer, t, documents), tiles)
         store.after_forward(layer.index, aux)
-        ctx.layer, ctx.store, ctx.step, ctx.documents = layer, store, store.step, documents
+        ctx.layer, ctx.store, ctx.step, ctx.documents, ctx.source = layer, store, store.step, documents, layer.source
         return y
 
     @staticmethod
@@ -604,7 +608,9 @@ class LayerFunction(torch.autograd.Function):
         """The gradient of a layer's output belongs to the layer stack (its only consumer is the next layer, or
         the loss, which made it): the backward writes dx over it rather than holding both whole."""
         layer, store = ctx.layer, ctx.store
-        t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
-        t = _with_positions(layer, t, ctx.documents)
-        dx, grads = layer.run(backward_phase, t, dy.contiguous(), aux, tiles, recompute)
-        return (dx, None, None, None, *(grads.get(name) for name, _ in layer.named_parameters()))  # frozen: None
+        with nullcontext() if ctx.source is None else ctx.source.bound(layer):  # a patch's weights, bound again
+            t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
+            t = _with_positions(layer, t, ctx.documents)
+            dx, grads = layer.run(backward_phase, t, dy.contiguous(), aux, tiles, recompute)
+            names = [name for name, _ in layer.named_parameters()]
+        return (dx, None, None, None, *(grads.get(name) for name in names))  # frozen: None

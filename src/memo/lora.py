@@ -137,6 +137,17 @@ class LoraLinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default init of A
 
+    @classmethod
+    def view(cls, tensors: dict[str, torch.Tensor | None], scaling: float, dropout: float, key: int | None):
+        """Returns a LoraLinear over tensors it does not own (weight, bias, lora_A, lora_B: a patched transformers
+        layer's, `memo.patch`), registered as they are so that the layer's backward names their gradients."""
+        view = cls.__new__(cls)
+        nn.Module.__init__(view)
+        view.out_features, view.in_features = tensors["weight"].shape
+        view._parameters.update(tensors)  # not nn.Parameter's check: a cast or summed tensor is a weight here
+        view.scaling, view.dropout, view.dropout_key = scaling, dropout, key
+        return view
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
 
@@ -156,10 +167,16 @@ def set_dropout_keys(model: nn.Module, key: int | None) -> None:
     """Gives every adapter of `model` (a memo.Transformer) its dropout key for the coming forward and backward,
     derived from `key` (one per step and micro-batch), its layer and its projection; None turns dropout off."""
     for layer in model.layers:
-        for ordinal, (name, _) in enumerate(TARGETS.values()):
+        for name, _ in TARGETS.values():
             lin = getattr(layer, name, None)
             if isinstance(lin, LoraLinear):
-                lin.dropout_key = None if key is None else (key * 1_000_003 + layer.index) * 16 + ordinal
+                lin.dropout_key = adapter_key(key, layer.index, name)
+
+
+def adapter_key(key: int | None, layer: int, module: str) -> int | None:
+    """Returns the dropout key of the adapter on `module` (`wq`) of `layer` for a forward keyed `key` (None: off)."""
+    ordinal = [name for name, _ in TARGETS.values()].index(module)
+    return None if key is None else (key * 1_000_003 + layer) * 16 + ordinal
 
 
 def low_rank_add(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None):

@@ -1,0 +1,180 @@
+"""A transformers decoder layer's weights, read at call time and bound to memo's explicit layer (`memo.patch`).
+
+memo's `DecoderLayer` reads its weights through its modules (`self.wq.weight`, `self.attn_norm.eps`). A patched
+model keeps its own modules; for each call a parameter-free twin of the layer (`DecoderLayer` on `meta`, never in
+the model's tree) gets views of them: an `nn.Linear` as it is, PEFT's LoRA as one `lora.LoraLinear`, a Llama or
+Qwen RMSNorm as an `nn.RMSNorm` over the same weight. They are looked up anew at every forward and again for
+the backward, so `get_peft_model` after the patch, FSDP2's per-call unsharded parameters and PEFT's
+`modules_to_save` copies are what the layer computes with.
+
+Where the view is not the module's own tensor (a cast to the compute dtype; several adapters summed into one;
+LoRA's `lora_B` bias folded into the projection's bias), it is made differentiably in the forward, so autograd
+carries the layer's gradient back to the model's parameters in their own dtype; the backward rebuilds the same
+values without a graph. Anything memo cannot run exactly (DoRA and other variants, quantized or transposed bases,
+hooks or patched forwards on a submodule memo never calls) is refused in one line.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .hf import LAYER_NAMES
+from .lora import LoraLinear, adapter_key
+
+_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm")
+
+
+class LayerWeights:
+    """The weights of transformers decoder layer `hf_layer` (index `index`) for one forward and its backward, in
+    `dtype`; `key` keys LoRA dropout (None: off)."""
+
+    def __init__(self, hf_layer: nn.Module, index: int, dtype: torch.dtype, key: int | None):
+        self.hf_layer, self.index, self.dtype, self.key = hf_layer, index, dtype, key
+
+    @contextmanager
+    def bound(self, twin: nn.Module):
+        """Binds the twin's modules to views of the layer's weights, autocast off (memo casts per layer, as FSDP's
+        mixed precision does), and yields the tensors the layer's autograd function must take, in the order of
+        `twin.named_parameters()`; puts the twin's own parameter-free modules back on exit."""
+        own = dict(twin._modules)
+        try:
+            with torch.enable_grad():  # in the backward too: a view trains where the tensors it is made of do
+                for name in own:
+                    if name in _LINEARS or (name in _NORMS and own[name] is not None):
+                        twin._modules[name] = self._view(name)
+            with torch.autocast(next(self.hf_layer.parameters()).device.type, enabled=False):
+                yield [p for _, p in twin.named_parameters()]
+        finally:
+            twin._modules.update(own)
+
+    def _view(self, name: str) -> nn.Module:
+        module = active_module(self.hf_layer.get_submodule(LAYER_NAMES[name]))
+        if name in _NORMS:
+            return self._norm(module, name)
+        return self._linear(module, name)
+
+    def _cast(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(self.dtype)  # differentiable under grad: the gradient reaches t
+
+    def _norm(self, module: nn.Module, name: str) -> nn.Module:
+        _check_plain(module, name, self.index)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None or getattr(module, "bias", None) is not None:
+            raise ValueError(f"{_where(name, self.index)} is a {type(module).__name__}, not an RMSNorm memo runs")
+        view = nn.RMSNorm(module.weight.shape[0], eps=eps, device="meta")
+        view._parameters["weight"] = self._cast(module.weight)
+        return view
+
+    def _linear(self, module: nn.Module, name: str) -> nn.Module:
+        adapters = lora_adapters(module, name, self.index)
+        base = module.get_base_layer() if adapters is not None else module
+        _check_plain(base, name, self.index)
+        if not adapters:  # a plain projection, or a LoRA layer whose adapters are merged or off
+            if self.dtype == base.weight.dtype:
+                return base
+            view = nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            view._parameters.update(weight=self._cast(base.weight), bias=self._cast(base.bias))
+            return view
+        return self._low_rank(module, base, adapters, name)
+
+    def _low_rank(self, module, base: nn.Linear, adapters: list[str], name: str) -> LoraLinear:
+        """Returns one LoraLinear for the active adapters: A stacked (Σ r, in) with each scale folded in, B side by
+        side (out, Σ r), so s·B·A summed over adapters is one product; `lora_B` biases join the base bias."""
+        scales = [module.scaling[a] for a in adapters]
+        drops = {_dropout(module, a) for a in adapters}
+        if len(drops) > 1:
+            raise ValueError(
+                f"{_where(name, self.index)}: active adapters {', '.join(adapters)} have different lora_dropout "
+                f"({sorted(drops)}); memo draws one dropout mask per projection: give them one value"
+            )
+        a = [module.lora_A[n].weight for n in adapters]
+        b = [module.lora_B[n].weight for n in adapters]
+        one = len(adapters) == 1
+        lora_a = self._cast(a[0]) if one else torch.cat([self._cast(w) * s for w, s in zip(a, scales)])
+        lora_b = self._cast(b[0]) if one else torch.cat([self._cast(w) for w in b], dim=1)
+        bias = self._cast(base.bias)
+        for n, s in zip(adapters, scales):
+            if module.lora_B[n].bias is not None:
+                extra = self._cast(module.lora_B[n].bias) * s
+                bias = extra if bias is None else bias + extra
+        tensors = dict(weight=self._cast(base.weight), bias=bias, lora_A=lora_a, lora_B=lora_b)
+        dropout = drops.pop()
+        key = adapter_key(self.key, self.index, name) if dropout > 0 else None
+        return LoraLinear.view(tensors, scales[0] if one else 1.0, dropout, key)
+
+
+def lora_adapters(module: nn.Module, name: str, index: int) -> list[str] | None:
+    """Returns the adapters of a PEFT LoRA layer that its forward would apply ([] when merged or disabled), None
+    for a module that is not a PEFT tuner layer; raises for a tuner layer memo cannot run exactly."""
+    try:
+        from peft.tuners.lora import Linear as PeftLoraLinear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return None
+    if not isinstance(module, BaseTunerLayer):
+        return None
+    where = _where(name, index)
+    if type(module) is not PeftLoraLinear:
+        raise ValueError(f"{where} is a PEFT {type(module).__name__}: memo runs plain LoRA (peft.tuners.lora.Linear)")
+    if module.fan_in_fan_out:
+        raise ValueError(f"{where} has fan_in_fan_out=True: memo runs nn.Linear bases")
+    if module.disable_adapters:
+        if module.merged:
+            raise ValueError(f"{where} has adapters merged and disabled: unmerge them (model.unmerge_adapter())")
+        return []
+    if module.merged:
+        return []
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    variants = [a for a in active if a in getattr(module, "lora_variant", {})]
+    if variants:
+        kind = type(module.lora_variant[variants[0]]).__name__
+        raise ValueError(
+            f"{where}: adapter {variants[0]!r} is a LoRA variant ({kind}, e.g. DoRA): memo runs plain LoRA"
+        )
+    return active
+
+
+def _dropout(module, adapter: str) -> float:
+    """Returns the adapter's dropout probability as its forward applies it: an nn.Dropout in training mode."""
+    drop = module.lora_dropout[adapter]
+    return float(drop.p) if isinstance(drop, nn.Dropout) and drop.training else 0.0
+
+
+def active_module(module: nn.Module) -> nn.Module:
+    """Returns the module a PEFT `modules_to_save` wrapper's forward would run: its active copy, or the original."""
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return module
+    if not isinstance(module, ModulesToSaveWrapper):
+        return module
+    active = module.active_adapters
+    if module.disable_adapters or not active or any(a not in module.modules_to_save for a in active):
+        return module.original_module
+    return module.modules_to_save[active[0]]
+
+
+def _check_plain(module: nn.Module, name: str, index: int) -> None:
+    """Raises unless `module` computes what memo's layer computes in its place: an nn.Linear or a transformers
+    RMSNorm with its class's own forward and no hooks (memo never calls it: a hook or a patched forward, Liger's
+    for one, would silently not run)."""
+    where = _where(name, index)
+    cls = type(module)
+    known = isinstance(module, nn.Linear) if name in _LINEARS else cls.__module__.startswith("transformers.models.")
+    if not known or (name in _LINEARS and cls.forward is not nn.Linear.forward):
+        raise ValueError(f"{where} is a {cls.__module__}.{cls.__name__}: memo runs nn.Linear and transformers' RMSNorm")
+    if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        raise ValueError(
+            f"{where} has a patched forward or forward hooks (Liger's patches, adapter hooks): memo computes this "
+            "module itself and would skip them; remove them or unpatch memo"
+        )
+    if type(module.weight).__name__ == "DTensor":
+        raise ValueError(f"{where} is sharded below the decoder layer: under FSDP2 shard each decoder layer as a unit")
+
+
+def _where(name: str, index: int) -> str:
+    return f"model.layers.{index}.{LAYER_NAMES[name]}"
