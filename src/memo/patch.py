@@ -74,16 +74,14 @@ class Patch:
             log.warning(message)
 
 
-@dataclass(eq=False)
 class Call:
-    """One grad-enabled forward: its documents, compute dtype and LoRA dropout key, shared by every layer."""
+    """One grad-enabled forward: its documents, compute dtype and LoRA dropout key, shared by every layer. A plain
+    class, not a dataclass: FSDP2 walks dataclass arguments for tensors, and this one reaches the whole record."""
 
-    record: Patch
-    documents: Documents | None
-    dtype: torch.dtype
-    key: int | None
-    done: bool = False  # set when the backward has gone through the first layer
-    output: weakref.ref | None = None  # the graph node of the marked activation: dead when the graph is dropped
+    def __init__(self, record: Patch, documents: Documents | None, dtype: torch.dtype, key: int | None):
+        self.record, self.documents, self.dtype, self.key = record, documents, dtype, key
+        self.done = False  # set when the backward has gone through the first layer
+        self.output: weakref.ref | None = None  # the graph node of the marked activation: dead once dropped
 
     def pending(self) -> bool:
         return not self.done and self.output is not None and self.output() is not None
