@@ -41,8 +41,14 @@ def _save_base(path, family: str) -> None:
     """Saves a random 4-layer checkpoint of `family` to `path`."""
     cls, features = FAMILIES[family]
     config = getattr(transformers, cls)(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, **features,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **features,
     )
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config).float()
@@ -111,12 +117,16 @@ def _peft_grads(hf, names) -> dict:
     return {n: theirs[embed if n == "embed.weight" else peft_name(n)] for n in names}
 
 
-def _same_loss_then_gradients(model, hf) -> dict:
-    """Runs one batch through both, checks the losses agree, and returns memo's gradients by name."""
+def _same_loss_then_gradients(model, hf, between=None) -> dict:
+    """Runs one batch through both, checks the losses agree, and returns memo's gradients by name; `between`
+    runs under no_grad between memo's forward and backward (the backward must apply the forward's masks)."""
     ids, labels = _batch()
     hf_loss = hf(input_ids=ids, labels=labels).loss
     hf_loss.backward()
     loss = model(ids, labels=labels)
+    if between is not None:
+        with torch.no_grad():
+            between(ids)
     loss.backward()
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
     return _trained_grads(model)
@@ -201,7 +211,7 @@ def _drop_alike(model, hf, p=0.25, key=7):
 def test_lora_dropout_matches_peft_given_the_same_mask(tmp_path, policy):
     hf = _hf_lora(tmp_path, "llama")
     model = _drop_alike(_memo_lora(tmp_path, hf, POLICIES[policy]), hf)
-    ours = _same_loss_then_gradients(model, hf)
+    ours = _same_loss_then_gradients(model, hf, between=lambda ids: model(ids[:, :8]))  # no_grad: drops nothing
     _assert_close(ours, _peft_grads(hf, ours), f"dropout {policy}")
     ids = _batch()[0]
     with torch.no_grad():  # evaluation drops nothing
@@ -257,8 +267,14 @@ def test_frozen_weights_cost_no_gradient_product(tmp_path):
 def _sp_rank(rank: int, port: int, root: str) -> None:
     from memo.parallel import full_gradients, init_mesh, parallelize, shard_batch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 

@@ -6,12 +6,13 @@ Models are tiny random ones from transformers' config classes, fp32 on the CPU."
 
 import copy
 import logging
+import types
 
 import pytest
 import torch
 
 from memo import ActivationPolicy
-from memo.patch import patch, unpatch
+from memo.hf_patch import patch, unpatch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -141,7 +142,7 @@ def test_logits_come_from_a_call_without_labels_and_the_copy_has_its_own_store()
 def test_hf_activation_checkpointing_is_turned_off_with_one_warning(caplog):
     patched, reference = patched_pair()
     patched.gradient_checkpointing_enable()
-    with caplog.at_level(logging.WARNING, logger="memo.patch"):
+    with caplog.at_level(logging.WARNING, logger="memo.hf_patch"):
         assert_same_step(patched, reference, batch())
         train_step(patched, batch())
     assert not patched.model.layers[0].gradient_checkpointing
@@ -237,11 +238,28 @@ def test_dora_is_refused_in_one_line():
         m(**batch())
 
 
-def test_a_hook_on_a_module_memo_computes_is_refused():
+@pytest.mark.parametrize(
+    "where, how",
+    [("layers.1.mlp.down_proj", "hook"), ("layers.0.mlp", "forward"), ("layers.2.input_layernorm", "forward")],
+)
+def test_a_hook_or_a_forward_of_its_own_on_a_module_memo_computes_is_refused(where, how):
+    """Liger's `apply_liger_kernel_to_llama(model=...)` binds its own forwards to the MLP and norms: memo would
+    silently skip them."""
     m = patch(model(), TILED)
-    m.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj has a patched forward or forward hooks"):
+    module = m.model.get_submodule(where)
+    if how == "hook":
+        module.register_forward_hook(lambda *a: None)
+    else:
+        module.forward = types.MethodType(type(module).forward, module)
+    with pytest.raises(ValueError, match=rf"model.{where} has a patched forward or forward hooks"):
         m(**batch())
+
+
+def test_generate_runs_transformers_own_path():
+    patched, reference = patched_pair()
+    ids = batch()["input_ids"][:1, :8]
+    kw = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(patched.generate(ids, **kw), reference.generate(ids, **kw))
 
 
 def test_a_patched_layer_class_is_refused_at_patch_time():
@@ -296,3 +314,23 @@ def test_attention_dropout_and_compile_are_refused_at_patch_time():
         patch(model(attention_dropout=0.1))
     with pytest.raises(ValueError, match="before torch.compile"):
         patch(torch.compile(model()))
+
+
+def test_batches_of_varying_length_reuse_the_bytes_and_the_plan_of_the_longest(monkeypatch):
+    """A trainer's packed batches change length every step: a shorter one is served from the buffers and the
+    solved plan of the longest so far (nothing allocated, pinned or measured again), a longer one resizes."""
+    import memo.swap
+
+    measured = []
+    measure = memo.swap.measure_layer_seconds
+    monkeypatch.setattr(memo.swap, "measure_layer_seconds", lambda *a: measured.append(1) or measure(*a))
+    reference = model("qwen3")
+    patched = patch(copy.deepcopy(reference), ActivationPolicy("memo", tile_tokens=5))  # α and plan solved
+    store = patched._memo_patch.store
+    pointers = []
+    for length in (SEQ, 17, SEQ - 1, SEQ + 6):
+        ids = torch.randint(0, VOCAB, (2, length))
+        inputs = dict(input_ids=ids, labels=ids)
+        assert_same_step(patched, reference, inputs)
+        pointers.append((store._raw[("buffer", 0)].data_ptr(), store.pool.buffer.data_ptr()))
+    assert pointers[0] == pointers[1] == pointers[2] and len(measured) == 2  # solved at 24, again at 30

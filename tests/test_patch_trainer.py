@@ -2,6 +2,9 @@
 the patch call: five steps give the unpatched run's losses, and SFTTrainer's entropy and accuracy, with TRL's
 padding-free packing and assistant-only loss, and with right-padded completion-only batches."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,21 +16,18 @@ datasets = pytest.importorskip("datasets")
 
 POLICY = ActivationPolicy("memo", alpha=0.5, tile_tokens=7)
 STEPS, LOSS_TOL = 5, 1e-4
-WORDS = "the cat sat on a mat and looked at one red ball while two dogs ran far away from home".split()
 
 
-def tokenizer(template: str):
-    """A byte-level tokenizer with the ChatML specials and `template` (nothing downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _example():
+    """The README's SFTTrainer example: its byte-level tokenizer (TRL's Qwen2.5 training template) and words."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "sft_long_context.py"
+    spec = importlib.util.spec_from_file_location("sft_long_context", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = template
-    return fast
+
+EXAMPLE = _example()
 
 
 def llama(patched: bool, vocab: int = 259):
@@ -71,7 +71,7 @@ def logged(trainer, key: str) -> list[float]:
 
 
 def sentence(g: torch.Generator, n: int) -> str:
-    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g))
+    return " ".join(EXAMPLE.WORDS[i] for i in torch.randint(0, len(EXAMPLE.WORDS), (n,), generator=g))
 
 
 def test_trainer_trains_a_patched_model_as_it_trains_the_model(tmp_path):
@@ -110,25 +110,29 @@ def completion_rows(n: int = 12) -> list[dict]:
     return [dict(prompt=sentence(g, 3 + i % 4), completion=sentence(g, 2 + i % 3)) for i in range(n)]
 
 
+PACKED = dict(packing=True, padding_free=True, assistant_only_loss=True, max_length=160)
+
+
 @pytest.mark.parametrize(
-    "rows, config",
+    "rows, config, after",
     [
-        (chat_rows, dict(packing=True, padding_free=True, assistant_only_loss=True, max_length=160)),
-        (completion_rows, dict(packing=False, completion_only_loss=True, max_length=96)),
+        (chat_rows, PACKED, False),
+        (chat_rows, PACKED, True),
+        (completion_rows, dict(packing=False, completion_only_loss=True, max_length=96), False),
     ],
-    ids=["packed-padding-free-assistant-only", "padded-completion-only"],
+    ids=["packed-padding-free-assistant-only", "patched-after-the-trainer-is-made", "padded-completion-only"],
 )
-def test_sft_trainer_gives_the_unpatched_losses_entropy_and_accuracy(tmp_path, rows, config):
+def test_sft_trainer_gives_the_unpatched_losses_entropy_and_accuracy(tmp_path, rows, config, after):
     from trl import SFTConfig, SFTTrainer
 
-    template = trl.__path__[0] + "/chat_templates/qwen2_5_training.jinja"
-    with open(template) as f:
-        tok = tokenizer(f.read())
+    tok = EXAMPLE.toy_tokenizer()
     data = datasets.Dataset.from_list(rows())
     runs = {}
     for patched in (False, True):
         args = SFTConfig(**common(tmp_path / str(patched)), **config)
-        trainer = SFTTrainer(model=llama(patched), args=args, train_dataset=data, processing_class=tok)
+        trainer = SFTTrainer(model=llama(patched and not after), args=args, train_dataset=data, processing_class=tok)
+        if patched and after:  # TRL has put its fused head on the model's forward: it calls the patched backbone
+            patch(trainer.model, POLICY)
         trainer.train()
         runs[patched] = [
             (h["loss"], h["entropy"], h["mean_token_accuracy"]) for h in trainer.state.log_history if "loss" in h

@@ -53,6 +53,7 @@ def test_a_block_runs_as_pasted(index, tmp_path):
     if not (ROOT / ".venv" / "bin" / "memo").exists():
         pytest.skip("no .venv here: run `bash setup.sh` (CI does)")
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
     kind, block = BLOCKS[index]
     if kind == "python":
         _run([sys.executable, "-c", block], tmp_path)

@@ -4,8 +4,18 @@ from .config import ModelConfig
 from .hf import from_hf, to_hf
 from .job import Job
 from .model import Transformer
-from .patch import patch, unpatch
+from .hf_patch import patch, patch_stats, unpatch
 from .policy import ActivationPolicy
 
-__all__ = ["ActivationPolicy", "Job", "ModelConfig", "Transformer", "from_hf", "patch", "to_hf", "unpatch"]
+__all__ = [
+    "ActivationPolicy",
+    "Job",
+    "ModelConfig",
+    "Transformer",
+    "from_hf",
+    "patch",
+    "patch_stats",
+    "to_hf",
+    "unpatch",
+]
 __version__ = "0.1.0"

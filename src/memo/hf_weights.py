@@ -41,6 +41,8 @@ class LayerWeights:
         mixed precision does), and yields the tensors the layer's autograd function must take, in the order of
         `twin.named_parameters()`; puts the twin's own parameter-free modules back on exit."""
         own = dict(twin._modules)
+        for part in ("self_attn", "mlp"):  # containers memo computes in place of: nothing may hang on them
+            _check_hooks(getattr(self.hf_layer, part), f"model.layers.{self.index}.{part}")
         try:
             with torch.enable_grad():  # in the backward too: a view trains where the tensors it is made of do
                 for name in own:
@@ -71,6 +73,8 @@ class LayerWeights:
 
     def _linear(self, module: nn.Module, name: str) -> nn.Module:
         adapters = lora_adapters(module, name, self.index)
+        if adapters is not None:  # PEFT's mixed-batch `adapter_names` come as hooks on the LoRA layer
+            _check_hooks(module, _where(name, self.index))
         base = module.get_base_layer() if adapters is not None else module
         _check_plain(base, name, self.index)
         if not adapters:  # a plain projection, or a LoRA layer whose adapters are merged or off
@@ -167,13 +171,20 @@ def _check_plain(module: nn.Module, name: str, index: int) -> None:
     known = isinstance(module, nn.Linear) if name in _LINEARS else cls.__module__.startswith("transformers.models.")
     if not known or (name in _LINEARS and cls.forward is not nn.Linear.forward):
         raise ValueError(f"{where} is a {cls.__module__}.{cls.__name__}: memo runs nn.Linear and transformers' RMSNorm")
+    _check_hooks(module, where)
+    if type(module.weight).__name__ == "DTensor":
+        raise ValueError(f"{where} is sharded below the decoder layer: under FSDP2 shard each decoder layer as a unit")
+
+
+def _check_hooks(module: nn.Module, where: str) -> None:
+    """Raises when `module`, which memo computes itself, has a forward of its own or hooks that would not run."""
     if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
         raise ValueError(
             f"{where} has a patched forward or forward hooks (Liger's patches, adapter hooks): memo computes this "
             "module itself and would skip them; remove them or unpatch memo"
         )
-    if type(module.weight).__name__ == "DTensor":
-        raise ValueError(f"{where} is sharded below the decoder layer: under FSDP2 shard each decoder layer as a unit")
+    if not type(module).__module__.startswith(("transformers.", "torch.nn.", "peft.")):
+        raise ValueError(f"{where} is a {type(module).__module__}.{type(module).__name__}: memo runs transformers' own")
 
 
 def _where(name: str, index: int) -> str:

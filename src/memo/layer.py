@@ -60,7 +60,7 @@ from torch import nn
 from .attention import attention_backward, attention_forward, choose, head_chunks, lse_seq_len
 from .config import ModelConfig
 from .documents import Documents
-from .lora import drops_out, low_rank_add, low_rank_backward
+from .lora import dropout_keys, drops_out, keys_of, low_rank_add, low_rank_backward
 from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
 from .rope import rope_at, rope_tables, rotate, unrotate
@@ -601,6 +601,7 @@ class LayerFunction(torch.autograd.Function):
         y, aux = layer.run(forward_phase, _with_positions(layer, t, documents), tiles)
         store.after_forward(layer.index, aux)
         ctx.layer, ctx.store, ctx.step, ctx.documents, ctx.source = layer, store, store.step, documents, layer.source
+        ctx.keys = dropout_keys(layer)  # LoRA dropout's masks, as this forward drew them
         return y
 
     @staticmethod
@@ -608,7 +609,7 @@ class LayerFunction(torch.autograd.Function):
         """The gradient of a layer's output belongs to the layer stack (its only consumer is the next layer, or
         the loss, which made it): the backward writes dx over it rather than holding both whole."""
         layer, store = ctx.layer, ctx.store
-        with nullcontext() if ctx.source is None else ctx.source.bound(layer):  # a patch's weights, bound again
+        with nullcontext() if ctx.source is None else ctx.source.bound(layer), keys_of(layer, ctx.keys):
             t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
             t = _with_positions(layer, t, ctx.documents)
             dx, grads = layer.run(backward_phase, t, dy.contiguous(), aux, tiles, recompute)

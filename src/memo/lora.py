@@ -16,6 +16,7 @@ recompute rebuilds some rows in other tiles than the forward made them, so the m
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,25 @@ def set_dropout_keys(model: nn.Module, key: int | None) -> None:
             lin = getattr(layer, name, None)
             if isinstance(lin, LoraLinear):
                 lin.dropout_key = adapter_key(key, layer.index, name)
+
+
+@contextmanager
+def keys_of(layer: nn.Module, keys: dict[str, int | None]):
+    """Gives the adapters of `layer` the dropout `keys` a forward ran with (`dropout_keys`), for its backward: a
+    forward in between (under no_grad: dropout off) must not change the mask the backward applies."""
+    before = dropout_keys(layer)
+    for name, key in keys.items():
+        getattr(layer, name).dropout_key = key
+    try:
+        yield
+    finally:
+        for name, key in before.items():
+            getattr(layer, name).dropout_key = key
+
+
+def dropout_keys(layer: nn.Module) -> dict[str, int | None]:
+    """Returns the dropout key of each adapter of `layer` by module name."""
+    return {name: m.dropout_key for name, m in layer.named_children() if isinstance(m, LoraLinear)}
 
 
 def adapter_key(key: int | None, layer: int, module: str) -> int | None:

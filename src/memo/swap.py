@@ -370,6 +370,8 @@ class ActivationStore:
         self._prefetch_done: dict[int, object] = {}
         self._streams: tuple = (None, None, None)  # offload, prefetch, tile
         self._device = torch.device("cpu")
+        self._raw: dict[tuple, torch.Tensor] = {}  # the bytes under the views, kept for a shape that fits in them
+        self._solved: dict[tuple, tuple] = {}  # (batch, dtype, device) -> (seq, modes, α) of the longest solved
 
     def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
         """Returns (tile length, query heads per attention call) for `seq` of `layer`'s tokens: the policy's, or
@@ -381,7 +383,9 @@ class ActivationStore:
 
     # ---- sizing -----------------------------------------------------------------------------------------
     def begin_step(self, layers, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Starts a forward pass; (re)sizes buffers when the input shape or dtype changes."""
+        """Starts a forward pass; (re)sizes buffers when the input shape or dtype changes. A shorter sequence
+        than one sized before (a trainer's packed batches vary in length) reuses its bytes and its solved plan:
+        nothing is allocated, pinned or measured again."""
         self._sync_all()
         self._aux.clear()
         self._inputs.clear()
@@ -394,7 +398,11 @@ class ActivationStore:
         self.stats = SwapStats(**{k: getattr(self.stats, k) for k in keep})
 
     def _reserve(self, layers, batch, seq, dtype, device) -> None:
-        self._drop_buffers()
+        if torch.device(device) != self._device:
+            self._drop_buffers()
+        self._sync_all()
+        dev.synchronize(self._device)
+        self._buffers, self._slots, self._keep, self._host = [], [], {}, {}
         self._device = device
         self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
         self._tile, self._heads = self.tiling(layers[0], seq, device)
@@ -403,7 +411,10 @@ class ActivationStore:
         self.swaps = layer_swaps(modes, alphas, seq, self._tile, self.policy.offload_last_layers)
         self.layout = store_layout(self.specs, self.swaps, self._tile)
         self._allocate_device(device)
-        self.pool = HostPool(self.layout.host_total, budget, device)
+        if self.pool is None or self.pool.nbytes < self.layout.host_total:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = HostPool(self.layout.host_total, budget, device)
         self._host, base = {}, 0
         for i, swap in enumerate(self.swaps):
             specs = swap.host_specs(self.specs)
@@ -417,8 +428,13 @@ class ActivationStore:
         self.stats.device_skeletal_bytes = self.layout.device_bytes
         self.stats.modes, self.stats.tile_tokens = [swap.mode for swap in self.swaps], self._tile
         self.stats.alphas = alphas if self.policy.strategy == "memo" else []
-        log.info("activations: modes %s, alpha %s, tile %d tokens, host pool %s", self.stats.modes, alphas,
-                 self._tile, format_bytes(self.pool.nbytes))
+        log.info(
+            "activations: modes %s, alpha %s, tile %d tokens, host pool %s",
+            self.stats.modes,
+            alphas,
+            self._tile,
+            format_bytes(self.pool.nbytes),
+        )
 
     def _allocate_device(self, device: torch.device) -> None:
         """Allocates the rounding buffers (whole-length tensors, then two tile slots) and the keep slots."""
@@ -427,7 +443,7 @@ class ActivationStore:
         tiles = {g: {n: sp.rows(self._tile) for n, sp in in_group(self.specs, g).items()} for g in TILE_GROUPS}
         self._buffers, self._slots = [], []
         for _ in range(self.layout.n_buffers):
-            buffer = torch.empty(self.layout.buffer_bytes, dtype=torch.uint8, device=device)
+            buffer = self._bytes(("buffer", len(self._buffers)), self.layout.buffer_bytes, device)
             self._buffers.append(carve(buffer, offsets, whole))
             slots = []
             for j in range(self.layout.n_slots):
@@ -437,10 +453,17 @@ class ActivationStore:
             self._slots.append(tuple(slots))
         offsets, size = pack_layout(self.specs)
         self._keep = {
-            i: carve(torch.empty(size, dtype=torch.uint8, device=device), offsets, self.specs)
+            i: carve(self._bytes(("keep", i), size, device), offsets, self.specs)
             for i, swap in enumerate(self.swaps)
             if swap.mode == "keep"
         }
+
+    def _bytes(self, key: tuple, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Returns `nbytes` of the raw buffer `key`, allocated anew only when the one kept is shorter."""
+        if key not in self._raw or self._raw[key].numel() < nbytes:
+            self._raw.pop(key, None)  # the old bytes go before the new ones come
+            self._raw[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._raw[key][:nbytes]
 
     def _plan(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> tuple[list[str], list[float]]:
         """Returns (mode, α) per layer: the policy's, or solved from measured times and the budgets (§3)."""
@@ -452,21 +475,34 @@ class ActivationStore:
             return modes, mode_alphas(modes, alphas)
         if self._device.type == "meta":
             raise ValueError("a solved plan needs a real device to measure layer time; give `--alpha` on meta")
+        key = (batch, self.specs["x"].dtype, self._device)
+        if key in self._solved and self._solved[key][0] >= seq:  # within the longest solved: its plan fits
+            return self._solved[key][1:]
         problem = self._plan_problem(layer, batch, seq, budget)
         modes, alphas = solve_plan(problem, modes)
         log.info("memo: solved plan %s, alpha %s from %s", modes, alphas, problem)
+        self._solved[key] = (seq, modes, alphas)
         return modes, alphas
 
     def _plan_problem(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> PlanProblem:
         """Returns the plan problem of this rank with the layer's measured seconds and copy bandwidth."""
-        whole = {n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device) for n, sp in in_group(self.specs, "whole").items()}
+        whole = {
+            n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device)
+            for n, sp in in_group(self.specs, "whole").items()
+        }
         seconds = measure_layer_seconds(layer, whole, FreshTiles.of(self.specs, self._tile, self._heads))
         forward = sum(seconds.values())
         seconds.update(forward=forward, backward=BACKWARD_OVER_FORWARD * forward)
         p = self.policy
         return plan_problem(
-            self.specs, self.n_layers, seconds, measure_copy_bandwidth(whole["x"]), budget,
-            p.device_budget_bytes or 0, p.offload_last_layers, self._tile,
+            self.specs,
+            self.n_layers,
+            seconds,
+            measure_copy_bandwidth(whole["x"]),
+            budget,
+            p.device_budget_bytes or 0,
+            p.offload_last_layers,
+            self._tile,
         )
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -609,6 +645,7 @@ class ActivationStore:
         if self.pool is not None:
             self.pool.close()
         self._buffers, self._slots, self._keep, self._host, self.pool = [], [], {}, {}, None
+        self._raw.clear()
 
     def _sync_all(self) -> None:
         for event in (*(e for es in self._busy.values() for e in es), *self._prefetch_done.values()):

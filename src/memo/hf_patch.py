@@ -32,7 +32,7 @@ from .hf_weights import LayerWeights, active_module
 from .layer import DecoderLayer, LayerFunction
 from .loss import ChunkedCrossEntropy
 from .policy import ActivationPolicy
-from .swap import ActivationStore, make_store
+from .swap import ActivationStore, SwapStats, make_store
 
 log = logging.getLogger(__name__)
 RECORD = "_memo_patch"  # the causal LM's and backbone's __dict__ entry: a plain object, no state_dict key
@@ -119,7 +119,8 @@ def patch(model: nn.Module, policy: ActivationPolicy | None = None, loss_chunk_t
     record = Patch(policy, config, loss_chunk_tokens)
     for module in (lm, backbone):
         module.__dict__[RECORD] = record
-    _override(lm, _lm_forward)
+    if "forward" not in lm.__dict__:  # else someone's own (TRL's fused head): it calls the patched backbone
+        _override(lm, _lm_forward)
     _override(backbone, _backbone_forward)
     for layer in backbone.layers[: config.n_layers]:
         _override(layer, _layer_forward)
@@ -141,6 +142,15 @@ def unpatch(model: nn.Module) -> nn.Module:
             del module.__dict__["forward"]
         module.__dict__.pop(RECORD, None)
     return model
+
+
+def patch_stats(model: nn.Module) -> SwapStats:
+    """Returns what memo's activation store did in `model`'s last training step (modes, α, tile, bytes
+    offloaded and recomputed, host pool): `model` patched, or a PEFT model or trainer's copy around it."""
+    record = causal_lm(model).__dict__.get(RECORD)
+    if record is None:
+        raise ValueError("the model is not patched: memo.patch(model) first")
+    return record.store.stats
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
