@@ -16,6 +16,7 @@ Every module memo computes with is looked up at call time. `memo.unpatch(model)`
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import types
 import weakref
@@ -233,33 +234,29 @@ def _run_layer(call: Call, hf_layer: nn.Module, x: torch.Tensor) -> torch.Tensor
 
 def _backbone_forward(self, *args, **kwargs):
     record = self.__dict__.get(RECORD)
-    inputs = _backbone_inputs(*args, **kwargs)
+    inputs = _arguments(self, args, kwargs)
     if record is None or not record.active or not _trains(self, inputs):
         return type(self).forward(self, *args, **kwargs)
     return _memo_backbone(self, record, inputs)
 
 
-def _backbone_inputs(
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    cache=None,
-    inputs_embeds=None,
-    use_cache=None,
-    past_key_values=None,
-    **kwargs,
-) -> dict:
-    """Returns the backbone's arguments by name (transformers 5 renamed `past_key_values` to `cache`)."""
-    cache = past_key_values if cache is None else cache
-    return dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        kwargs=kwargs,
-    )
+def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Returns a call's arguments by name as the class forward takes them, defaults filled, the rest under
+    "kwargs" (transformers 5 renamed `past_key_values` to `cache`)."""
+    signature = _signature(type(module).forward)
+    bound = signature.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    del named[next(iter(signature.parameters))]  # self
+    rest = next((named.pop(p.name) for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), {})
+    if named.get("cache") is None and "past_key_values" in rest:
+        named["cache"] = rest.pop("past_key_values")
+    return {**named, "kwargs": rest}
+
+
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
 
 
 def _trains(backbone: nn.Module, inputs: dict) -> bool:
@@ -366,7 +363,7 @@ def _dropout_key(backbone: nn.Module) -> int | None:
 
 def _lm_forward(self, *args, **kwargs):
     record = self.__dict__.get(RECORD)
-    inputs = _lm_inputs(*args, **kwargs)
+    inputs = _arguments(self, args, kwargs)
     head = _head(self)
     memo_loss = (
         record is not None
@@ -385,43 +382,14 @@ def _lm_forward(self, *args, **kwargs):
     kwargs = inputs["kwargs"]
     count, shift, ignore = (kwargs.pop(k, None) for k in ("num_items_in_batch", "shift_labels", "ignore_index"))
     targets = targets_of(inputs["labels"], shift, -100 if ignore is None else ignore)
-    out = self.model(**{k: inputs[k] for k in _BACKBONE_ARGS}, **kwargs)
+    backbone = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
+    out = self.model(**{k: inputs[k] for k in backbone}, **kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     weight = head.weight.full_tensor() if type(head.weight).__name__ == "DTensor" else head.weight
     targets = targets.to(hidden.device)
     divisor = num_items(targets, count)
     loss = ChunkedCrossEntropy.apply(hidden, weight, targets, record.loss_chunk_tokens, divisor, None)
     return CausalLMOutputWithPast(loss=loss, logits=None)
-
-
-_BACKBONE_ARGS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "use_cache")
-
-
-def _lm_inputs(
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    cache=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    past_key_values=None,
-    **kwargs,
-) -> dict:
-    cache = past_key_values if cache is None else cache
-    if cache is not None:
-        kwargs["cache"] = cache
-    return dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        inputs_embeds=inputs_embeds,
-        labels=labels,
-        use_cache=use_cache,
-        logits_to_keep=logits_to_keep,
-        kwargs=kwargs,
-    )
 
 
 def _head(lm: nn.Module) -> nn.Module | None:
