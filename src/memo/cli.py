@@ -530,7 +530,7 @@ def _run_eval(args) -> int:
         packing = args.pack_documents or loaded.pack_documents
         data = held_out_sequences(
             args.ppl_file, loaded.tokenizer_path, max(request.lengths), model.config.vocab_size, tokenizer.identity,
-            packing, loaded.document_separator, loaded.max_documents,
+            packing, loaded.document_separator, loaded.max_documents, request.long_conversations,
         )  # fmt: skip
     report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
     cells = _measure_eval(request, loaded, data, report, args.json)
@@ -560,6 +560,7 @@ def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool)
             picked = evaluation.spread(data.num_sequences, request.max_sequences)
             report["perplexity"] = {"file": request.ppl_file, "sequences": 0, "of": data.num_sequences}
             report["perplexity"].update(length=data.seq_len, pack_documents=data.pack_documents)
+            report["perplexity"]["targets"] = "all" if data.trained is None else "assistant"
             with tqdm(total=len(picked), desc="loss", unit="seq", file=sys.stderr, disable=quiet) as bar:
                 buckets = perplexity_by_position(loaded.model, data, request.bucket_size, bar.update, picked)
             report["perplexity"].update(sequences=len(picked), buckets=[b.as_dict() for b in buckets])

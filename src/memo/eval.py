@@ -50,7 +50,18 @@ from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
 from .train import checkpoint
 from .train.config import BEFORE_PACKING, check_inputs
-from .train.data import MAX_DOCUMENTS, PACKINGS, TextTokenizer, TokenDataset, check_vocab, load_tokenizer, token_dataset
+from .train.data import (
+    LONG_CONVERSATIONS,
+    MAX_DOCUMENTS,
+    PACKINGS,
+    TOKEN_SUFFIXES,
+    TextTokenizer,
+    TokenDataset,
+    check_vocab,
+    holds_conversations,
+    load_tokenizer,
+    token_dataset,
+)
 from .units import format_bytes, format_count, parse_length, parse_size
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -161,7 +172,16 @@ class EvalRequest:
         parse=int,
     )
     ppl_file: str | None = flag(
-        None, "held-out text (as --data takes it): loss by position over sequences of max(--lengths)", path=True
+        None,
+        "held-out text (as --data takes it): loss by position over sequences of max(--lengths); conversations "
+        "(`messages`) are scored on the assistant's tokens, as `memo train` trains them",
+        path=True,
+    )
+    long_conversations: str = flag(
+        "refuse",
+        "conversations of --ppl-file longer than max(--lengths): refuse (an error naming the row) or truncate (keep "
+        "their first tokens) (default: %(default)s)",
+        choices=LONG_CONVERSATIONS,
     )
     pack_documents: str | None = flag(
         None,
@@ -210,6 +230,8 @@ class EvalRequest:
             raise ValueError("`--passkey-pack` packs pass-key prompts: it needs `--trials` > 0")
         if self.pack_documents and not self.ppl_file:
             raise ValueError("`--pack-documents` packs the documents of `--ppl-file`: give one")
+        if self.long_conversations != "refuse" and not self.ppl_file:
+            raise ValueError(f"`--long-conversations {self.long_conversations}` applies to `--ppl-file`: give one")
         check_pack(self.passkey_pack, self.batch_size)
 
 
@@ -632,6 +654,7 @@ def held_out_sequences(
     pack_documents: str = "concat",
     separator: str = "auto",
     max_documents: int = MAX_DOCUMENTS,
+    long_conversations: str = "refuse",
 ) -> TokenDataset:
     """Returns a held-out file (.txt, .jsonl, .parquet, a folder of them, or a pre-tokenised .bin/.npy) packed
     the way training packs data: documents, each bounded by `separator` (SEPARATORS), concatenated and cut into
@@ -639,10 +662,15 @@ def held_out_sequences(
     only to itself (`mask`: the sequences carry each token's position in its document, at most `max_documents`
     apart a sequence, as `--max-documents-per-sequence`); ids beyond
     `vocab_size`, a token file of another tokenizer than `tokenizer` (an identity) or written with another
-    separator, are errors."""
+    separator, are errors. Conversations are rendered and packed as training reads them (`token_dataset`: the
+    assistant's tokens are the targets, each conversation whole in a sequence, one longer than `length` refused
+    or truncated by `long_conversations`)."""
+    if long_conversations != "refuse" and (Path(path).suffix in TOKEN_SUFFIXES or not holds_conversations(path)):
+        raise ValueError(f"`--long-conversations {long_conversations}` applies to conversations; {path} holds none")
     data = token_dataset(
         path, length, tokenizer_path=tokenizer_path, flag="--ppl-file", tokenizer=tokenizer,
         pack_documents=pack_documents, separator=separator, max_documents=max_documents,
+        long_conversations=long_conversations,
     )  # fmt: skip
     check_vocab(data, vocab_size)
     return data
@@ -742,8 +770,9 @@ def report_lines(report: dict, seed: int) -> str:
         ppl = report["perplexity"]
         of = f" of {ppl['of']}" if ppl["sequences"] < ppl["of"] else ""
         within = ppl["pack_documents"] == "mask"
+        scored = f"the assistant tokens of {ppl['file']}" if ppl.get("targets") == "assistant" else ppl["file"]
         lines.append(
-            f"\nloss of {ppl['file']} by position{' within document' if within else ''}, {ppl['sequences']}{of} "
+            f"\nloss of {scored} by position{' within document' if within else ''}, {ppl['sequences']}{of} "
             f"sequence(s) of {format_count(ppl['length'])}"
             + (" (--max-sequences)" if of and not report.get("interrupted") else "")
         )

@@ -24,7 +24,17 @@ from ..lora import ALL_TARGETS, LoraConfig, lora_of_flags, targets_value
 from ..policy import DEFAULT_TILE_TOKENS, STRATEGIES, ActivationPolicy
 from ..token_files import TOKEN_SUFFIXES, check_tokenizer, token_file_tokenizer
 from ..units import parse_size
-from .data import MAX_DOCUMENTS, PACKINGS, SEPARATORS, TEXT_SUFFIXES, HFTokenizer, separator_kind, tokenizer_identity
+from .data import (
+    LONG_CONVERSATIONS,
+    MAX_DOCUMENTS,
+    PACKINGS,
+    SEPARATORS,
+    TEXT_SUFFIXES,
+    HFTokenizer,
+    holds_conversations,
+    separator_kind,
+    tokenizer_identity,
+)
 from .defaults import FINE_TUNING, LORA, MIN_LR_DIVISOR, SCRATCH, with_defaults
 from .optim import OptimizerConfig
 
@@ -37,6 +47,7 @@ BEFORE_PACKING = {"pack_documents": "concat", "document_separator": "none", "max
 LAUNCH = ("nnodes", "node_rank", "master_addr", "master_port")  # where a run ran, not what: not kept on resume
 PATHS = ("model", "data", "eval_data", "tokenizer", "out")  # fields that name files: stored absolute
 INPUTS = ("model", "data", "eval_data", "tokenizer")  # files a run reads, fingerprinted in its config
+TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")  # where transformers reads a chat template
 SMALL_FILE = 16 << 20  # bytes up to which a file's fingerprint hashes all of it (a tokenizer.json, a config)
 END_BYTES = 1 << 20  # bytes hashed at each end of a larger file: reads two MiB of a corpus of any size
 SHAPE = ("arch", "n_layers", "hidden_size", "n_heads", "n_kv_heads", "kv_channels", "ffn_hidden_size", "vocab_size")
@@ -112,7 +123,17 @@ class TrainConfig:
         None, ".txt/.jsonl/.parquet file, folder of them, or pre-tokenised .bin/.npy; none: generated retrieval"
     )
     tokenizer: str | None = flag(None, "Hugging Face tokenizer.json (default: bytes, ids 0-255)")
-    text_field: str = flag("text", "JSONL field / Parquet column holding each document's text")
+    text_field: str = flag(
+        "text",
+        "JSONL field / Parquet column holding each document's text; where it is missing, `messages` holds "
+        "conversations, rendered with the tokenizer's chat template and trained on the assistant's tokens only",
+    )
+    long_conversations: str = flag(
+        "refuse",
+        "conversations (`messages` --data) longer than --seq-len: refuse (an error naming the row) or truncate "
+        "(keep the first --seq-len tokens; a warning counts them)",
+        choices=LONG_CONVERSATIONS,
+    )
     pack_documents: str | None = flag(
         None,
         "how documents share a sequence: mask (each attends only to itself; RoPE positions restart at its first "
@@ -284,6 +305,8 @@ class TrainConfig:
             raise ValueError("`--pack-documents mask` applies only with `--data` (the generated task is one document)")
         if self.data is None and self.document_separator in ("bos", "eos"):
             raise ValueError(f"`--document-separator {self.document_separator}` applies only with `--data`")
+        if self.data is None and self.long_conversations != "refuse":
+            raise ValueError(f"`--long-conversations {self.long_conversations}` applies only with `--data`")
 
     def packing(self) -> str:
         """Returns how documents share a sequence: `--pack-documents`, by default mask with `--data`, else concat."""
@@ -472,12 +495,28 @@ def with_model_tokenizer(cfg: TrainConfig) -> TrainConfig:
 
 def with_packing(cfg: TrainConfig) -> TrainConfig:
     """Returns `cfg` with its packing as the run reads its data, to be saved with it: `--pack-documents` made
-    explicit (`packing`), and `--document-separator auto` resolved with `--data`: by the tokenizer for text, to a
-    token file's own (a .npy does not say: left auto). A resumed run then keeps them whatever the defaults say."""
-    separator = cfg.document_separator
+    explicit (`packing`), and `--document-separator auto` resolved with `--data`: by the tokenizer for text, none
+    for conversations, to a token file's own (a .npy does not say: left auto). A resumed run then keeps them
+    whatever the defaults say. Raises ValueError for `--document-separator` bos or eos with conversations, and
+    `--long-conversations truncate` without."""
+    separator, chat = cfg.document_separator, _holds_conversations(cfg.data, cfg.text_field)
+    if chat and separator in ("bos", "eos"):
+        raise ValueError(
+            f"`--document-separator {separator}`: `--data` {cfg.data} holds conversations (`messages`), whose chat "
+            "template writes the special tokens around each; use auto or none"
+        )
+    if cfg.long_conversations != "refuse" and not chat:
+        raise ValueError(
+            f"`--long-conversations {cfg.long_conversations}` applies to conversations (`messages`); `--data` "
+            f"{cfg.data} holds none"
+        )
     if cfg.data is not None and separator == "auto":
-        separator = separator_kind(cfg.data, cfg.tokenizer) or separator
+        separator = separator_kind(cfg.data, cfg.tokenizer, text_field=cfg.text_field) or separator
     return dataclasses.replace(cfg, pack_documents=cfg.packing(), document_separator=separator)
+
+
+def _holds_conversations(data: str | None, text_field: str) -> bool:
+    return data is not None and Path(data).suffix not in TOKEN_SUFFIXES and holds_conversations(data, text_field)
 
 
 def check_same_packing(overrides: dict, recorded: dict, run: str) -> dict:
@@ -521,7 +560,8 @@ def run_tokenizer_id(cfg: TrainConfig) -> str | None:
 def input_fingerprint(name: str, value: str) -> dict | None:
     """Returns what identifies the content of the file that field `name` names now; None for a preset or a
     path that is not there. A `--model` folder is its config.json (the shapes; weights come from checkpoints);
-    a token file adds its sidecar's hash (tokenizer, counts); a data folder is its listing (`folder_fingerprint`)."""
+    a token file adds its sidecar's hash (tokenizer, counts); a tokenizer.json the files of its chat template
+    (`template_fingerprint`); a data folder is its listing (`folder_fingerprint`)."""
     from ..hf import CONFIG_NAME
 
     path = Path(value)
@@ -534,10 +574,24 @@ def input_fingerprint(name: str, value: str) -> dict | None:
     if not path.is_file():
         return None
     found = file_fingerprint(path)
+    if name == "tokenizer":
+        found.update(template_fingerprint(path.parent))
     sidecar = path.with_suffix(".json")
     if path.suffix == ".bin" and sidecar.is_file():
         found["sidecar_sha256"] = _sha256(sidecar, sidecar.stat().st_size)
     return found
+
+
+def template_fingerprint(folder: Path) -> dict:
+    """Returns {template_sha256} of the files beside a tokenizer.json that render conversations with it (its chat
+    template and special tokens, TEMPLATE_FILES), {} without them: another template trains other text."""
+    present = [folder / name for name in TEMPLATE_FILES if (folder / name).is_file()]
+    if not present:
+        return {}
+    digest = hashlib.sha256()
+    for path in present:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return {"template_sha256": digest.hexdigest()}
 
 
 def file_fingerprint(path: Path) -> dict:
@@ -618,6 +672,8 @@ def check_same_input(name: str, value: str, config: dict, run: str) -> None:
 def _change(key: str, was: dict, now: dict) -> str:
     if key in ("size", "files"):
         return f"{key} {was[key]} -> {now.get(key)}"
+    if key == "template_sha256":
+        return "another tokenizer_config.json or chat template beside it"
     return "other content" if key != "sidecar_sha256" else "another sidecar"
 
 

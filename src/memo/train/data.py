@@ -17,11 +17,12 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
+from ..chat import ChatTemplate, check_conversation, render_conversation, tokenize_rendered
 from ..config import check_int
 from ..documents import document_lengths, document_positions
 from ..loss import IGNORE_INDEX, shift_labels
@@ -45,6 +46,8 @@ SEPARATORS = ("auto", "bos", "eos", "none")  # the special tokens that bound eac
 MAX_DOCUMENTS = 1024  # documents kept apart per sequence by default: `TokenDataset`'s max_documents
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2/Qwen, Llama 3, Llama 2/Mistral, Gemma
 PROBE = "a"  # text encoded to find the tokens a tokenizer's post-processor adds around a sequence
+CHAT_FIELD = "messages"  # the JSONL field / Parquet column of conversations, read where there is no text field
+LONG_CONVERSATIONS = ("refuse", "truncate")  # what becomes of a conversation longer than a sequence
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # ids (b, s), labels (b, s), positions or None
 
@@ -341,13 +344,23 @@ def text_files(path: str | Path, flag: str = "--data") -> list[Path]:
     return [path]
 
 
-def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+class Document(NamedTuple):
+    """One document of a text file: `where` it is (the file, and its line or row) and its `body`, a text or a
+    conversation (a list of messages, `memo.chat`)."""
+
+    where: str
+    body: str | list
+
+
+def read_documents(path: Path, text_field: str = "text") -> Iterator[Document]:
     """Yields the documents of one file: a .txt file is one document, a .jsonl file one per non-blank line
-    (its `text_field`), a .parquet file one per row (its `text_field` column).
+    (its `text_field`), a .parquet file one per row (its `text_field` column). A record without `text_field` is
+    read from CHAT_FIELD (`messages`) instead; a field that holds a list is a conversation.
 
     A whole .txt file is one document because long-context training wants long documents; give a
     directory of .txt files for many. Raises ValueError naming the file (and line or row) for an unreadable
-    file, undecodable UTF-8, bad JSON, a missing or non-string `text_field`, or a file without text.
+    file, undecodable UTF-8, bad JSON, a missing field, one that is neither a string nor a list, or a file
+    without text.
     """
     read = {".txt": _txt_documents, ".jsonl": _jsonl_documents, ".parquet": _parquet_documents}[path.suffix]
     try:
@@ -356,14 +369,19 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
         raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _txt_documents(path: Path, text_field: str) -> Iterator[str]:
+def holds_conversations(path: str | Path, text_field: str = "text", flag: str = "--data") -> bool:
+    """Returns whether text data `path` (`text_files`) holds conversations: its first document is one."""
+    return isinstance(next(read_documents(text_files(path, flag)[0], text_field)).body, list)
+
+
+def _txt_documents(path: Path, text_field: str) -> Iterator[Document]:
     text = _decode(path.read_bytes(), path, 1)
     if not text.strip():
         raise ValueError(f"{path}: file is empty")
-    yield text
+    yield Document(str(path), text)
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
     empty = True
     with open(path, "rb") as f:  # line by line: a JSONL corpus may not fit in memory
         for number, raw in enumerate(f, start=1):
@@ -375,41 +393,52 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise ValueError(f"{path}:{number}: expected an object with a {text_field!r} field")
-            if not isinstance(record[text_field], str):
-                kind = type(record[text_field]).__name__
-                raise ValueError(f"{path}:{number}: field {text_field!r} is {kind}, not a string")
-            yield record[text_field]
+            if not isinstance(record, dict) or not {text_field, CHAT_FIELD} & record.keys():
+                raise ValueError(
+                    f"{path}:{number}: expected an object with a {text_field!r} field (or {CHAT_FIELD!r}, a "
+                    "conversation)"
+                )
+            field = text_field if text_field in record else CHAT_FIELD
+            if not isinstance(record[field], (str, list) if field == text_field else list):
+                kind, expected = type(record[field]).__name__, _expected(field == text_field)
+                raise ValueError(f"{path}:{number}: field {field!r} is {kind}, not {expected}")
+            yield Document(f"{path}:{number}", record[field])
     if empty:
         raise ValueError(f"{path}: file is empty")
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
-    """Yields the `text_field` column of a Parquet file (as `datasets` exports), PARQUET_BATCH_ROWS rows at a
-    time and no other column, so a file larger than memory streams. Rows count from 0, as in `datasets`."""
+def _parquet_documents(path: Path, text_field: str) -> Iterator[Document]:
+    """Yields the `text_field` column of a Parquet file (as `datasets` exports), else its CHAT_FIELD column,
+    PARQUET_BATCH_ROWS rows at a time and no other column, so a file larger than memory streams. Rows count from
+    0, as in `datasets`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(path)
         schema = table.schema_arrow
-        if text_field not in schema.names:
+        field = CHAT_FIELD if text_field not in schema.names and CHAT_FIELD in schema.names else text_field
+        if field not in schema.names:
             raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
-        kind = schema.field(text_field).type
-        if not _is_text(pa, kind):
-            raise ValueError(f"{path}: column {text_field!r} is {kind}, not a string")
+        kind = schema.field(field).type
+        if not ((field == text_field and _is_text(pa, kind)) or pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            raise ValueError(f"{path}: column {field!r} is {kind}, not {_expected(field == text_field)}")
         if table.metadata.num_rows == 0:
             raise ValueError(f"{path}: file is empty")
         row = 0
-        for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
-            for text in batch.column(0).to_pylist():
-                if text is None:
-                    raise ValueError(f"{path}: column {text_field!r} is null at row {row}")
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+            for body in batch.column(0).to_pylist():
+                if body is None:
+                    raise ValueError(f"{path}: column {field!r} is null at row {row}")
+                yield Document(f"{path} row {row}", body)
                 row += 1
-                yield text
     except pa.ArrowException as e:  # not Parquet, truncated, or a corrupt page
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _expected(text_field: bool) -> str:
+    """Returns what the text field holds (a text or a conversation), or CHAT_FIELD (a conversation)."""
+    return "a string or a list of messages" if text_field else "a list of messages"
 
 
 def _is_text(pa, kind) -> bool:
@@ -431,12 +460,65 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
 def tokenize_documents(
     files: Iterable[Path], tokenizer: TextTokenizer, text_field: str = "text", separator: Separator = Separator()
 ) -> Iterator[list[int]]:
-    """Yields each non-empty document of `files` as token ids, with `separator` (`TextTokenizer.separator`)."""
+    """Yields each non-empty document of `files` as token ids, with `separator` (`TextTokenizer.separator`); a
+    conversation among them is an error (`tokenize_conversations` reads conversations)."""
     for path in files:
-        for text in read_documents(path, text_field):
-            ids = tokenizer.encode(text)
+        for where, body in read_documents(path, text_field):
+            if not isinstance(body, str):
+                raise ValueError(f"{where}: a conversation among text documents: give conversations and text apart")
+            ids = tokenizer.encode(body)
             if ids:
                 yield separator.wrap(ids)
+
+
+def tokenize_conversations(
+    files: Iterable[Path],
+    template: ChatTemplate,
+    tokenizer: TextTokenizer,
+    seq_len: int,
+    text_field: str = "text",
+    long_conversations: str = "refuse",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (tokens, document starts, trained) of the conversations of `files` rendered with `template`
+    (`memo.chat`): each a document, or one per assistant turn where the template rewrites earlier turns (a warning
+    counts them); trained marks the assistant's tokens. A document longer than `seq_len` is an error naming its
+    row, or with `long_conversations` truncate cut to its first `seq_len` tokens (a warning counts them)."""
+    chunks, trained, starts, total = [], [], [], 0
+    split = cut = lost = 0
+    for where, body in (document for path in files for document in read_documents(path, text_field)):
+        if isinstance(body, str):
+            raise ValueError(f"{where}: text among conversations: give conversations and text apart")
+        check_conversation(body, where)
+        rendered = render_conversation(template, body, where)
+        split += len(rendered) > 1
+        for document in rendered:
+            ids, mask = tokenize_rendered(document, tokenizer.encode, where)
+            if len(ids) > seq_len and long_conversations == "refuse":
+                raise ValueError(
+                    f"{where}: the conversation is {len(ids)} tokens, longer than a sequence ({seq_len}): give "
+                    f"`--long-conversations truncate` to keep its first {seq_len} tokens, or longer sequences"
+                )
+            cut, lost = cut + (len(ids) > seq_len), lost + sum(mask[seq_len:])
+            starts.append(total)
+            chunks.append(np.asarray(ids[:seq_len], dtype=np.int64))
+            trained.append(np.asarray(mask[:seq_len], dtype=bool))
+            total += len(chunks[-1])
+    _log_conversations(template, split, cut, lost, seq_len)
+    return np.concatenate(chunks), np.asarray(starts, dtype=np.int64), np.concatenate(trained)
+
+
+def _log_conversations(template: ChatTemplate, split: int, cut: int, lost: int, seq_len: int) -> None:
+    """Logs, once per data source, the conversations made one document per turn and those truncated."""
+    if split:
+        log.warning(
+            "%d conversation(s) are one document per assistant turn, the earlier turns repeated in each: the chat "
+            "template of %s rewrites earlier turns as a conversation goes on", split, template.folder,
+        )  # fmt: skip
+    if cut:
+        log.warning(
+            "%d conversation(s) longer than a sequence cut to its %d tokens (`--long-conversations truncate`): "
+            "%d assistant token(s) left out", cut, seq_len, lost,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- token files
@@ -452,7 +534,13 @@ def write_token_file(
     """Tokenizes text/JSONL/Parquet at `data` into token file `out` (.bin, `token_files`: with its sidecar and
     document starts, streamed so a corpus need not fit in memory) and returns the sidecar it writes. `separator`
     (SEPARATORS) bounds each document; the sidecar records what it resolved to, and the tokenizer: its absolute
-    path, or bytes, and `tokenizer_identity`."""
+    path, or bytes, and `tokenizer_identity`. Conversations are refused: a token file has no place for which
+    tokens are the assistant's."""
+    if holds_conversations(data, text_field):
+        raise ValueError(
+            f"`--data` {str(data)!r} holds conversations (`messages`): a token file cannot hold which tokens are the "
+            "assistant's; give the .jsonl/.parquet to `memo train --data`"
+        )
     tokenizer = load_tokenizer(tokenizer_path)
     bounds = tokenizer.separator(separator)
     return write_tokens(
@@ -488,6 +576,11 @@ class TokenDataset:
     IGNORE_INDEX). That bounds the attention segments of a sequence, each one kernel call where no variable-length
     kernel runs (a CPU, or a kernel other than flash on CUDA), without dropping a token;
     `joined_documents` counts the documents it joins.
+
+    `trained` (bool, one per token of `tokens`: conversations, `tokenize_conversations`) keeps the labels of the
+    tokens it marks (the assistant's) and no others, and chunks then hold whole documents, so that no conversation
+    is cut from its prompt: each chunk starts at a document and takes those that fit whole (one longer than
+    seq_len goes on in the next chunks, as without `trained`), and is padded after them.
     """
 
     def __init__(
@@ -500,6 +593,7 @@ class TokenDataset:
         spans: np.ndarray | None = None,
         pack_documents: str = "concat",
         max_documents: int = MAX_DOCUMENTS,
+        trained: np.ndarray | None = None,
     ):
         if seq_len < 2:
             raise ValueError(f"`--seq-len` must be at least 2, got {seq_len}")
@@ -516,22 +610,26 @@ class TokenDataset:
         if self.num_tokens == 0:
             raise ValueError("the token stream is empty")
         self._starts = self.doc_starts if spans is None else _stream_starts(self.doc_starts, self.spans)
-        self.num_sequences = -(-self.num_tokens // seq_len)
+        self.trained = None if trained is None else np.asarray(trained, dtype=bool)
+        self._chunks = None if trained is None else _whole_document_chunks(self._starts, self.num_tokens, seq_len)
+        self.num_sequences = -(-self.num_tokens // seq_len) if self._chunks is None else len(self._chunks)
         self.vocab_size_needed = (int(np.max(tokens)) if max_token_id is None else int(max_token_id)) + 1
         self._epoch_order: tuple[int, torch.Tensor] | None = None
 
     def sequence(self, index: int) -> Batch:
-        """Returns (ids, labels, positions) of chunk `index`: ids (seq_len,), labels IGNORE_INDEX at document starts and
-        padding, positions (seq_len,) within documents in mask packing, else None."""
-        start = index * self.seq_len
+        """Returns (ids, labels, positions) of chunk `index`: ids (seq_len,), labels IGNORE_INDEX at document starts,
+        padding and tokens `trained` leaves out, positions (seq_len,) within documents in mask packing, else None."""
+        start, length = self._chunk(index)
         ids = torch.zeros(self.seq_len, dtype=torch.long)
         labels = torch.full((self.seq_len,), IGNORE_INDEX)
         filled, span = 0, int(np.searchsorted(self._span_offsets, start, side="right")) - 1
-        while filled < self.seq_len and span < len(self.spans):
+        while filled < length and span < len(self.spans):
             lo = int(self.spans[span, 0] + start + filled - self._span_offsets[span])
-            hi = min(int(self.spans[span, 1]), lo + self.seq_len - filled)
+            hi = min(int(self.spans[span, 1]), lo + length - filled)
             piece = torch.from_numpy(np.asarray(self.tokens[lo:hi], dtype=np.int64))
             ids[filled : filled + len(piece)] = labels[filled : filled + len(piece)] = piece
+            if self.trained is not None:
+                labels[filled : filled + len(piece)][~torch.from_numpy(self.trained[lo:hi])] = IGNORE_INDEX
             filled, span = filled + len(piece), span + 1
         first, last = np.searchsorted(self._starts, [start, start + filled])
         begins = np.asarray(self._starts[first:last]) - start  # documents starting in the chunk
@@ -544,6 +642,14 @@ class TokenDataset:
             starts[filled] = True
         return ids, labels, document_positions(starts[None])[0]
 
+    def _chunk(self, index: int) -> tuple[int, int]:
+        """Returns where chunk `index` starts in the stream and how many tokens it holds."""
+        if self._chunks is None:
+            start = index * self.seq_len
+            return start, min(self.seq_len, self.num_tokens - start)
+        end = self._chunks[index + 1] if index + 1 < len(self._chunks) else self.num_tokens
+        return int(self._chunks[index]), int(end - self._chunks[index])
+
     def document_lengths(self) -> np.ndarray:
         """Returns the token count of each document of the stream, in order (a held-out split's are not its)."""
         return document_lengths(self._starts, self.num_tokens)
@@ -553,9 +659,13 @@ class TokenDataset:
         concat packing, where documents are not kept apart."""
         if self.pack_documents == "concat":
             return 0, 0
-        chunks = self._starts // self.seq_len
+        if self._chunks is None:
+            chunks = self._starts // self.seq_len
+        else:
+            chunks = np.searchsorted(self._chunks, self._starts, side="right") - 1
         chunk, count = np.unique(chunks, return_counts=True)
-        mid_document = ~np.isin(chunk, chunks[self._starts % self.seq_len == 0])  # its first token continues one
+        first = chunk * self.seq_len if self._chunks is None else self._chunks[chunk]
+        mid_document = ~np.isin(first, self._starts)  # its first token continues a document
         over = np.maximum(count + mid_document - self.max_documents, 0)
         return int(over.sum()), int(np.count_nonzero(over))
 
@@ -584,6 +694,21 @@ class TokenDataset:
             order = torch.randperm(self.num_sequences, generator=_generator(self.seed, 2, epoch))
             self._epoch_order = (epoch, order)
         return int(self._epoch_order[1][within])
+
+
+def _whole_document_chunks(starts: np.ndarray, total: int, seq_len: int) -> np.ndarray:
+    """Returns where each chunk starts in a stream of `total` tokens whose documents start at `starts` (the first
+    at 0) when chunks hold whole documents: a chunk starts at a document and takes those that fit in seq_len; a
+    document longer than that fills chunks of its own, the last one taking what fits after it."""
+    chunks = [0]
+    for start, end in zip(starts.tolist(), [*starts[1:].tolist(), total]):
+        if end - chunks[-1] <= seq_len:
+            continue
+        if start > chunks[-1]:
+            chunks.append(start)
+        while end - chunks[-1] > seq_len:
+            chunks.append(chunks[-1] + seq_len)
+    return np.asarray(chunks, dtype=np.int64)
 
 
 def _stack(rows: list[Batch]) -> Batch:
@@ -626,6 +751,7 @@ def split_documents(source: TokenDataset, fraction: float, seed: int = 0) -> tup
     log.info("held out %d of %d documents (%d tokens) for evaluation", k, n, int((held_ends - held_starts).sum()))
     max_id = source.vocab_size_needed - 1
     packing = {"pack_documents": source.pack_documents, "max_documents": source.max_documents}
+    packing["trained"] = source.trained
     return tuple(
         TokenDataset(
             source.tokens, starts, source.seq_len, source.seed, max_id, spans[spans[:, 1] > spans[:, 0]], **packing
@@ -654,20 +780,17 @@ def make_source(
     tokenizer_path: str | Path | None = None,
     text_field: str = "text",
     tokenizer: str | None = None,
-    pack_documents: str = "concat",
-    max_documents: int = MAX_DOCUMENTS,
-    separator: str = "auto",
+    **packing,
 ) -> Source:
     """Returns what `memo train` trains on: the retrieval task without `data_path` (one document per sequence:
-    the packing arguments do not apply), else its packed tokens (see `token_dataset`), checked to come from the
-    run's `tokenizer` (an identity; None: not known)."""
+    the `packing` arguments of `token_dataset` do not apply), else its packed tokens (see `token_dataset`),
+    checked to come from the run's `tokenizer` (an identity; None: not known)."""
     if data_path is None:
         if tokenizer_path is not None:
             raise ValueError("`--tokenizer` applies only with `--data`")
         return RetrievalTask(seq_len, seed)
     if Path(data_path).suffix in TOKEN_SUFFIXES and tokenizer_path is not None:
         raise ValueError(f"`--tokenizer` does not apply to the pre-tokenized {str(data_path)!r}")
-    packing = {"pack_documents": pack_documents, "max_documents": max_documents, "separator": separator}
     return token_dataset(data_path, seq_len, seed, tokenizer_path, text_field, tokenizer=tokenizer, **packing)
 
 
@@ -682,13 +805,18 @@ def token_dataset(
     pack_documents: str = "concat",
     max_documents: int = MAX_DOCUMENTS,
     separator: str = "auto",
+    long_conversations: str = "refuse",
 ) -> TokenDataset:
     """Returns the packed tokens of `path` (`TokenDataset`, packed by `pack_documents` and `max_documents`): a
     .bin token file (with sidecar) or a .npy, memory-mapped, or a .txt/.jsonl/.parquet file or a directory of
     them, tokenized in memory with `tokenizer_path` (bytes by default; unused by token files), each document
     bounded by the tokenizer's `separator` (SEPARATORS, `HFTokenizer.separator`). Tokens of another tokenizer
     than `tokenizer` (the identity of the one the model reads; None: not known), and a token file written with
-    another separator than a `separator` other than auto, are errors. `flag` names the option in errors."""
+    another separator than a `separator` other than auto, are errors. `flag` names the option in errors.
+
+    Conversations (`holds_conversations`) are rendered with the chat template of `tokenizer_path`'s folder, its
+    special tokens in place of a separator, and trained on the assistant's tokens alone, each conversation whole
+    in a sequence (`tokenize_conversations`, `long_conversations`: LONG_CONVERSATIONS)."""
     path = Path(path)
     packing = {"pack_documents": pack_documents, "max_documents": max_documents}
     if path.suffix in TOKEN_SUFFIXES:
@@ -702,6 +830,15 @@ def token_dataset(
         return TokenDataset(tokens, starts, seq_len, seed, max_id, **packing)
     text_tokenizer = load_tokenizer(tokenizer_path)
     check_tokenizer(path, text_tokenizer.identity, tokenizer, flag)
+    if holds_conversations(path, text_field, flag):
+        if long_conversations not in LONG_CONVERSATIONS:
+            raise ValueError(f"`--long-conversations` must be one of {', '.join(LONG_CONVERSATIONS)}")
+        template = ChatTemplate(tokenizer_path, f"`{flag}` {str(path)!r}")
+        files = text_files(path, flag)
+        tokens, starts, trained = tokenize_conversations(
+            files, template, text_tokenizer, seq_len, text_field, long_conversations
+        )
+        return TokenDataset(tokens, starts, seq_len, seed, trained=trained, **packing)
     bounds = text_tokenizer.separator(separator)
     starts, chunks, total = [], [], 0
     for ids in tokenize_documents(text_files(path, flag), text_tokenizer, text_field, bounds):
@@ -713,12 +850,16 @@ def token_dataset(
     return TokenDataset(np.concatenate(chunks), np.asarray(starts, dtype=np.int64), seq_len, seed, **packing)
 
 
-def separator_kind(path: str | Path, tokenizer_path: str | Path | None = None, separator: str = "auto") -> str | None:
+def separator_kind(
+    path: str | Path, tokenizer_path: str | Path | None = None, separator: str = "auto", text_field: str = "text"
+) -> str | None:
     """Returns the separator (bos, eos, none) the documents of `--data` `path` carry: what `separator` resolves to
-    with the tokenizer of text (`tokenizer_path`, bytes by default), or a token file's own (None: a .npy does not
-    say)."""
+    with the tokenizer of text (`tokenizer_path`, bytes by default), none for conversations (their chat template
+    writes the special tokens), or a token file's own (None: a .npy does not say)."""
     if Path(path).suffix in TOKEN_SUFFIXES:
         return token_file_separator(path)
+    if holds_conversations(path, text_field):
+        return "none"
     return load_tokenizer(tokenizer_path).separator(separator).kind
 
 

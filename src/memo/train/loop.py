@@ -221,6 +221,7 @@ class Trainer:
             "pack_documents": cfg.packing(),
             "max_documents": cfg.max_documents_per_sequence,
             "separator": cfg.document_separator,
+            "long_conversations": cfg.long_conversations,
         }
         source = make_source(cfg.data, cfg.seq_len, cfg.seed, cfg.tokenizer, cfg.text_field, tokenizer, **packing)
         if isinstance(source, RetrievalTask):

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 LORA = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # compared as the adapters they make
 TRAINS = ("model", "rope_theta", "rope_scaling", "rope_factor", "original_max_positions") + LORA
-TRAINS += ("data", "tokenizer", "text_field", "pack_documents", "document_separator", "max_documents_per_sequence")
+TRAINS += ("data", "tokenizer", "text_field", "long_conversations")
+TRAINS += ("pack_documents", "document_separator", "max_documents_per_sequence")
 TRAINS += ("eval_split", "seq_len", "batch_size", "grad_accum", "seed")
 TRAINS += ("lr", "min_lr", "warmup_steps", "schedule", "weight_decay", "beta1", "beta2", "grad_clip")
 GROWS = ("steps",)  # what trains, but may grow: the run goes on (a cosine or linear schedule is stretched)
