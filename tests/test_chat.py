@@ -296,6 +296,10 @@ def test_packed_conversations_score_each_assistant_token_as_alone_on_transformer
 def test_memo_train_and_eval_on_conversations_and_a_changed_template_is_refused(tmp_path, capsys):
     run, tokenizer = tmp_path / "run", tmp_path / "tokenizer"
     shutil.copytree(TOKENIZER.parent, tokenizer)
+    settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    template = settings.pop("chat_template")  # where transformers >= 4.43 saves it: chat_template.jinja
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tokenizer / "chat_template.jinja").write_text(template)
     flags = ["--model", str(MODEL), "--tokenizer", str(tokenizer / "tokenizer.json"), "--seq-len", "128"]
     flags += ["--batch-size", "2", "--steps", "2", "--strategy", "none", "--eval-every", "1000", "--out", str(run)]
     assert main(["train", "--data", str(DATA / "train.jsonl"), *flags, "--json"]) == 0
@@ -310,8 +314,9 @@ def test_memo_train_and_eval_on_conversations_and_a_changed_template_is_refused(
     assert main(evaluate) == 0
     out = capsys.readouterr().out
     assert f"loss of the assistant tokens of {DATA / 'heldout.jsonl'} by position within document" in out
-    config = tokenizer / "tokenizer_config.json"
-    config.write_text(config.read_text().replace("<|im_start|>", "<|im_start|> "))
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0  # the template goes with the model
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == template
+    (tokenizer / "chat_template.jinja").write_text(template.replace("<|im_start|>", "<|im_start|> "))
     assert main(evaluate) == 2
     assert re.search(
         r"changed since run .* started \(another tokenizer_config.json or chat template", capsys.readouterr().err

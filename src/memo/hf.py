@@ -36,6 +36,7 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CHAT_TEMPLATE_NAME = "chat_template.jinja"  # where transformers >= 4.43 saves a chat template
 
 # model_type -> (architecture, the config class's default max_position_embeddings)
 FAMILIES = {
@@ -581,7 +582,7 @@ def save_hf(
         if tokenizer is not None:  # the file the run trained with, whatever its name, and its folder's companions
             trained = tokenizer_file(tokenizer)
             shutil.copyfile(trained, tmp / TOKENIZER_NAMES[0])  # contents only: the mode is a new file's
-            for name in TOKENIZER_NAMES[1:]:
+            for name in (*TOKENIZER_NAMES[1:], CHAT_TEMPLATE_NAME):
                 if (trained.parent / name).is_file():
                     shutil.copyfile(trained.parent / name, tmp / name)
     return path
