@@ -2,9 +2,9 @@
 
 from .config import ModelConfig
 from .hf import from_hf, to_hf
+from .hf_patch import patch, patch_stats, unpatch
 from .job import Job
 from .model import Transformer
-from .hf_patch import patch, patch_stats, unpatch
 from .policy import ActivationPolicy
 
 __all__ = [
