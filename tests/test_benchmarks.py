@@ -196,3 +196,19 @@ def test_packing_benchmark_prints_one_document_and_packed_step_times(capsys):
     row = next(line for line in out.splitlines() if line.startswith("tiny "))
     assert row.split()[1:3] == ["256", "64"] and float(row.split()[5]) > 0
     assert torch.get_num_threads() == threads  # the benchmark's one thread does not outlive it
+
+
+def test_hf_patch_benchmark_trains_memo_and_checkpointing_under_sfttrainer_to_the_same_loss(capsys):
+    pytest.importorskip("trl")
+    import hf_patch
+
+    cpu = torch.device("cpu")
+    with pytest.MonkeyPatch.context() as m:  # two rows, in this process: fresh processes are for the real numbers
+        m.setattr(hf_patch, "ROWS", ("HF + checkpointing", "memo.patch"))
+        m.setattr(hf_patch, "_row_in_subprocess", lambda argv, i: hf_patch.measured_row(i, hf_patch.TINY, 1, cpu))
+        assert hf_patch.main(["--tiny", "--steps", "1", "--json"]) == 0
+    hf, memo = json.loads(capsys.readouterr().out)["rows"]
+    assert memo["loss"] == pytest.approx(hf["loss"], rel=1e-5)  # same weights, same batch
+    assert hf["mlp_calls"] == 2  # checkpointing recomputed layer 0
+    assert "memo plan" in memo["ran"] and "HF checkpointing False" in memo["ran"]
+    assert memo["step_s"] > 0 and memo["activation_bytes_ratio"] is not None
