@@ -109,7 +109,7 @@ def test_swap_engine_unpins_an_old_pool_only_after_the_device_is_synchronised(fa
         return [] if pool is None else [(pool.buffer.data_ptr(), pool.nbytes)]
 
     with CopyLog(fake_cuda, pool_range):
-        for seq in (16, 24, 24, 16):  # every shape change replaces the pool
+        for seq in (16, 24, 24, 32, 16):  # a longer shape replaces the pool; a shorter one is served from it
             ids = torch.randint(0, 256, (1, seq))
             model(ids, labels=ids).backward()
     kinds = [e[0] for e in fake_cuda.log]
