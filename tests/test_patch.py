@@ -178,8 +178,9 @@ def lora(m, seed=2, **config):
         dict(target_modules=["q_proj", "v_proj"]),
         dict(target_modules="all-linear", use_rslora=True, lora_bias=True, modules_to_save=["lm_head"]),
         dict(target_modules=["o_proj", "down_proj"], modules_to_save=["post_attention_layernorm"]),
+        dict(target_modules=["q_proj", "k_proj"], rank_pattern={"q_proj": 2}, alpha_pattern={"k_proj": 3}),
     ],
-    ids=["subset", "rslora-bias-head", "norm-to-save"],
+    ids=["subset", "rslora-bias-head", "norm-to-save", "rank-alpha-patterns"],
 )
 def test_peft_lora_trains_its_adapters_as_peft_does(config):
     reference = lora(model("qwen2"), **config)
@@ -307,6 +308,15 @@ def test_a_second_forward_after_backward_or_after_dropping_the_graph_is_fine():
     loss.backward()
     m(**batch())  # the first graph trained on (and still referenced): fine
     m(**batch())  # the second dropped without backward (its loss never kept): fine
+
+
+def test_accelerate_context_parallelism_is_refused(monkeypatch):
+    from accelerate.state import AcceleratorState
+
+    config = types.SimpleNamespace(cp_enabled=True, sp_enabled=False)
+    monkeypatch.setitem(AcceleratorState._shared_state, "parallelism_config", config)
+    with pytest.raises(ValueError, match="Accelerate's context/sequence parallelism"):
+        patch(model(), TILED)(**batch())
 
 
 def test_attention_dropout_and_compile_are_refused_at_patch_time():
