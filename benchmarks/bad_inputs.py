@@ -51,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
 TIMEOUT_S = 120
 TINY = "--model tiny --seq-len 64 --batch-size 2 --steps 2"
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+CHAT_TOKENIZER = "--tokenizer chat-tokenizer/tokenizer.json"  # tests/data/chat's, with TRL's Qwen3 template
 EST = "--model gpt-7b --gpus 8 --gpu A800-80GB"
 PROGRESS = re.compile(r"^[\w ]+:\s*\d+%\|")  # a tqdm bar, e.g. "train:  50%|█████     | 1/2 [00:01<00:01]"
 RUNS = (
@@ -142,6 +144,9 @@ FILES = {  # the user's files, in every case's folder
     "short-row.csv": "id,lower,upper,size\n0,0,2\n",
     "hf-model/tokenizer.json": "x\n",  # beside the config and weights build_fixtures saves with transformers
     "mine.safetensors": "mine\n",
+    "chat.jsonl": json.dumps({"messages": CHAT}) + "\n",  # a conversation; `tiny` has no chat template
+    "chat-mixed.jsonl": json.dumps({"messages": CHAT}) + "\n" + json.dumps({"text": "plain"}) + "\n",
+    "chat-role.jsonl": json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n",
     "gpus-inf.json": json.dumps({"L40S": {**GPU_FIELDS, "peak_flops": float("inf")}}),  # JSON's Infinity
     "gpus-nan.json": json.dumps({"L40S": {**GPU_FIELDS, "nvlink_bytes_per_s": float("nan")}}),
     "gpus-fraction.json": json.dumps({"L40S": {**GPU_FIELDS, "gpus_per_node": 7.5}}),
@@ -248,6 +253,12 @@ CASES = [
     Case(f"train {TINY} --pack-documents mask"),  # the generated task has no documents
     Case(f"train {TINY} --pack-documents masked --data notes.txt"),
     Case(f"train {TINY} --data notes.txt --max-documents-per-sequence 0"),
+    Case(f"train {TINY} --data chat.jsonl"),
+    Case(f"train {TINY} --data chat-mixed.jsonl {CHAT_TOKENIZER}"),
+    Case(f"train {TINY} --data chat-role.jsonl {CHAT_TOKENIZER}"),
+    Case(f"train {TINY} --data chat.jsonl {CHAT_TOKENIZER} --seq-len 8"),
+    Case(f"train {TINY} --data notes.txt --long-conversations truncate"),
+    Case(f"train {TINY} --data chat.jsonl --document-separator eos"),
     Case(f"train {TINY} --data notes.txt --max-documents-per-sequence 1.5"),
     Case(f"train {TINY} --data notes.txt --document-separator bos"),  # the byte tokenizer has none
     Case(f"train {TINY} --document-separator eos"),
@@ -584,6 +595,7 @@ def build_fixtures(root: Path) -> None:
             raise SystemExit(f"building the fixture run `{name}` failed:\n{done.stderr}")
         then(data)
     hf_model(root / "hf-model")
+    shutil.copytree(ROOT / "tests" / "data" / "chat" / "tokenizer", root / "chat-tokenizer")
     (root / "link-to-hf-model").symlink_to("hf-model")
     (root / "no-ckpt" / "checkpoints").mkdir(parents=True)
     shutil.copy2(root / "done" / "config.json", root / "no-ckpt" / "config.json")

@@ -310,6 +310,42 @@ def test_a_second_forward_after_backward_or_after_dropping_the_graph_is_fine():
     m(**batch())  # the second dropped without backward (its loss never kept): fine
 
 
+def test_targets_at_padded_positions_are_refused():
+    """transformers computes a pad query from the real tokens; memo's layers run causal attention over the pads."""
+    inputs = batch()
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 17:] = 0
+    with pytest.raises(ValueError, match=r"labels at padded positions \(attention_mask 0\) must be -100"):
+        patch(model(), TILED)(**inputs, attention_mask=mask)
+
+
+def test_a_second_backward_of_one_graph_is_refused_in_one_line():
+    loss = patch(model(), TILED)(**batch()).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="memo runs one backward per forward"):
+        loss.backward()
+
+
+def test_a_solved_plan_is_refused_once_several_ranks_run(monkeypatch):
+    """The process group may start after the patch (Trainer starts it): every training forward checks."""
+    m = patch(model(), ActivationPolicy("memo"))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    with pytest.raises(ValueError, match="under several ranks give α"):
+        m(**batch())
+
+
+def test_an_unpickled_patched_model_runs_unpatched_and_patches_again(caplog):
+    import pickle
+
+    patched, reference = patched_pair()
+    with caplog.at_level(logging.WARNING, logger="memo.hf_patch"):
+        loaded = pickle.loads(pickle.dumps(patched))
+    assert "runs unpatched until memo.patch(model) again" in caplog.text
+    assert loaded(**batch()).logits is not None  # transformers' own forward
+    assert_same_step(patch(loaded, TILED), reference, batch())
+
+
 def test_accelerate_context_parallelism_is_refused(monkeypatch):
     from accelerate.state import AcceleratorState
 
@@ -343,4 +379,5 @@ def test_batches_of_varying_length_reuse_the_bytes_and_the_plan_of_the_longest(m
         inputs = dict(input_ids=ids, labels=ids)
         assert_same_step(patched, reference, inputs)
         pointers.append((store._raw[("buffer", 0)].data_ptr(), store.pool.buffer.data_ptr()))
+        assert set(store._raw) == store._used  # nothing the plan no longer carves stays allocated
     assert pointers[0] == pointers[1] == pointers[2] and len(measured) == 2  # solved at 24, again at 30

@@ -67,7 +67,9 @@ class Patch:
         return {"policy": self.policy, "config": self.config, "loss_chunk_tokens": self.loss_chunk_tokens}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        """An unpickled model's forwards are its class's (pickle rebinds them by name): it runs unpatched."""
+        self.__init__(**state, active=False)
+        log.warning("memo.patch: a patched model was unpickled: it runs unpatched until memo.patch(model) again")
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.told:
@@ -138,8 +140,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     record.active = False
     record.store._drop_buffers()
     for module in (lm, lm.model, *lm.model.layers):
-        bound = module.__dict__.get("forward")
-        if hasattr(getattr(bound, "__func__", None), "memo_function"):
+        function = getattr(module.__dict__.get("forward"), "__func__", None)
+        if hasattr(function, "memo_function") or function is type(module).forward:  # ours, or ours unpickled
             del module.__dict__["forward"]
         module.__dict__.pop(RECORD, None)
     return model
@@ -158,6 +160,8 @@ def causal_lm(model: nn.Module) -> nn.Module:
     """Returns the transformers causal LM of `model` (itself, or the one a PEFT model wraps); raises otherwise."""
     if type(model).__name__ == "OptimizedModule":
         raise ValueError("memo.patch takes the model before torch.compile: memo's layers run their own kernels")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     lm = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
     family = getattr(getattr(lm, "config", None), "model_type", None)
     if family not in FAMILIES or not hasattr(lm, "model") or not hasattr(lm.model, "layers"):
@@ -179,6 +183,13 @@ def _check_model(lm: nn.Module, config: ModelConfig, policy: ActivationPolicy) -
             )
         if getattr(layer, "_checkpoint_wrapped_module", None) is not None:
             raise ValueError("the decoder layers are wrapped for activation checkpointing: memo manages activations")
+    _check_ranks(policy, config)
+
+
+def _check_ranks(policy: ActivationPolicy, config: ModelConfig) -> None:
+    """Raises for a solved plan under several ranks: each rank would measure (a collective) at its own new longest
+    length, and ranks packing other lengths would not meet. Checked at the patch and at every training forward
+    (the process group may start after the patch)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1 and policy.layer_modes(config.n_layers) is None:
             raise ValueError(
@@ -327,6 +338,7 @@ def _check_call(backbone: nn.Module, record: Patch, kwargs: dict) -> None:
     if kwargs.get("is_causal") is False:
         raise ValueError("memo runs causal attention: `is_causal=False` is not supported")
     _check_accelerate()
+    _check_ranks(record.policy, record.config)
     if record.last is not None and record.last.pending():
         raise ValueError(
             "memo keeps one forward's activations: call backward before the next training forward, or run the "
@@ -387,9 +399,17 @@ def _lm_forward(self, *args, **kwargs):
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     weight = head.weight.full_tensor() if type(head.weight).__name__ == "DTensor" else head.weight
     targets = targets.to(hidden.device)
+    _check_padded_targets(targets, inputs["attention_mask"])
     divisor = num_items(targets, count)
     loss = ChunkedCrossEntropy.apply(hidden, weight, targets, record.loss_chunk_tokens, divisor, None)
-    return CausalLMOutputWithPast(loss=loss, logits=None)
+    return (loss,) if kwargs.get("return_dict") is False else CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def _check_padded_targets(targets: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Raises when a padded position (attention_mask 0) has a target: transformers computes it from a query that
+    attends to the real tokens, memo's layers run causal attention over the pads (collators give pads -100)."""
+    if attention_mask is not None and bool(((targets != -100) & (attention_mask.to(targets.device) == 0)).any()):
+        raise ValueError("labels at padded positions (attention_mask 0) must be -100, as the collators set them")
 
 
 def _head(lm: nn.Module) -> nn.Module | None:

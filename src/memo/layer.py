@@ -61,6 +61,7 @@ from .attention import attention_backward, attention_forward, choose, head_chunk
 from .config import ModelConfig
 from .documents import Documents
 from .lora import dropout_keys, drops_out, keys_of, low_rank_add, low_rank_backward
+from .loss import ONE_BACKWARD
 from .matmul import add_mm, add_to
 from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
 from .rope import rope_at, rope_tables, rotate, unrotate
@@ -608,6 +609,9 @@ class LayerFunction(torch.autograd.Function):
     def backward(ctx, dy):
         """The gradient of a layer's output belongs to the layer stack (its only consumer is the next layer, or
         the loss, which made it): the backward writes dx over it rather than holding both whole."""
+        if getattr(ctx, "ran", False):
+            raise RuntimeError(ONE_BACKWARD)
+        ctx.ran = True
         layer, store = ctx.layer, ctx.store
         with nullcontext() if ctx.source is None else ctx.source.bound(layer), keys_of(layer, ctx.keys):
             t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)

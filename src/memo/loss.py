@@ -15,6 +15,7 @@ import torch
 from .matmul import accumulating_mm, add_to
 from .norms import norm_backward, norm_forward
 
+ONE_BACKWARD = "memo runs one backward per forward: a second backward of a graph (retain_graph=True) is not supported"
 IGNORE_INDEX = -100  # a label no loss is taken on: padding, document starts, unlabelled tokens (torch's default)
 
 
@@ -78,6 +79,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if not hasattr(ctx, "grads"):
+            raise RuntimeError(ONE_BACKWARD)
         grad_x, grad_w, *grad_norm = ctx.grads  # made in forward, for one backward: scaled in place
         del ctx.grads
         scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in (grad_x, grad_w, *grad_norm)]

@@ -371,6 +371,7 @@ class ActivationStore:
         self._streams: tuple = (None, None, None)  # offload, prefetch, tile
         self._device = torch.device("cpu")
         self._raw: dict[tuple, torch.Tensor] = {}  # the bytes under the views, kept for a shape that fits in them
+        self._used: set[tuple] = set()  # the raw buffers the current plan carves
         self._solved: dict[tuple, tuple] = {}  # (batch, dtype, device) -> (seq, modes, α) of the longest solved
 
     def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
@@ -402,7 +403,7 @@ class ActivationStore:
             self._drop_buffers()
         self._sync_all()
         dev.synchronize(self._device)
-        self._buffers, self._slots, self._keep, self._host = [], [], {}, {}
+        self._buffers, self._slots, self._keep, self._host, self._used = [], [], {}, {}, set()
         self._device = device
         self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
         self._tile, self._heads = self.tiling(layers[0], seq, device)
@@ -411,6 +412,8 @@ class ActivationStore:
         self.swaps = layer_swaps(modes, alphas, seq, self._tile, self.policy.offload_last_layers)
         self.layout = store_layout(self.specs, self.swaps, self._tile)
         self._allocate_device(device)
+        for key in set(self._raw) - self._used:  # what the last plan had and this one does not (a layer kept)
+            del self._raw[key]
         if self.pool is None or self.pool.nbytes < self.layout.host_total:
             if self.pool is not None:
                 self.pool.close()
@@ -460,6 +463,7 @@ class ActivationStore:
 
     def _bytes(self, key: tuple, nbytes: int, device: torch.device) -> torch.Tensor:
         """Returns `nbytes` of the raw buffer `key`, allocated anew only when the one kept is shorter."""
+        self._used.add(key)
         if key not in self._raw or self._raw[key].numel() < nbytes:
             self._raw.pop(key, None)  # the old bytes go before the new ones come
             self._raw[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
