@@ -48,7 +48,14 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:  # absent when run through runpy
     sys.path.insert(0, str(BENCHMARKS))
-from strategies import RssPeak, _cuda_peaks, _return_freed_memory_to_os, free_device_memory, guarded  # noqa: E402
+from strategies import (  # noqa: E402
+    RssPeak,
+    _cell,
+    _cuda_peaks,
+    _return_freed_memory_to_os,
+    free_device_memory,
+    guarded,
+)
 
 from memo import ActivationPolicy, patch  # noqa: E402
 from memo.swap import make_store  # noqa: E402
@@ -359,10 +366,6 @@ def verdict(rows: list[dict]) -> str:
         f"{'met' if memory <= MEMORY_GOAL else 'NOT met'}; step time {speed:.2f}x (goal <= {TIME_GOAL}x): "
         f"{'met' if speed <= TIME_GOAL else 'NOT met'}; first losses within {spread:.1e} (relative)"
     )
-
-
-def _cell(value, fmt: str, scale: float = 1.0) -> str:
-    return "n/a" if value is None else format(value / scale, fmt)
 
 
 def print_table(rows: list[dict]) -> None:
