@@ -245,8 +245,10 @@ def _run_layer(call: Call, hf_layer: nn.Module, x: torch.Tensor) -> torch.Tensor
 
 def _backbone_forward(self, *args, **kwargs):
     record = self.__dict__.get(RECORD)
+    if record is None or not record.active or not torch.is_grad_enabled():  # generate: no binding per token
+        return type(self).forward(self, *args, **kwargs)
     inputs = _arguments(self, args, kwargs)
-    if record is None or not record.active or not _trains(self, inputs):
+    if not _trains(self, inputs):
         return type(self).forward(self, *args, **kwargs)
     return _memo_backbone(self, record, inputs)
 
@@ -271,9 +273,9 @@ def _signature(forward) -> inspect.Signature:
 
 
 def _trains(backbone: nn.Module, inputs: dict) -> bool:
-    """Returns whether this forward is a training one memo runs: grad on, no cache to fill, something trains."""
+    """Returns whether this forward (grad on) is a training one memo runs: no cache to fill, something trains."""
     cache = inputs["cache"]
-    if not torch.is_grad_enabled() or (cache is not None and cache.get_seq_length() > 0):
+    if cache is not None and cache.get_seq_length() > 0:
         return False
     embeds = inputs["inputs_embeds"]
     return (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in backbone.parameters())
@@ -375,19 +377,12 @@ def _dropout_key(backbone: nn.Module) -> int | None:
 
 def _lm_forward(self, *args, **kwargs):
     record = self.__dict__.get(RECORD)
+    if record is None or not record.active or not record.loss_chunk_tokens or not torch.is_grad_enabled():
+        return type(self).forward(self, *args, **kwargs)  # generate: no binding per token
     inputs = _arguments(self, args, kwargs)
-    head = _head(self)
-    memo_loss = (
-        record is not None
-        and record.active
-        and record.loss_chunk_tokens
-        and inputs["labels"] is not None
-        and torch.is_grad_enabled()
-        and isinstance(inputs["logits_to_keep"], int)
-        and inputs["logits_to_keep"] == 0
-        and head is not None
-    )
-    if not memo_loss:
+    keep = inputs["logits_to_keep"]
+    head = _head(self) if inputs["labels"] is not None and isinstance(keep, int) and keep == 0 else None
+    if head is None:
         return type(self).forward(self, *args, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
