@@ -30,20 +30,9 @@ def _example():
 EXAMPLE = _example()
 
 
-def llama(patched: bool, vocab: int = 259):
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+def llama(patched: bool):
+    """The example's toy Llama (its vocabulary is the toy tokenizer's), patched or not."""
+    model = EXAMPLE.toy_model()
     return patch(model, POLICY) if patched else model
 
 
