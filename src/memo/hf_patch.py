@@ -51,6 +51,7 @@ class Patch:
     active: bool = True
     last: Call | None = None  # the last grad forward, until its backward reaches the first layer
     told: set = field(default_factory=set)  # the one-time warnings given
+    checkpointed: bool = False  # transformers' activation checkpointing was on (memo turned it off)
 
     def __post_init__(self) -> None:
         self.store = make_store(self.policy, self.config.n_layers)
@@ -321,7 +322,7 @@ def _use_cache(backbone: nn.Module, record: Patch, given: bool | None) -> bool:
     """Returns `use_cache` as transformers resolves it (the config's default, off under activation checkpointing
     in training, which memo turned off: it counts as on once it was)."""
     use_cache = getattr(backbone.config, "use_cache", False) if given is None else given
-    checkpointing = "ac" in record.told or getattr(backbone, "gradient_checkpointing", False)
+    checkpointing = record.checkpointed or getattr(backbone, "gradient_checkpointing", False)
     return bool(use_cache) and not (checkpointing and backbone.training)
 
 
@@ -350,6 +351,7 @@ def _check_call(backbone: nn.Module, record: Patch, kwargs: dict) -> None:
     if checkpointed:
         for m in checkpointed:
             m.gradient_checkpointing = False
+        record.checkpointed = True
         record.warn_once("ac", "memo.patch: transformers' activation checkpointing is off: memo manages activations")
 
 
