@@ -440,11 +440,12 @@ class DecoderLayer(nn.Module):
 
     def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple, per_call: int):
         """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d), a few heads per kernel
-        call as in `attend`; attention is not rerun. dq is written over dattn, each head once the kernel has read
-        it."""
+        call as in `attend`; attention is not rerun. Each gradient is written over a tensor its heads' kernel calls
+        were the last to read: dq over dattn, and (one rank) dk, dv over k, v, which nothing reads after attention's
+        backward; under sequence parallelism k, v are gathered copies of other shapes and dk, dv are new."""
         sp = self.seq_parallel
         k, v = self._kv(t)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk, dv = (k, v) if sp is None else (torch.empty_like(k), torch.empty_like(v))
         for kv_heads, q_chunks in self._head_chunks(t, per_call):
             kc, vc = self._kv_heads(k, v, kv_heads)
             dkc = dvc = None  # summed over the calls that share these kv heads
