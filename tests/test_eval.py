@@ -218,15 +218,12 @@ def test_a_random_model_scores_chance():
     assert sum(c.correct for c in cells) == 0  # a five-digit key: chance is 1e-5
 
 
-def test_bad_depths_short_lengths_and_lengths_past_a_sliding_window_fail_before_decoding():
+def test_bad_depths_and_short_lengths_fail_before_decoding():
     model = _Oracle()
     with pytest.raises(ValueError, match=r"`--depths` must lie in \[0, 1\], got 1.5"):
         passkey_accuracy(model, BYTES, [256], [0, 1.5], trials=1)
     with pytest.raises(ValueError, match="`--lengths` 40 cannot hold the needle and the question"):
         passkey_accuracy(model, BYTES, [256, 40], [0], trials=1)
-    model.config = dataclasses.replace(model.config, sliding_window=200)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        passkey_accuracy(model, BYTES, [128, 256], [0], trials=1)
 
 
 # ---------------------------------------------------------------------------------------------- loss by position

@@ -30,14 +30,15 @@ transformers = pytest.importorskip("transformers")
 LOGITS_TOL = dict(rtol=1e-5, atol=5e-5)
 GRAD_REL_TOL = 1e-4  # times each tensor's max |grad|: gradient scales differ by orders of magnitude
 SEQ = 24
+WINDOW = SEQ // 4  # the windowed families run at 4x their window
 
 # Each family with the features its config can switch on, so that every mapping is exercised.
 FAMILIES = {
     "llama": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, head_dim=24)),  # head_dim != 64 / 4
-    "mistral": ("MistralConfig", dict(sliding_window=SEQ)),  # a window the sequence just fits
-    "qwen2": (  # the second layer slides
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),  # every layer slides
+    "qwen2": (  # the layers from the second on slide
         "Qwen2Config",
-        dict(use_sliding_window=True, sliding_window=32, max_window_layers=1, tie_word_embeddings=True),
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, tie_word_embeddings=True),
     ),
     "qwen3": ("Qwen3Config", dict(head_dim=32, attention_bias=True, tie_word_embeddings=True)),
 }
@@ -147,15 +148,16 @@ def test_from_hf_matches_transformers_logits_loss_and_gradients(tmp_path, family
 
 
 def test_family_features_map_to_model_config():
-    expected = {  # (kv_channels, qkv_bias, out_bias, mlp_bias, qk_norm, tied, sliding_window)
-        "llama": (24, True, True, True, False, False, None),
-        "mistral": (None, False, False, False, False, False, SEQ),
-        "qwen2": (None, True, False, False, False, True, 32),
-        "qwen3": (32, True, True, False, True, True, None),
+    expected = {  # (kv_channels, qkv_bias, out_bias, mlp_bias, qk_norm, tied, window of each layer)
+        "llama": (24, True, True, True, False, False, (None, None)),
+        "mistral": (None, False, False, False, False, False, (WINDOW, WINDOW)),
+        "qwen2": (None, True, False, False, False, True, (None, WINDOW)),
+        "qwen3": (32, True, True, False, True, True, (None, None)),
     }
     for family, want in expected.items():
         c = config_from_hf(_hf_config(family).to_dict())
-        got = (c.kv_channels, c.qkv_bias, c.out_bias, c.mlp_bias, c.qk_norm, c.tie_embeddings, c.sliding_window)
+        windows = (c.window(0), c.window(1))
+        got = (c.kv_channels, c.qkv_bias, c.out_bias, c.mlp_bias, c.qk_norm, c.tie_embeddings, windows)
         assert got == want, family
 
 
@@ -231,13 +233,12 @@ def test_interleaved_rope_pairing_would_be_caught(tmp_path):
         assert not torch.allclose(model(ids), hf(ids).logits, **LOGITS_TOL)
 
 
-def test_sliding_window_shorter_than_the_sequence_is_refused_in_one_line(tmp_path):
-    _saved(tmp_path, "mistral", sliding_window=16)
-    model = from_hf(tmp_path)
-    assert model.config.sliding_window == 16
-    with pytest.raises(ValueError, match="sliding-window attention") as err, torch.no_grad():
-        model(_batch()[0])
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("window", [SEQ - 1, 5, 2])  # 1 would leave q and k no gradient: nothing to compare
+def test_sliding_windows_of_any_length_match_transformers(tmp_path, window):
+    hf = _saved(tmp_path, "qwen2", sliding_window=window, num_hidden_layers=3, max_window_layers=1)
+    model = from_hf(tmp_path, policy=POLICIES["memo-a0.5"])
+    assert [layer.window for layer in model.layers] == [None, window, window]
+    _assert_matches_hf(model, hf)
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -313,9 +314,11 @@ EXPORTS = {  # a memo config per family, with the RoPE it trained with
         max_position_embeddings=256,
         rope_scaling=RopeScaling("llama3", 8.0, original_max_positions=32),
     ),
-    "mistral": dict(sliding_window=32, max_position_embeddings=16, rope_scaling=RopeScaling("dynamic", 2.0)),
+    "mistral": dict(sliding_window=WINDOW, max_position_embeddings=16, rope_scaling=RopeScaling("dynamic", 2.0)),
     "qwen2": dict(
         qkv_bias=True,
+        sliding_window=WINDOW,
+        layer_types=("full_attention", "sliding_attention"),
         rope_scaling=RopeScaling(
             "yarn", 4.0, original_max_positions=16, beta_fast=8.0, attention_factor=1.3, truncate=False
         ),
@@ -611,7 +614,7 @@ QWEN2_YARN_4_57 = {
 
 
 def test_a_config_written_by_transformers_4x_reads_as_the_5x_one():
-    assert config_from_hf(QWEN2_YARN_4_57) == config_from_hf(_hf_config("qwen2", "yarn").to_dict())
+    assert config_from_hf(QWEN2_YARN_4_57) == config_from_hf(_hf_config("qwen2", "yarn", sliding_window=32).to_dict())
 
 
 def test_exported_config_reads_the_same_in_either_layout(tmp_path):

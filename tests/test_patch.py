@@ -23,8 +23,12 @@ SEQ, VOCAB = 24, 96
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, head_dim=12)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=SEQ)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=SEQ // 4)),  # 4x its window
+    "qwen2": (  # the layers from the second on slide
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=SEQ // 4, max_window_layers=1),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
 }
 TILED = ActivationPolicy("memo", alpha=0.5, tile_tokens=5)  # 5 does not divide 24

@@ -47,6 +47,7 @@ import torch
 
 from .device import has_fused_kernel, kernel_device_type
 from .documents import Documents
+from .window import band_backward, band_forward
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -180,10 +181,18 @@ def _sum_kv(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 
 # ---- the kernels: forward (q, k, v, scale) -> (out, lse, aux); backward -> (dq, dk, dv) on k's heads ------------
-def _flash_forward(q, k, v, scale):
+def _flash_forward(q, k, v, scale, window: int | None = None):
+    b, _, s, _ = q.shape
+    windowed = window is not None and window < s
     if not has_fused_kernel("aten::_scaled_dot_product_flash_attention", kernel_device_type(q.device)):
+        if windowed:
+            return (*band_forward(q, k, v, scale, window), ("band", window))
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
+    if windowed:  # the variable-length entry point is the one that takes a window: b sequences of s tokens
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        out, lse, aux = _varlen_forward(q, k, v, scale, cu, s, window)
+        return out, lse, ("window", cu, s, *aux, window)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, True, False, scale=scale
     )
@@ -195,6 +204,10 @@ def _flash_backward(dout, q, k, v, out, lse, aux, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, True, scale=scale
         )
+    if aux[0] == "band":
+        return band_backward(dout, q, k, v, out, lse, scale, aux[1])
+    if aux[0] == "window":
+        return _varlen_backward(dout, q, k, v, out, lse, *aux[1:], scale)
     cum_q, cum_k, max_q, max_k, seed, offset = aux
     return aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
@@ -319,24 +332,36 @@ def _fallbacks(kernel: str, q: torch.Tensor):
 
 
 def attention_forward(
-    q, k, v, scale: float, kernel: str = "auto", documents: Documents | None = None
+    q, k, v, scale: float, kernel: str = "auto", documents: Documents | None = None, window: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """Returns (out, lse, aux) of causal attention: out (b, heads, s, d), lse float32 (b, heads, s'), aux
     (the kernel that ran, *what its backward needs). `kernel` ("auto" or a name) is tried first; one that
     refuses the shape hands over to the next and is not tried at that shape again. With `documents` each token
-    attends only within its own document (`_documents_forward`)."""
+    attends only within its own document (`_documents_forward`); with a `window` shorter than a sequence (or
+    document) it sees itself and the `window - 1` tokens before it, through the flash kernel whatever `kernel`
+    says (the only one that takes a window: on CUDA itself, on a CPU in bands, `memo.window`)."""
     first = choose(kernel, q.device, q.dtype)
     if documents is not None and kernel == "auto" and _varlen("flash", q) and "flash" in available(q.device, q.dtype):
         first = "flash"  # one variable-length call rather than one call per document
-    for name in _fallbacks(first, q):
+    length = q.shape[-2] if documents is None else documents.max_length
+    if window is not None and window >= length:
+        window = None  # the window covers every sequence: plain causal attention, on any kernel
+    if window is not None:
+        if "flash" not in available(q.device, q.dtype):
+            where = f"{kernel_device_type(q.device)} {str(q.dtype).removeprefix('torch.')}"
+            raise RuntimeError(f"sliding-window attention runs on the flash kernel, which cannot run {where}")
+        first = "flash"
+    for name in _fallbacks(first, q) if window is None else ("flash",):
         key = _shape_key(name, q, k, documents)
         if key in _refused:
             continue
         try:
-            if documents is None:
+            if window is not None and documents is None:
+                out, lse, aux = _flash_forward(q, k, v, scale, window)
+            elif documents is None:
                 out, lse, aux = _FORWARD[name](q, k, v, scale)
             else:
-                out, lse, aux = _documents_forward(name, q, k, v, scale, documents)
+                out, lse, aux = _documents_forward(name, q, k, v, scale, documents, window)
         except FATAL:
             raise
         except REFUSALS as err:
@@ -372,19 +397,43 @@ def _heads(t: torch.Tensor, b: int) -> torch.Tensor:
     return t.unflatten(0, (b, -1)).transpose(1, 2)
 
 
-def _documents_forward(name, q, k, v, scale, documents: Documents):
+def _varlen_forward(q, k, v, scale, cu: torch.Tensor, most: int, window: int | None = None):
+    """Returns (out, lse, (seed, offset)) of CUDA's variable-length flash call over the sequences `cu` delimits in
+    the b·s tokens of q (b, heads, s, d), at most `most` long; a `window` passed as the kernel takes it."""
+    b, _, s, _ = q.shape
+    out, lse, seed, offset, _ = aten._flash_attention_forward(
+        _tokens(q), _tokens(k), _tokens(v), cu, cu, most, most, 0.0, True, False, scale=scale, **_window_args(window)
+    )
+    return _heads(out, b), lse.unflatten(1, (b, s)).transpose(0, 1), (seed, offset)  # lse (h, b·s)
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu, most, seed, offset, window, scale):
+    b = q.shape[0]
+    tokens_lse = lse.transpose(0, 1).flatten(1).contiguous()  # (h, b·s), as the kernel wrote it
+    tokens = (_tokens(t) for t in (dout, q, k, v, out))
+    grads = aten._flash_attention_backward(
+        *tokens, tokens_lse, cu, cu, most, most, 0.0, True, seed, offset, scale=scale, **_window_args(window)
+    )
+    return tuple(_heads(g, b) for g in grads)
+
+
+def _window_args(window: int | None) -> dict:
+    """Returns the flash kernel's window arguments: a token sees itself and the `window - 1` before it."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def _documents_forward(name, q, k, v, scale, documents: Documents, window: int | None = None):
     b, heads, s, _ = q.shape
     if _varlen(name, q):
         cu, most = documents.cu_seqlens, documents.max_length
-        out, lse, seed, offset, _ = aten._flash_attention_forward(
-            _tokens(q), _tokens(k), _tokens(v), cu, cu, most, most, 0.0, True, False, scale=scale
-        )
-        return _heads(out, b), lse.unflatten(1, (b, s)).transpose(0, 1), ("varlen", seed, offset)  # lse (h, b·s)
+        out, lse, aux = _varlen_forward(q, k, v, scale, cu, most, window)
+        return out, lse, ("varlen", cu, most, *aux, window)
     out = q.new_empty(q.shape)
     lse = q.new_empty((b, heads, lse_seq_len(s, name)), dtype=torch.float32)
     auxes = []
+    forward = _FORWARD[name] if window is None else functools.partial(_flash_forward, window=window)
     for run in _runs(documents, s):  # equal-length neighbours of one sequence: one call, as a batch of them
-        part_out, part_lse, part_aux = _FORWARD[name](*(run.of(t) for t in (q, k, v)), scale)
+        part_out, part_lse, part_aux = forward(*(run.of(t) for t in (q, k, v)), scale)
         run.of(out).copy_(part_out)
         run.of(lse).copy_(part_lse[..., : run.length])
         auxes.append(part_aux)
@@ -394,23 +443,7 @@ def _documents_forward(name, q, k, v, scale, documents: Documents):
 def _documents_backward(name, dout, q, k, v, out, lse, aux, scale, documents: Documents):
     b, _, s, _ = q.shape
     if aux[0] == "varlen":
-        seed, offset = aux[1:]
-        cu, most = documents.cu_seqlens, documents.max_length
-        tokens_lse = lse.transpose(0, 1).flatten(1).contiguous()  # (h, b·s), as the kernel wrote it
-        grads = aten._flash_attention_backward(
-            *(_tokens(t) for t in (dout, q, k, v, out)),
-            tokens_lse,
-            cu,
-            cu,
-            most,
-            most,
-            0.0,
-            True,
-            seed,
-            offset,
-            scale=scale,
-        )
-        return tuple(_heads(g, b) for g in grads)
+        return _varlen_backward(dout, q, k, v, out, lse, *aux[1:], scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for run, part_aux in zip(_runs(documents, s), aux[1]):
         parts = (run.of(t) for t in (dout, q, k, v, out))

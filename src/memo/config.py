@@ -58,6 +58,9 @@ class RopeScaling:
             )
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers 5's names of a layer's attention
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer.
@@ -65,6 +68,9 @@ class ModelConfig:
     `gpt`: LayerNorm, GeLU, biases everywhere (the paper's models, docs/method.md §8).
     `llama`: RMSNorm, SwiGLU, no biases by default, grouped-query attention: the family of Llama 2/3.x,
     Mistral (`sliding_window`), Qwen2/2.5 (`qkv_bias`), Qwen3 (`qk_norm`, explicit `kv_channels`).
+    A sliding window lets a token of a windowed layer see itself and the `sliding_window - 1` tokens before it
+    (transformers 5's convention), at any length; `layer_types` says which layers slide, as transformers 5 names
+    them ("sliding_attention" or "full_attention"), and None means all of them.
     Both use rotary position embeddings: a learned table of 1M positions would cost more than the model.
     Bias flags left None take the arch's default.
     """
@@ -87,7 +93,8 @@ class ModelConfig:
     tie_embeddings: bool = False  # the LM head is the token embedding (one parameter)
     max_position_embeddings: int | None = None  # the length the weights are meant for; None: not known
     rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None  # attention window (Mistral); only "at least the sequence" is supported
+    sliding_window: int | None = None  # attention window of the layers that slide (Mistral, Qwen2)
+    layer_types: tuple[str, ...] | None = None  # per layer: "sliding_attention" or "full_attention"; None: all slide
     hf_model_type: str | None = None  # the Hugging Face family it came from / exports as (llama, mistral, qwen2, qwen3)
 
     def __post_init__(self) -> None:
@@ -98,6 +105,8 @@ class ModelConfig:
         for flag in ("qkv_bias", "out_bias", "mlp_bias"):
             if getattr(self, flag) is None:
                 object.__setattr__(self, flag, self.arch == "gpt")
+        if isinstance(self.layer_types, list):  # from a config file
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if isinstance(self.rope_scaling, dict):  # from a config file
             object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         self._check_fields()
@@ -118,6 +127,9 @@ class ModelConfig:
             check_bool(field, getattr(self, field))
         if not isinstance(self.name, str) or not isinstance(self.hf_model_type, (str, type(None))):
             raise ValueError(f"`name` and `hf_model_type` must be strings, got {self.name!r}, {self.hf_model_type!r}")
+        types = self.layer_types
+        if types is not None and (len(types) != self.n_layers or not set(types) <= set(LAYER_TYPES)):
+            raise ValueError(f"`layer_types` must give each of the {self.n_layers} layers one of {LAYER_TYPES}")
         if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
             raise ValueError(f"`rope_scaling` must be a mapping of type, factor, ..., got {self.rope_scaling!r}")
 
@@ -151,13 +163,11 @@ class ModelConfig:
         """Returns the parameter count (a tied head counted once)."""
         return sum(_param_shapes_numel(self))
 
-    def check_length(self, seq_len: int) -> None:
-        """Raises if the model cannot attend over `seq_len` tokens as it was built to."""
-        if self.sliding_window is not None and seq_len > self.sliding_window:
-            raise ValueError(
-                f"sliding-window attention ({self.sliding_window} tokens) is not supported at {seq_len} tokens: "
-                "memo runs full causal attention; set `sliding_window` to null or train at most that long"
-            )
+    def window(self, layer: int) -> int | None:
+        """Returns the attention window of layer `layer`, None where it attends to every token before it."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
 
 MAX_SIZE = 1 << 24  # of a model dimension: past any published model's (the largest vocabularies are ~256K)

@@ -312,17 +312,11 @@ def _load_run(run_dir: Path, own_tokenizer: bool) -> tuple[Transformer, str | No
     return model, checkpoint.run_tokenizer(trained), f"{run_dir} (step {saved.step})", trained
 
 
-def check_length(model: torch.nn.Module, length: int) -> None:
-    """Raises ValueError when the model cannot run `length` tokens at all (a sliding window shorter than it).
-    Lengths past `max_position_embeddings` run: measuring how a model fares there is the point of the eval."""
-    model.config.check_length(length)
-
-
 def check_lengths(loaded: Loaded, lengths: Sequence[int], batch: int, pack: int = 1) -> None:
-    """Raises ValueError, before any work, for a length the model cannot run (`check_length`), one past
-    `length_limit`, or one whose activations alone (`activation_lower_bound`, `batch` prompts) exceed the memory
-    free where the model is. `pack` prompts packed in one sequence, each its own document, are bounded as that
-    sequence, pack × length tokens, for memory; their positions, each prompt's own, stay within its length."""
+    """Raises ValueError, before any work, for a length past `length_limit`, or one whose activations alone
+    (`activation_lower_bound`, `batch` prompts) exceed the memory free where the model is. `pack` prompts packed in
+    one sequence, each its own document, are bounded as that sequence, pack × length tokens, for memory; their
+    positions, each prompt's own, stay within its length."""
     model = loaded.model
     limit = length_limit(model.config, loaded.trained_length)
     free = dev.free_memory_bytes(model.head_weight.device)
@@ -333,7 +327,6 @@ def check_lengths(loaded: Loaded, lengths: Sequence[int], batch: int, pack: int 
         if pack > 1:
             what = f"`--passkey-pack` {pack} x {what} ({format_count(tokens)} tokens in one sequence)"
             lower += " or `--passkey-pack`"
-        check_length(model, length)
         if limit is not None and length > limit:
             raise ValueError(
                 f"`--lengths` {format_count(length)} is past {EXTRAPOLATION}x the length the model's positions "
@@ -443,14 +436,13 @@ class PasskeyTask:
 
     def check(self, model: torch.nn.Module, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int):
         """Raises ValueError, before any decoding, for depths outside [0, 1], lengths too short for the needle
-        and question or that the model cannot run, and token ids beyond the model's vocabulary."""
+        and question, and token ids beyond the model's vocabulary."""
         bad = [d for d in depths if not 0 <= d <= 1]
         if bad:
             raise ValueError(f"`--depths` must lie in [0, 1], got {bad[0]}")
         if trials < 1:
             raise ValueError(f"`--trials` must be positive, got {trials}")
         for length in lengths:
-            check_length(model, length)
             keys = [self.key(length, d, seed, t) for d in depths for t in range(trials)]
             need = max((length - self.room(k, length) for k in keys), default=0)
             if length < need:
@@ -716,7 +708,6 @@ def perplexity_by_position(
     positions) its position in its document, the model attending within documents. As in training, no loss is
     taken on a document's first token, so none predicts across a boundary. Buckets past the last position scored
     are left out. Ctrl-C raises `Interrupted` with the buckets of the sequences scored before it."""
-    check_length(model, data.seq_len)
     edges = bucket_edges(data.seq_len, bucket_size)
     device = model.head_weight.device
     scored = []  # (loss sums, token counts) per bucket of each sequence: one append, whole even under Ctrl-C

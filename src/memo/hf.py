@@ -154,7 +154,7 @@ def _model_fields(cfg: dict, name: str) -> dict:
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         max_position_embeddings=max_positions,
         rope_scaling=scaling,
-        sliding_window=_sliding_window(cfg, family),
+        **_windows(cfg, family),
         hf_model_type=family,
     )
 
@@ -236,32 +236,33 @@ def _yarn_attention_factor(rope: dict, factor: float) -> float | None:
     return get_mscale(mscale) / get_mscale(all_dim)
 
 
-def _sliding_window(cfg: dict, family: str) -> int | None:
-    """Returns the attention window some layer uses, or None: memo runs full attention, which is the same as
-    long as the sequence fits the window (`ModelConfig.check_length` refuses longer ones)."""
+def _windows(cfg: dict, family: str) -> dict:
+    """Returns `sliding_window` and `layer_types` of the config as transformers 5 reads the family's: Mistral slides
+    every layer (by 4096 tokens unless it says), Qwen2/3 the layers `layer_types` names when `use_sliding_window`,
+    by default those from `max_window_layers` on; no window when no layer slides, no types when all do."""
     if family == "llama":
-        return None
-    if family == "mistral":  # every layer; MistralConfig's default window is 4096
-        return cfg.get("sliding_window", 4096)
+        return {"sliding_window": None, "layer_types": None}
+    if family == "mistral":
+        return {"sliding_window": cfg.get("sliding_window", 4096), "layer_types": None}
     window = (
         cfg.get("sliding_window", 4096)
         if check_bool("use_sliding_window", cfg.get("use_sliding_window", False))
         else None
     )
+    layers = check_int("num_hidden_layers", cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:  # the Qwen2/3 rule: layers from max_window_layers on slide
-        layers, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 28)
-        sliding = window is not None and check_int("num_hidden_layers", layers) > check_int(
-            "max_window_layers", first, 0
-        )
-    else:
-        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-            raise _unsupported("layer_types", types, "it must be a list of each layer's attention type")
-        unknown = sorted(set(types) - {"full_attention", "attention", "sliding_attention"})
-        if unknown:
-            raise _unsupported("layer_types", unknown, "memo runs full (or fitting sliding-window) attention")
-        sliding = "sliding_attention" in types
-    return window if sliding else None
+        first = check_int("max_window_layers", cfg.get("max_window_layers", 28), 0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise _unsupported("layer_types", types, "it must be a list of each layer's attention type")
+    unknown = sorted(set(types) - {"full_attention", "attention", "sliding_attention"})
+    if unknown:
+        raise _unsupported("layer_types", unknown, "memo runs full or sliding-window attention")
+    sliding = tuple("sliding_attention" if t == "sliding_attention" else "full_attention" for t in types)
+    if window is None or "sliding_attention" not in sliding:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": None if "full_attention" not in sliding else sliding}
 
 
 # ---- ModelConfig -> config.json -------------------------------------------------------------------------
@@ -303,6 +304,8 @@ def check_exportable(config: ModelConfig, family: str) -> None:
             )
     if family == "llama" and config.sliding_window is not None:
         raise ValueError("Hugging Face llama has no `sliding_window`: set `hf_model_type` to mistral, qwen2 or qwen3")
+    if family == "mistral" and config.layer_types is not None and config.sliding_window is not None:
+        raise ValueError("Hugging Face mistral slides every layer: `layer_types` needs qwen2 or qwen3")
     if family == "llama" and config.hidden_size % config.n_heads:  # LlamaConfig's own check
         raise ValueError(
             f"Hugging Face llama needs `n_heads` ({config.n_heads}) to divide `hidden_size` ({config.hidden_size})"
@@ -375,10 +378,10 @@ def config_to_hf(
     if family == "mistral":
         out["sliding_window"] = config.sliding_window
     if family in ("qwen2", "qwen3"):
-        window = config.sliding_window
-        out.update(use_sliding_window=window is not None, sliding_window=window)
-        out["max_window_layers"] = 0 if window else config.n_layers  # layers from this one on slide
-        out["layer_types"] = ["sliding_attention" if window else "full_attention"] * config.n_layers
+        types = ["full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layers)]
+        out.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window)
+        out["max_window_layers"] = next((i for i, t in enumerate(types) if t == "sliding_attention"), config.n_layers)
+        out["layer_types"] = types
     return out
 
 

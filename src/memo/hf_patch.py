@@ -305,7 +305,6 @@ def _memo_backbone(self, record: Patch, inputs: dict):
             "`position_ids` restart (packed documents) but use_cache is on, and transformers packs only without a "
             "cache: pass use_cache=False (TRL does)"
         )
-    record.config.check_length(s if batch.documents is None else batch.documents.max_length)
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     call = Call(record, batch.documents, dtype, _dropout_key(self))
     record.last = call

@@ -247,6 +247,7 @@ class DecoderLayer(nn.Module):
         self.w_up = nn.Linear(h, f, bias=c.mlp_bias)
         self.w_down = nn.Linear(f, h, bias=c.mlp_bias)
         self.scale = d**-0.5
+        self.window = c.window(index)  # None: full causal attention; w: a token sees itself and w - 1 before it
         self.phases = None  # a plan.phases.PhasePlanner: transient tensors at planned offsets (plan.phases.attach)
         self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
         self.attention_kernel = "auto"  # the kernel asked for (`attention.CHOICES`); the model sets its policy's
@@ -367,11 +368,13 @@ class DecoderLayer(nn.Module):
             for heads in q_chunks:
                 if sp is None:
                     q = heads_major(t["q"])[:, heads]
-                    out, lse, aux = attention_forward(q, kc, vc, self.scale, kernel, documents)
+                    out, lse, aux = attention_forward(q, kc, vc, self.scale, kernel, documents, self.window)
                     heads_major(t["attn"])[:, heads].copy_(out)  # (b, heads, s, d) into token-major (b, s, a, d)
                 else:  # (b, local tokens, all heads) -> (b, all tokens, these heads) and back: two all-to-alls
                     (q,) = sp.to_heads(t["q"], heads=(heads,))
-                    out, lse, aux = attention_forward(heads_major(q), kc, vc, self.scale, kernel, documents)
+                    out, lse, aux = attention_forward(
+                        heads_major(q), kc, vc, self.scale, kernel, documents, self.window
+                    )
                     sp.to_tokens(heads_major(out), out=(t["attn"],), heads=(heads,))
                 t["lse"][:, heads].copy_(lse)
                 kernel = aux[0]  # after a refusal the next calls start from the kernel that ran

@@ -91,7 +91,6 @@ class Transformer(nn.Module):
         if documents is not None and self.layers[0].phases is not None and not self._told_unplanned:
             log.warning("the phase planner serves one document per sequence: packed batches use the allocator")
             self._told_unplanned = True
-        self.config.check_length(total if documents is None else documents.max_length)
         x = self.embed(input_ids)  # (b, s, h)
         set_dropout_keys(self, self.dropout_key if torch.is_grad_enabled() else None)  # LoRA dropout: training only
         if torch.is_grad_enabled():

@@ -40,9 +40,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class ReferenceBlock(nn.Module):
-    def __init__(self, c: ModelConfig, attention: str):
+    def __init__(self, c: ModelConfig, attention: str, index: int = 0):
         super().__init__()
         self.c, self.attention = c, attention
+        self.window = c.window(index)  # None: every token before; w: itself and the w - 1 before it
         gpt = c.arch == "gpt"
         norm = (
             (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps))
@@ -65,10 +66,12 @@ class ReferenceBlock(nn.Module):
     def _attend(self, q, k, v, positions=None):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if self.attention == "sdpa" and positions is None:
+        if self.attention == "sdpa" and positions is None and self.window is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         s = q.shape[2]
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        if self.window is not None:
+            mask = mask.triu(1 - self.window)  # key j within (i - window, i]
         if positions is not None:  # block-diagonal: a token sees only its own document (0 starts one)
             document = (positions == 0).cumsum(dim=1).to(q.device)  # (b, s)
             mask = mask & (document[:, :, None] == document[:, None, :])[:, None]  # (b, 1, s, s)
@@ -98,7 +101,7 @@ class ReferenceTransformer(nn.Module):
         super().__init__()
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(ReferenceBlock(c, attention) for _ in range(c.n_layers))
+        self.layers = nn.ModuleList(ReferenceBlock(c, attention, i) for i in range(c.n_layers))
         self.norm = (
             nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
             if c.arch == "gpt"

@@ -53,7 +53,15 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
     source = results[0].efficiency.get("source", "-")
     lines.append(f"ranges: the efficiency band; attention kernel: {timed}; efficiencies: {source}")
     lines += sorted({f"speeds: {e.speeds_note}" for e in results if e.speeds_note})
+    if job.model.sliding_window is not None:
+        lines.append(WINDOWED)
     return "\n".join(lines)
+
+
+WINDOWED = (
+    "sliding window: not modelled yet; windowed layers are timed and counted as full causal attention, so their "
+    "time and FLOPs are overstated"
+)
 
 
 def host_memory(job: Job, spec: GPUSpec) -> str:

@@ -54,8 +54,11 @@ def _sdpa_flash_backward(args) -> int:
 
 
 def _flash_backward(args) -> int:
-    """aten._flash_attention_backward: query (b, s, h, d), key (b, s_k, h_kv, d)."""
+    """aten._flash_attention_backward: query (b, s, h, d), key (b, s_k, h_kv, d); or, variable-length, query
+    (tokens, h, d), whose accumulators span all the tokens as one sequence's would."""
     q, k = args[1], args[2]
+    if q.dim() == 3:
+        q, k = q[None], k[None]
     b, s, h, d = q.shape
     return flash_backward_bytes(b, s, k.shape[1], h, k.shape[2], d, q.element_size())
 
