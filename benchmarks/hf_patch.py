@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import dataclasses
 import json
 import statistics
@@ -52,9 +51,9 @@ from strategies import (  # noqa: E402
     RssPeak,
     _cell,
     _cuda_peaks,
-    _return_freed_memory_to_os,
     free_device_memory,
     guarded,
+    release_heap,
 )
 
 from memo import ActivationPolicy, patch  # noqa: E402
@@ -176,16 +175,6 @@ def sft_config(row: str, steps: int, shape: Shape, output_dir: str, device: torc
     )  # fmt: skip
 
 
-def _release_heap() -> None:
-    """Makes malloc return freed memory to the system now and from here on, so the resident set tracks live bytes
-    (in a row's own process only: every later allocation then maps fresh pages, which would slow the timed steps)."""
-    _return_freed_memory_to_os()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -230,7 +219,7 @@ class Meter:
         """Runs one step and records its activation bytes, host bytes and calls of layer 0's MLP."""
         self._fresh_store()
         if self.release_heap:
-            _release_heap()
+            release_heap()  # in a row's own process only: every later allocation maps fresh pages
         base = free_device_memory(self.device)
         self.mlp_calls, CountingSaveOnCpu.nbytes = 0, 0
         with RssPeak() as rss:

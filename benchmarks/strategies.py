@@ -90,6 +90,16 @@ def _return_freed_memory_to_os() -> None:
         pass
 
 
+def release_heap() -> None:
+    """Makes malloc return freed memory to the system now and from here on, so the resident set tracks live
+    bytes."""
+    _return_freed_memory_to_os()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def _rss_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -186,6 +186,17 @@ def test_cpu_adam_benchmark_times_every_implementation(capsys):
     assert all(row["seconds_per_billion"] > 0 for row in result["kinds"].values())
 
 
+def test_window_benchmark_times_windowed_against_full_causal_attention(capsys):
+    import window
+
+    assert window.main(["--seq", "2048", "--window", "256"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 2048 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "256" and float(cells[2]) > 0 and float(cells[3]) > 0
+    assert "no s² buffer" in out
+
+
 def test_packing_benchmark_prints_one_document_and_packed_step_times(capsys):
     import packing
     import torch

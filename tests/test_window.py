@@ -10,11 +10,17 @@ import torch
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo import window as band
 from memo.attention import attention_backward, attention_forward
+from memo.cost.efficiency import published_band
+from memo.cost.estimate import Layout, Pricing, estimate
+from memo.cost.flops import windowed_attended
+from memo.cost.hardware import GPUS
 from memo.documents import Documents
 from memo.hf import config_from_hf
+from memo.job import Job
 from memo.reference import ReferenceTransformer
 
 SCALE = 0.3
+H100 = GPUS["H100-SXM"]
 
 
 def _qkv(b=2, heads=4, kv_heads=2, s=70, d=8, seed=0):
@@ -143,3 +149,32 @@ def test_layer_types_are_checked_and_read_from_transformers_configs():
     assert (none.sliding_window, none.layer_types) == (None, None)
     off = config_from_hf({**base, "use_sliding_window": False, "max_window_layers": 0})
     assert off.sliding_window is None
+
+
+# ---- the cost model: a window's share of causal attention -----------------------------------------------------
+
+
+def test_windowed_attention_counts_the_pairs_a_window_leaves_brute_force():
+    for seq, w in ((20, 6), (20, 20), (20, 30), (1000, 64)):
+        causal = sum(i + 1 for i in range(seq))
+        pairs = sum(min(i + 1, w) for i in range(seq))
+        assert windowed_attended(_tiny(sliding_window=w), seq, seq) == pytest.approx(seq * pairs / causal, rel=1e-12)
+    half = _tiny(sliding_window=64, layer_types=("sliding_attention", "full_attention", "full_attention"))
+    every = windowed_attended(_tiny(sliding_window=64), 1000, 1000)
+    assert windowed_attended(half, 1000, 1000) == pytest.approx((every + 2 * 1000) / 3, rel=1e-12)  # a layer in 3
+    assert windowed_attended(_tiny(sliding_window=64), 1000, 40) == 40  # short documents: theirs, the smaller
+
+
+def test_estimate_times_windowed_attention_at_its_share_and_leaves_memory_as_it_was():
+    seq, w = 65536, 4096
+    full, windowed = (_tiny(), _tiny(sliding_window=w))
+    eff = published_band(H100, full, seq, full.n_heads)  # one efficiency for both: seconds scale with FLOPs
+    pricing, layout = Pricing(band=eff), Layout(system="megatron-deepspeed", recompute="full")
+    a, b = (estimate(Job(model=m, seq=seq), H100, "megatron-deepspeed", pricing, layout) for m in (full, windowed))
+    share = windowed_attended(windowed, seq, seq) / seq  # about 2w / s
+    assert share == pytest.approx(2 * w / seq, rel=0.04)
+    assert b.seconds["attention"] == pytest.approx(share * a.seconds["attention"], rel=1e-12)
+    assert b.attention_flops == pytest.approx(share * a.attention_flops, rel=1e-12)
+    assert b.seconds["matmul"] == a.seconds["matmul"]
+    same = ("model_states", "skeletal_buffers", "transient_peak")  # the windowed kernel's calls fragment otherwise
+    assert [b.device_bytes[k] for k in same] == [a.device_bytes[k] for k in same]

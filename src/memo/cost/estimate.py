@@ -33,7 +33,8 @@ from the efficiency band.
 Packed documents (`Job.documents`, `DocumentLengths`): a sequence made of documents that attend only within
 themselves does E[Σ d_i²] of attention work instead of s²: every attention FLOP (model FLOPs, step time, recompute,
 MFU) counts E[Σ d_i²] / s tokens attended per token in place of s, and attention runs at the published speed of that
-length (`efficiency.published_band`'s `length`). Memory does not change: activations are per token.
+length (`efficiency.published_band`'s `length`). Memory does not change: activations are per token. Sliding
+windows count and time the same way (`flops.windowed_attended`, `flops.MFU_WINDOWED`).
 
 memo (and offload-all) also estimate two more ways of training (`Job.lora`, `Job.offload_states`): LoRA (a
 frozen bf16 base, adapters trained; frozen linears compute no weight gradient) and model states in host memory
@@ -360,7 +361,7 @@ def _band(job: Job, layout: Layout, gpu: GPUSpec, kernel: str) -> Band:
     c = job.model
     heads = job.micro_batch * c.n_heads // (layout.tp * layout.ulysses)
     chunk = job.seq // layout.cp
-    length = min(job.attended, chunk) if job.documents else chunk
+    length = min(job.attended, chunk) if job.documents or job.model.sliding_window else chunk
     rows = layout.tile or job.tokens(layout.sp)
     return published_band(gpu, c, chunk, heads, kernel, rows=rows, length=length)
 

@@ -11,6 +11,9 @@ Packed documents (`documents.DocumentLengths`): a sequence of s tokens made of d
 tokens attend only within their own document does Σ d_i² of attention work instead of s²; both conventions then count
 the matrices the documents need (half of each d_i × d_i, or all of it), not s × s (`MFU_PACKED`, `MFU_PACKED_FULL`).
 Memory does not change: activations are per token.
+
+Sliding windows (`windowed_attended`): a layer of window w computes Σ_{i<s} min(i + 1, w) of the s(s + 1)/2 pairs
+of causal attention, s·w rather than s²/2 at length; both conventions count that share of their matrix.
 """
 
 from __future__ import annotations
@@ -39,6 +42,26 @@ MFU_PACKED = (
     "document's d x d matrix the kernel computes (sum of d_i^2 / 2 per sequence), not of s x s"
 )
 MFU_PACKED_FULL = "packed documents: model FLOPs, each document's whole d x d matrix counted (sum of d_i^2), not s x s"
+
+
+MFU_WINDOWED = (
+    "sliding window: each windowed layer's attention counted as the sum over tokens of min(position + 1, w) pairs "
+    "of the causal count, averaged over the layers; packed documents take the smaller of the two (an upper bound); "
+    "timed at the published causal speed of the length that stands for that work"
+)
+
+
+def windowed_attended(c: ModelConfig, seq: int, attended: float) -> float:
+    """Returns the mean over layers of the length that stands for s in attention FLOPs (`attended`: s, or packed
+    documents' E[Σ d_i²] / s): a windowed layer's share Σ_{i<s} min(i + 1, w) / (s(s + 1)/2) of s, or with
+    documents the smaller of that and theirs."""
+    w = c.sliding_window
+    if w is None or w >= seq:
+        return attended
+    pairs = w * (w + 1) / 2 + (seq - w) * w
+    windowed = min(attended, seq * pairs / (seq * (seq + 1) / 2))
+    sliding = sum(c.window(i) is not None for i in range(c.n_layers))
+    return (sliding * windowed + (c.n_layers - sliding) * attended) / c.n_layers
 
 
 def layer_forward_flops(

@@ -8,7 +8,7 @@ from ..policy import plan_runs
 from ..units import format_bytes, format_count
 from .efficiency import LENGTHS
 from .estimate import CONVENTIONS, MAX_SEQ_RANGE, PACKED_CONVENTIONS, Estimate
-from .flops import LORA_FLOPS
+from .flops import LORA_FLOPS, MFU_WINDOWED
 from .hardware import GPUSpec, pinning
 
 
@@ -54,14 +54,8 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
     lines.append(f"ranges: the efficiency band; attention kernel: {timed}; efficiencies: {source}")
     lines += sorted({f"speeds: {e.speeds_note}" for e in results if e.speeds_note})
     if job.model.sliding_window is not None:
-        lines.append(WINDOWED)
+        lines.append(MFU_WINDOWED)
     return "\n".join(lines)
-
-
-WINDOWED = (
-    "sliding window: not modelled yet; windowed layers are timed and counted as full causal attention, so their "
-    "time and FLOPs are overstated"
-)
 
 
 def host_memory(job: Job, spec: GPUSpec) -> str:
