@@ -318,20 +318,26 @@ def _on(device: torch.device, dtype: torch.dtype, *tensors: torch.Tensor) -> lis
     return [t.to(device, dtype) for t in tensors]
 
 
-def _attention_reference(q, k, v, dout, scale: float) -> tuple[torch.Tensor, ...]:
-    """Returns (out, lse, dq, dk, dv) of causal grouped-query attention by autograd in float64 on the CPU."""
+def _attention_reference(q, k, v, dout, scale: float, window: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Returns (out, lse, dq, dk, dv) of causal grouped-query attention by autograd in float64 on the CPU, a token
+    seeing itself and the `window - 1` before it when given."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     scores = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
     s = q.shape[-2]
-    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    seen = torch.ones(s, s, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~(seen if window is None else seen.triu(1 - window)), float("-inf"))
     out = torch.softmax(scores, -1) @ v.repeat_interleave(rep, 1)
     out.backward(dout)
     return out, scores.logsumexp(-1), q.grad, k.grad, v.grad
 
 
-def _attention_op(device: torch.device, dtype: torch.dtype, kernel: str) -> dict:
-    """Checks one attention kernel's forward and backward, on token-major views as memo's layer passes them."""
+WINDOW = 48  # of the 128 tokens the attention checks run: the edge falls inside every kernel block
+
+
+def _attention_op(device: torch.device, dtype: torch.dtype, kernel: str, window: int | None = None) -> dict:
+    """Checks one attention kernel's forward and backward, on token-major views as memo's layer passes them (with
+    a sliding `window`: the flash kernel's variable-length call with its window arguments)."""
     from memo.attention import attention_backward, attention_forward, refusals
     from memo.device import meta_kernels
 
@@ -343,7 +349,7 @@ def _attention_op(device: torch.device, dtype: torch.dtype, kernel: str) -> dict
 
     def run(where: torch.device) -> tuple[tuple, str]:
         q_, k_, v_, dout_ = _on(where, dtype, q, k, v, dout)
-        out, lse, aux = attention_forward(q_, k_, v_, scale, kernel=kernel)
+        out, lse, aux = attention_forward(q_, k_, v_, scale, kernel=kernel, window=window)
         return (out, lse, *attention_backward(dout_, q_, k_, v_, out, lse, aux, scale)), aux[0]
 
     got, ran = run(device)
@@ -351,7 +357,7 @@ def _attention_op(device: torch.device, dtype: torch.dtype, kernel: str) -> dict
         return {"passed": False, "error": f"fell back to {ran}: {'; '.join(refusals())}"}
     with meta_kernels(device.type):
         meta, _ = run(torch.device("meta"))
-    want = _attention_reference(*(t.to(dtype).double() for t in (q, k, v, dout)), scale)
+    want = _attention_reference(*(t.to(dtype).double() for t in (q, k, v, dout)), scale, window)
     return _compare(("out", "lse", "dq", "dk", "dv"), got, meta, want, _tolerance(dtype))
 
 
@@ -406,6 +412,9 @@ def op_smoke(ctx: Context) -> dict:
                 else {"skipped": _unavailable(kernel)}
             )
             ctx.put("ops", ops)
+        if dtype == torch.bfloat16 and "flash" in here:  # a window runs on flash alone, 16-bit on CUDA
+            window = functools.partial(_attention_op, ctx.device, dtype, "flash", WINDOW)
+            ops[f"attention flash window {WINDOW} {name}"] = _checked(window)
         ops[f"rms_norm {name}"] = _checked(functools.partial(_rms_norm_op, ctx.device, dtype))
         ctx.put("ops", ops)
     ops["mm out_dtype=float32 bfloat16"] = _checked(functools.partial(_mm_op, ctx.device))
