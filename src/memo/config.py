@@ -59,6 +59,7 @@ class RopeScaling:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers 5's names of a layer's attention
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # of the llama arch's gated MLP
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class ModelConfig:
     A sliding window lets a token of a windowed layer see itself and the `sliding_window - 1` tokens before it
     (transformers 5's convention), at any length; `layer_types` says which layers slide, as transformers 5 names
     them ("sliding_attention" or "full_attention"), and None means all of them.
+    Gemma 3's text layers are the llama arch with `norm_offset` 1 (every RMSNorm scales by 1 + weight, in fp32, then
+    casts), `sandwich_norms` (a norm after attention and after the MLP, before each residual add), a tanh-GELU
+    gated MLP (`mlp_activation`), embeddings scaled by √h (`scale_embeddings`), attention scaled by
+    `query_pre_attn_scalar`^-½, and `rope_local_theta` the RoPE base of its sliding layers (unscaled).
     Both use rotary position embeddings: a learned table of 1M positions would cost more than the model.
     Bias flags left None take the arch's default.
     """
@@ -95,6 +100,12 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # attention window of the layers that slide (Mistral, Qwen2)
     layer_types: tuple[str, ...] | None = None  # per layer: "sliding_attention" or "full_attention"; None: all slide
+    norm_offset: float = 0.0  # RMSNorm scales by offset + weight (Gemma: 1, computed in fp32, then cast)
+    sandwich_norms: bool = False  # a norm on attention's and the MLP's outputs before each residual add (Gemma)
+    mlp_activation: str = "silu"  # of the llama arch's gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    scale_embeddings: bool = False  # token embeddings times √h, cast to their dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/√this (Gemma); None: 1/√head_dim
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_theta
     hf_model_type: str | None = None  # the Hugging Face family it came from / exports as (llama, mistral, qwen2, qwen3)
 
     def __post_init__(self) -> None:
@@ -123,6 +134,17 @@ class ModelConfig:
                 check_int(field, getattr(self, field))
         for field in ("norm_eps", "rope_theta"):
             check_number(field, getattr(self, field))
+        for field in ("query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, field) is not None:
+                check_number(field, getattr(self, field))
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"`mlp_activation` must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}"
+            )
+        check_bool("sandwich_norms", self.sandwich_norms)
+        check_bool("scale_embeddings", self.scale_embeddings)
+        if not isinstance(self.norm_offset, (int, float)) or isinstance(self.norm_offset, bool):
+            raise ValueError(f"`norm_offset` must be a number, got {self.norm_offset!r}")
         for field in ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "tie_embeddings"):
             check_bool(field, getattr(self, field))
         if not isinstance(self.name, str) or not isinstance(self.hf_model_type, (str, type(None))):
@@ -145,6 +167,9 @@ class ModelConfig:
             )
         if self.qk_norm and self.arch == "gpt":
             raise ValueError("`qk_norm` is an RMSNorm of the llama family; the gpt arch has none")
+        gemma = self.norm_offset or self.sandwich_norms or self.mlp_activation != "silu" or self.scale_embeddings
+        if gemma and self.arch == "gpt":
+            raise ValueError("Gemma's norms, gated GELU and embedding scale are of the llama arch, not gpt")
         if self.rope_scaling is not None and self.rope_scaling.type == "dynamic" and not self.max_position_embeddings:
             raise ValueError("dynamic RoPE scaling needs `max_position_embeddings` (where the stretching starts)")
 
@@ -165,9 +190,17 @@ class ModelConfig:
 
     def window(self, layer: int) -> int | None:
         """Returns the attention window of layer `layer`, None where it attends to every token before it."""
-        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
-            return None
-        return self.sliding_window
+        return self.sliding_window if self.slides(layer) else None
+
+    def slides(self, layer: int) -> bool:
+        """Returns whether layer `layer` is a sliding-window layer."""
+        types = self.layer_types
+        return self.sliding_window is not None and (types is None or types[layer] == "sliding_attention")
+
+    @property
+    def attention_scale(self) -> float:
+        """Returns the factor of q·k: 1/√query_pre_attn_scalar (Gemma), else 1/√head_dim."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 MAX_SIZE = 1 << 24  # of a model dimension: past any published model's (the largest vocabularies are ~256K)
@@ -230,7 +263,7 @@ def _param_shapes_numel(c: ModelConfig) -> list[int]:
     attention = h * (q + 2 * kv) + q * h + c.qkv_bias * (q + 2 * kv) + c.out_bias * h + c.qk_norm * 2 * d
     mlp = (2 if c.arch == "gpt" else 3) * h * f + c.mlp_bias * (f + h)
     norm = (2 if c.arch == "gpt" else 1) * h
-    layer = attention + mlp + 2 * norm
+    layer = attention + mlp + (4 if c.sandwich_norms else 2) * norm
     return [c.vocab_size * h, c.n_layers * layer, norm, 0 if c.tie_embeddings else c.vocab_size * h]
 
 

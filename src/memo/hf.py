@@ -44,7 +44,12 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", 131072),
     "qwen2": ("Qwen2ForCausalLM", 32768),
     "qwen3": ("Qwen3ForCausalLM", 32768),
+    "gemma3_text": ("Gemma3ForCausalLM", 131072),
 }
+GEMMA = "gemma3_text"
+MULTIMODAL = {"gemma3": GEMMA}  # a vision-language folder whose text tower memo reads (`text_config`)
+# where a multimodal folder keeps its text tower: transformers 5's names, then the released checkpoints'
+TEXT_TOWERS = (("model.language_model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # memo parameter name in a layer -> HF tensor name in `model.layers.i`
@@ -61,10 +66,16 @@ LAYER_NAMES = {
     "w_up": "mlp.up_proj",
     "w_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: its post_attention_layernorm is on attention's output, not before the MLP
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "mlp_norm": "pre_feedforward_layernorm",
+    "attn_post_norm": "post_attention_layernorm",
+    "mlp_post_norm": "post_feedforward_layernorm",
+}
 _TOP_NAMES = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "head.weight": "lm_head.weight",
+    "embed.weight": "embed_tokens.weight",
+    "norm.weight": "norm.weight",
 }
 
 # Special tokens looked up in a tokenizer without a tokenizer_config.json, most common first (Llama 3, Llama 2 /
@@ -76,13 +87,18 @@ _SPECIAL_TOKENS = {
 }
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = ("model.", "lm_head.weight")) -> str:
     """Returns the HF `*ForCausalLM` tensor name of a memo parameter name (`layers.3.wq.bias` ->
-    `model.layers.3.self_attn.q_proj.bias`)."""
+    `model.layers.3.self_attn.q_proj.bias`) in `family`, under a multimodal folder's text `tower` (its prefix and
+    its head's name) when given."""
+    prefix, head = tower
+    if name == "head.weight":
+        return head
     if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+        return prefix + _TOP_NAMES[name]
     _, index, module, kind = name.split(".")
-    return f"model.layers.{index}.{LAYER_NAMES[module]}.{kind}"
+    layers = GEMMA_LAYER_NAMES if family == GEMMA else LAYER_NAMES
+    return f"{prefix}layers.{index}.{layers[module]}.{kind}"
 
 
 # ModelConfig field -> the config.json field it is read from: errors name the file's
@@ -111,7 +127,7 @@ def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = 
     one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks the shapes, as it does
     memo's own model files."""
     try:
-        fields = _model_fields(cfg, name)
+        fields = _model_fields(text_config(cfg), name)
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
     config = model_config_from(fields, str(source), _HF_FIELDS)
@@ -120,11 +136,24 @@ def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = 
     return config
 
 
+def text_config(cfg: dict) -> dict:
+    """Returns the config of a multimodal folder's text tower (Gemma 3's `text_config`), else `cfg` itself."""
+    family = cfg.get("model_type")
+    if not isinstance(family, str) or family not in MULTIMODAL:
+        return cfg
+    text = cfg.get("text_config") or {}  # absent or empty: every field the text config class's default
+    if not isinstance(text, dict):
+        raise _unsupported("text_config", text, "it must be the text tower's config")
+    return {**text, "model_type": MULTIMODAL[family]}
+
+
 def _model_fields(cfg: dict, name: str) -> dict:
     """Returns the ModelConfig fields of a config.json dict, its values as found (ModelConfig checks them)."""
     family = cfg.get("model_type", "llama")
     if not isinstance(family, str) or family not in FAMILIES:
-        raise _unsupported("model_type", family, f"memo reads {', '.join(FAMILIES)} checkpoints")
+        raise _unsupported("model_type", family, f"memo reads {', '.join([*FAMILIES, *MULTIMODAL])} checkpoints")
+    if family == GEMMA:
+        return _gemma_fields({**GEMMA_DEFAULTS, **cfg}, name)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [f for f in required if f not in cfg]
     if missing:
@@ -157,6 +186,86 @@ def _model_fields(cfg: dict, name: str) -> dict:
         **_windows(cfg, family),
         hf_model_type=family,
     )
+
+
+# Gemma3TextConfig's defaults (transformers 5.25), for the fields a saved text_config leaves out
+GEMMA_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+GEMMA_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # its global and local RoPE bases
+
+
+def _gemma_fields(cfg: dict, name: str) -> dict:
+    """Returns the ModelConfig fields of a Gemma 3 text config (defaults filled): the llama arch with Gemma's
+    norms, GeGLU, embedding and attention scales, sliding layers and their own RoPE base."""
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(field) is not None:
+            raise _unsupported(field, cfg[field], "memo does not soft-cap logits or attention scores (Gemma 2)")
+    if cfg.get("use_bidirectional_attention"):
+        raise _unsupported("use_bidirectional_attention", True, "memo's attention is causal")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act")
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise _unsupported("hidden_activation", activation, "memo's Gemma MLP is GeGLU with tanh GELU")
+    _check_runnable({**cfg, "hidden_act": "silu", "rope_parameters": None})  # dropout, quantization
+    bias = check_bool("attention_bias", cfg["attention_bias"])
+    theta, scaling, local = _gemma_rope(cfg, cfg["max_position_embeddings"])
+    return dict(
+        arch="llama",
+        n_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        n_heads=cfg["num_attention_heads"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        n_kv_heads=cfg["num_key_value_heads"],
+        norm_eps=cfg["rms_norm_eps"],
+        rope_theta=theta,
+        name=name,
+        kv_channels=cfg["head_dim"],
+        qkv_bias=bias,
+        out_bias=bias,
+        mlp_bias=False,
+        qk_norm=True,
+        tie_embeddings=cfg["tie_word_embeddings"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rope_scaling=scaling,
+        rope_local_theta=local,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        mlp_activation="gelu_tanh",
+        scale_embeddings=True,
+        query_pre_attn_scalar=cfg["query_pre_attn_scalar"],
+        **_windows(cfg, GEMMA),
+        hf_model_type=GEMMA,
+    )
+
+
+def _gemma_rope(cfg: dict, max_positions: int) -> tuple[float, RopeScaling | None, float]:
+    """Returns (global base, global scaling, local base) of Gemma 3's RoPE: 5.x's `rope_parameters` per layer
+    type, or 4.x's `rope_theta`, `rope_scaling` and `rope_local_base_freq`; the sliding layers' is unscaled."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        full = {"rope_theta": GEMMA_THETA["full_attention"], **(params.get("full_attention") or {})}
+        local = {"rope_theta": GEMMA_THETA["sliding_attention"], **(params.get("sliding_attention") or {})}
+    else:  # 4.x
+        full = {"rope_theta": cfg.get("rope_theta", GEMMA_THETA["full_attention"]), **(cfg.get("rope_scaling") or {})}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", GEMMA_THETA["sliding_attention"])}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise _unsupported("rope_parameters.sliding_attention", local, "memo scales the global layers' RoPE only")
+    theta, scaling = _rope({"rope_parameters": full}, max_positions)
+    return theta, scaling, local["rope_theta"]
 
 
 def _check_runnable(cfg: dict) -> None:
@@ -244,13 +353,17 @@ def _windows(cfg: dict, family: str) -> dict:
         return {"sliding_window": None, "layer_types": None}
     if family == "mistral":
         return {"sliding_window": cfg.get("sliding_window", 4096), "layer_types": None}
+    gemma = family == GEMMA
     window = (
         cfg.get("sliding_window", 4096)
-        if check_bool("use_sliding_window", cfg.get("use_sliding_window", False))
+        if gemma or check_bool("use_sliding_window", cfg.get("use_sliding_window", False))
         else None
     )
     layers = check_int("num_hidden_layers", cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
+    if types is None and gemma:  # Gemma 3's rule: every `sliding_window_pattern`-th layer is global
+        pattern = check_int("sliding_window_pattern", cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if types is None:  # the Qwen2/3 rule: layers from max_window_layers on slide
         first = check_int("max_window_layers", cfg.get("max_window_layers", 28), 0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -270,9 +383,12 @@ def _windows(cfg: dict, family: str) -> dict:
 
 def hf_family(config: ModelConfig) -> str:
     """Returns the HF model_type a config exports as: its `hf_model_type`, else the family whose layers it has
-    (Qwen3 for q/k norm, Qwen2 for q/k/v-only biases, Mistral for a sliding window, Llama otherwise)."""
+    (Gemma 3 for its norms, Qwen3 for q/k norm, Qwen2 for q/k/v-only biases, Mistral for a sliding window, Llama
+    otherwise)."""
     if config.hf_model_type is not None:
         return config.hf_model_type
+    if config.norm_offset:
+        return GEMMA
     if config.qk_norm:
         return "qwen3"
     if config.qkv_bias and not config.out_bias and not config.mlp_bias:
@@ -294,6 +410,7 @@ def check_exportable(config: ModelConfig, family: str) -> None:
         "mistral": {"qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False},
         "qwen2": {"qkv_bias": True, "out_bias": False, "mlp_bias": False, "qk_norm": False},
         "qwen3": {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": False, "qk_norm": True},
+        GEMMA: {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": False, "qk_norm": True},
     }[family]
     for field, want in holds.items():
         want = has[want] if isinstance(want, str) else want
@@ -302,6 +419,13 @@ def check_exportable(config: ModelConfig, family: str) -> None:
                 f"Hugging Face {family} needs `{field}` {want}, the model has {has[field]}: "
                 "set `hf_model_type` to the family that has its layers (llama, mistral, qwen2, qwen3)"
             )
+    gemma = (config.norm_offset, config.sandwich_norms, config.mlp_activation, config.scale_embeddings)
+    if (family == GEMMA) != (gemma == (1.0, True, "gelu_tanh", True)):
+        raise ValueError(
+            f"Hugging Face {family} {'has' if family == GEMMA else 'lacks'} Gemma's norms (1 + weight, one after "
+            "attention and after the MLP), tanh-GELU MLP and embedding scale; the model "
+            f"{'lacks some' if family == GEMMA else 'has some'}: set `hf_model_type` to the family that has its layers"
+        )
     if family == "llama" and config.sliding_window is not None:
         raise ValueError("Hugging Face llama has no `sliding_window`: set `hf_model_type` to mistral, qwen2 or qwen3")
     if family == "mistral" and config.layer_types is not None and config.sliding_window is not None:
@@ -310,6 +434,29 @@ def check_exportable(config: ModelConfig, family: str) -> None:
         raise ValueError(
             f"Hugging Face llama needs `n_heads` ({config.n_heads}) to divide `hidden_size` ({config.hidden_size})"
         )
+
+
+def _gemma_to_hf(config: ModelConfig, out: dict) -> None:
+    """Writes Gemma 3's own fields into `out`: its activation's name, attention scale, window per layer, RoPE per
+    layer type (5.x) and its 4.x names, and the soft-capping it runs without."""
+    del out["hidden_act"]
+    types = ["full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layers)]
+    local = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+    out.update(
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=config.qkv_bias,
+        query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+        sliding_window=config.sliding_window,
+        layer_types=types,
+        rope_parameters={
+            "full_attention": out["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        },
+        rope_local_base_freq=local,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
 
 
 def _rope_to_hf(config: ModelConfig) -> dict:
@@ -377,6 +524,8 @@ def config_to_hf(
         out["mlp_bias"] = config.mlp_bias
     if family == "mistral":
         out["sliding_window"] = config.sliding_window
+    if family == GEMMA:
+        _gemma_to_hf(config, out)
     if family in ("qwen2", "qwen3"):
         types = ["full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layers)]
         out.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window)
@@ -431,6 +580,15 @@ def special_token_ids(tokenizer: str | os.PathLike) -> dict[str, int | None]:
 # ---- reading ------------------------------------------------------------------------------------------
 
 
+def _text_tower(path: Path) -> tuple[str, str]:
+    """Returns (prefix, head name) of the text tower a multimodal folder's weights hold (`TEXT_TOWERS`)."""
+    files = _weight_files(path)
+    for prefix, head in TEXT_TOWERS:
+        if prefix + "embed_tokens.weight" in files:
+            return prefix, head
+    raise ValueError(f"{path}: no text tower's embedding under {' or '.join(p for p, _ in TEXT_TOWERS)}")
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Returns HF tensor name -> the safetensors file holding it (single file preferred, as HF does)."""
     single = path / WEIGHTS_NAME
@@ -469,13 +627,19 @@ def _opened(file: Path) -> Iterator:
         raise ValueError(f"{file}: safetensors cannot read it: {err}") from None
 
 
-def _read_state_dict(path: Path, names: dict[str, str], shapes: dict, tied: bool) -> dict[str, torch.Tensor]:
-    """Returns memo name -> tensor read from the checkpoint, checking that the tensor names match exactly and
-    that each tensor has the shape `shapes` says and a floating-point dtype."""
+def _read_state_dict(
+    path: Path, names: dict[str, str], shapes: dict, tied: bool, tower: tuple[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Returns memo name -> tensor read from the checkpoint, checking that the tensor names match exactly (those of
+    a multimodal folder's text `tower` only) and that each tensor has the shape `shapes` says and a floating-point
+    dtype."""
     files = _weight_files(path)
+    if tower is not None:
+        files = {n: f for n, f in files.items() if n.startswith(tower[0]) or n == tower[1]}
+    head = "lm_head.weight" if tower is None else tower[1]
     # Old checkpoints stored RoPE's inv_freq buffer; it is recomputed from the config. A tied head is the
     # embedding, whether or not the file also holds a copy.
-    present = {n for n in files if not n.endswith("rotary_emb.inv_freq") and not (tied and n == "lm_head.weight")}
+    present = {n for n in files if not n.endswith("rotary_emb.inv_freq") and not (tied and n == head)}
     missing, unexpected = sorted(set(names.values()) - present), sorted(present - set(names.values()))
     if missing or unexpected:
         raise ValueError(
@@ -519,12 +683,14 @@ def from_hf(
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
-    config = config or config_from_hf(read_json_object(config_file), path.name or "custom", config_file)
+    raw = read_json_object(config_file)
+    config = config or config_from_hf(raw, path.name or "custom", config_file)
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(config, policy)
     shapes = {name: p.shape for name, p in model.state_dict().items()}
-    names = {name: hf_name(name) for name in shapes}
-    state = _read_state_dict(path, names, shapes, config.tie_embeddings)
+    tower = _text_tower(path) if text_config(raw) is not raw else None
+    names = {name: hf_name(name, hf_family(config), *(() if tower is None else (tower,))) for name in shapes}
+    state = _read_state_dict(path, names, shapes, config.tie_embeddings, tower)
     dtype = dtype or state["embed.weight"].dtype  # one dtype throughout, even if the file mixes them
     model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, assign=True)
     return model
@@ -576,7 +742,7 @@ def save_hf(
     hf_config = config_to_hf(config, dtype, seq_len, token_ids)
     tokens = ("bos_token_id", "eos_token_id", "pad_token_id")
     generation = {"_from_model_config": True, **{k: hf_config[k] for k in tokens}}
-    state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in weights.items()}
+    state = {hf_name(n, hf_config["model_type"]): t.detach().to("cpu").contiguous() for n, t in weights.items()}
     with atomic_folder(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")

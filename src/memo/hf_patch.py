@@ -27,7 +27,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .documents import Documents
-from .hf import FAMILIES, config_from_hf
+from .hf import config_from_hf
 from .hf_batch import documents_of, num_items, targets_of
 from .hf_weights import LayerWeights, active_module
 from .layer import DecoderLayer, LayerFunction
@@ -37,6 +37,7 @@ from .swap import ActivationStore, SwapStats, make_store
 
 log = logging.getLogger(__name__)
 RECORD = "_memo_patch"  # the causal LM's and backbone's __dict__ entry: a plain object, no state_dict key
+PATCHED = ("llama", "mistral", "qwen2", "qwen3")  # the families whose layers LayerWeights binds (hf.LAYER_NAMES)
 
 
 @dataclass(eq=False)
@@ -165,9 +166,9 @@ def causal_lm(model: nn.Module) -> nn.Module:
         model = model.module
     lm = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
     family = getattr(getattr(lm, "config", None), "model_type", None)
-    if family not in FAMILIES or not hasattr(lm, "model") or not hasattr(lm.model, "layers"):
+    if family not in PATCHED or not hasattr(lm, "model") or not hasattr(lm.model, "layers"):
         raise ValueError(
-            f"memo.patch runs transformers' {', '.join(FAMILIES)} causal LMs, got {type(lm).__name__}"
+            f"memo.patch runs transformers' {', '.join(PATCHED)} causal LMs, got {type(lm).__name__}"
             + (f" ({family})" if family else "")
         )
     return lm

@@ -49,6 +49,7 @@ Attention alone sees all tokens: for a/sp heads, between the all-to-alls `seq_pa
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -63,7 +64,7 @@ from .documents import Documents
 from .lora import dropout_keys, drops_out, keys_of, low_rank_add, low_rank_backward
 from .loss import ONE_BACKWARD
 from .matmul import add_mm, add_to
-from .norms import norm_backward, norm_forward, rms_norm, rms_norm_backward, stats_dtype, stats_width
+from .norms import norm_backward, norm_forward, norm_module, stats_dtype, stats_width
 from .rope import rope_at, rope_tables, rotate, unrotate
 
 aten = torch.ops.aten
@@ -234,19 +235,22 @@ class DecoderLayer(nn.Module):
         self.config, self.index = c, index
         self.gpt = c.arch == "gpt"
         h, d, f = c.hidden_size, c.head_dim, c.ffn_hidden_size
-        norm = (lambda: nn.LayerNorm(h, eps=c.norm_eps)) if self.gpt else (lambda: nn.RMSNorm(h, eps=c.norm_eps))
-        self.attn_norm = norm()
+        self.attn_norm = norm_module(c, h)
         self.wq = nn.Linear(h, c.n_heads * d, bias=c.qkv_bias)
         self.wk = nn.Linear(h, c.n_kv_heads * d, bias=c.qkv_bias)
         self.wv = nn.Linear(h, c.n_kv_heads * d, bias=c.qkv_bias)
-        self.q_norm = nn.RMSNorm(d, eps=c.norm_eps) if c.qk_norm else None
-        self.k_norm = nn.RMSNorm(d, eps=c.norm_eps) if c.qk_norm else None
+        self.q_norm = norm_module(c, d) if c.qk_norm else None
+        self.k_norm = norm_module(c, d) if c.qk_norm else None
         self.wo = nn.Linear(c.n_heads * d, h, bias=c.out_bias)
-        self.mlp_norm = norm()
+        self.mlp_norm = norm_module(c, h)
         self.w_gate = None if self.gpt else nn.Linear(h, f, bias=c.mlp_bias)
         self.w_up = nn.Linear(h, f, bias=c.mlp_bias)
         self.w_down = nn.Linear(f, h, bias=c.mlp_bias)
-        self.scale = d**-0.5
+        self.attn_post_norm = norm_module(c, h) if c.sandwich_norms else None  # on attention's output (Gemma)
+        self.mlp_post_norm = norm_module(c, h) if c.sandwich_norms else None  # on the MLP's output
+        self.scale = c.attention_scale
+        local = c.rope_local_theta is not None and c.slides(index)  # Gemma 3's sliding layers: their own base
+        self.rope_config = dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_scaling=None) if local else c
         self.window = c.window(index)  # None: full causal attention; w: a token sees itself and w - 1 before it
         self.phases = None  # a plan.phases.PhasePlanner: transient tensors at planned offsets (plan.phases.attach)
         self.seq_parallel = None  # a parallel.ulysses.Ulysses: token shards <-> head shards around attention
@@ -286,6 +290,10 @@ class DecoderLayer(nn.Module):
         }
         if self.gpt:
             del specs["gate"]
+        if self.config.sandwich_norms:  # the post norms' inputs: attention's projection and the MLP's output
+            specs.update(
+                o=spec("other", "mlp", h), o_stats=stats("mlp"), m=spec("other", "mlp", h), m_stats=stats("mlp")
+            )
         return specs
 
     def _lse_spec(self, b: int, s: int, dtype, device: torch.device) -> SkeletalSpec:
@@ -303,8 +311,8 @@ class DecoderLayer(nn.Module):
         at, total = (0, s) if sp is None else (sp.token_offset(s), s * sp.size)
         if documents is not None:
             positions = documents.rows(at + rows.start, at + rows.stop)  # (b, r)
-            return rope_at(self.config, positions, documents.max_length, like.dtype)
-        return rope_tables(self.config, at + rows.start, at + rows.stop, total, like.dtype, like.device)
+            return rope_at(self.rope_config, positions, documents.max_length, like.dtype)
+        return rope_tables(self.rope_config, at + rows.start, at + rows.stop, total, like.dtype, like.device)
 
     def _project(self, n1: torch.Tensor, name: str, pos=None) -> torch.Tensor:
         """Returns the q or k projection of n1 (b, r, h) as heads (b, r, heads, d), before norm and RoPE."""
@@ -330,7 +338,7 @@ class DecoderLayer(nn.Module):
         for name in ("q", "k"):  # (b, r, heads, d)
             proj = self._project(n1, name, v.get("pos"))
             if self.config.qk_norm:
-                proj = rms_norm(proj, getattr(self, name + "_norm").weight, self.config.norm_eps)[0]
+                proj = norm_forward(getattr(self, name + "_norm"), proj)[0]
             rotate(proj, cos, sin, v[name])
         linear_into(v["v"].flatten(2), n1, self.wv, v.get("pos"))  # (b, r, g·d)
 
@@ -385,19 +393,36 @@ class DecoderLayer(nn.Module):
         return aux
 
     def fill_mlp(self, v: dict) -> None:
-        """Writes x1, n2 (+ statistics), up, (gate,) act of the rows from x and attn."""
+        """Writes x1, n2 (+ statistics), up, (gate,) act of the rows from x and attn; with sandwich norms also o and
+        m, the post norms' inputs (+ statistics)."""
         pos = v.get("pos")
-        x1 = torch.add(v["x"], linear(v["attn"].flatten(2), self.wo, pos), out=v["x1"])  # (b, r, h)
+        o = linear(v["attn"].flatten(2), self.wo, pos)  # (b, r, h)
+        if self.attn_post_norm is not None:
+            v["o"].copy_(o)
+            o, stats = norm_forward(self.attn_post_norm, o)
+            v["o_stats"].copy_(stats)
+        x1 = torch.add(v["x"], o, out=v["x1"])
+        del o  # before the MLP's tensors come
         _norm_into(v, "n2", x1, self.mlp_norm)
         up = linear_into(v["up"], v["n2"], self.w_up, pos)  # (b, r, f)
         if self.gpt:
             aten.gelu.out(up, out=v["act"])
         else:
             gate = linear_into(v["gate"], v["n2"], self.w_gate, pos)
-            torch.mul(F.silu(gate), up, out=v["act"])
+            torch.mul(self._activation(gate), up, out=v["act"])
+        if self.mlp_post_norm is not None:
+            linear_into(v["m"], v["act"], self.w_down, pos)
+            v["m_stats"].copy_(norm_forward(self.mlp_post_norm, v["m"])[1])
+
+    def _activation(self, gate: torch.Tensor) -> torch.Tensor:
+        """Returns the gated MLP's activation of `gate`: SiLU, or Gemma's tanh GELU."""
+        return F.gelu(gate, approximate="tanh") if self.config.mlp_activation == "gelu_tanh" else F.silu(gate)
 
     def output(self, v: dict, out: torch.Tensor) -> torch.Tensor:
-        """Writes the layer output of the rows, y = x1 + act·W_downᵀ (b, r, h), into `out`."""
+        """Writes the layer output of the rows, y = x1 + act·W_downᵀ (b, r, h) (its post norm's with sandwich
+        norms, from the m fill_mlp wrote), into `out`."""
+        if self.mlp_post_norm is not None:
+            return torch.add(v["x1"], norm_forward(self.mlp_post_norm, v["m"])[0], out=out)
         return torch.add(v["x1"], linear(v["act"], self.w_down, v.get("pos")), out=out)
 
     # ---- backward pieces: each adds its parameter gradients (summed over tiles) to `grads` -----------------
@@ -425,21 +450,30 @@ class DecoderLayer(nn.Module):
     def mlp_backward(self, dy: torch.Tensor, v: dict, grads: dict, dx1: torch.Tensor) -> None:
         """Writes dx1 = dy + the MLP's input gradient (b, r, h) for the rows of dy, y = x1 + MLP(norm(x1))."""
         pos = v.get("pos")
-        dact = self._linear_backward(dy, v["act"], "w_down", grads, pos)  # (b, r, f)
+        dm = dy if self.mlp_post_norm is None else self._norm_backward(dy, v["m"], v["m_stats"], "mlp_post_norm", grads)
+        dact = self._linear_backward(dm, v["act"], "w_down", grads, pos)  # (b, r, f)
+        del dm
         if self.gpt:
             dn2 = self._linear_backward(aten.gelu_backward(dact, v["up"]), v["n2"], "w_up", grads, pos)
         else:
             gate, up = v["gate"], v["up"]
-            dup = dact * F.silu(gate)
-            dgate = aten.silu_backward(dact * up, gate)
+            dup = dact * self._activation(gate)
+            if self.config.mlp_activation == "gelu_tanh":
+                dgate = aten.gelu_backward(dact * up, gate, approximate="tanh")
+            else:
+                dgate = aten.silu_backward(dact * up, gate)
             del dact
             dn2 = self._linear_backward(dup, v["n2"], "w_up", grads, pos)
             dn2 += self._linear_backward(dgate, v["n2"], "w_gate", grads, pos)
         torch.add(dy, self._norm_backward(dn2, v["x1"], v["n2_stats"], "mlp_norm", grads), out=dx1)
 
     def projection_backward(self, dx1: torch.Tensor, v: dict, grads: dict, dattn: torch.Tensor) -> None:
-        """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ for the rows of dx1."""
-        dattn.copy_(self._linear_backward(dx1, v["attn"].flatten(2), "wo", grads, v.get("pos")).view(dattn.shape))
+        """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ (its post norm's with sandwich norms) for the rows of
+        dx1."""
+        do = dx1
+        if self.attn_post_norm is not None:
+            do = self._norm_backward(dx1, v["o"], v["o_stats"], "attn_post_norm", grads)
+        dattn.copy_(self._linear_backward(do, v["attn"].flatten(2), "wo", grads, v.get("pos")).view(dattn.shape))
 
     def attention_backward(self, dattn: torch.Tensor, t: dict, aux: tuple, per_call: int):
         """Returns token-major (dq, dk, dv) of this rank's s tokens from dattn (b, s, a, d), a few heads per kernel
@@ -491,13 +525,9 @@ class DecoderLayer(nn.Module):
         """Returns the gradient of q's or k's projection through its per-head norm (identity without one)."""
         if not self.config.qk_norm:
             return grad
-        weight = getattr(self, name + "_norm").weight
         proj = self._project(n1, name, pos)
-        rstd = rms_norm(proj, weight, self.config.norm_eps)[1]
-        grad, dw = rms_norm_backward(grad, proj, rstd, weight)
-        if weight.requires_grad:
-            add_to(grads, f"{name}_norm.weight", dw)
-        return grad
+        rstd = norm_forward(getattr(self, name + "_norm"), proj)[1]
+        return self._norm_backward(grad, proj, rstd, name + "_norm", grads)
 
     # ---- module entry -----------------------------------------------------------------------------------
     def run(self, phase, t: dict, *args):

@@ -14,7 +14,7 @@ from .documents import Documents
 from .layer import DecoderLayer
 from .lora import set_dropout_keys
 from .loss import TokenReduction, shift_labels, target_cross_entropy
-from .norms import norm_forward
+from .norms import norm_forward, norm_module
 from .policy import ActivationPolicy
 from .swap import ActivationStore, SwapStats, make_store
 
@@ -36,7 +36,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention_kernel = self.policy.attention
         h = config.hidden_size
-        self.norm = nn.LayerNorm(h, eps=config.norm_eps) if config.arch == "gpt" else nn.RMSNorm(h, eps=config.norm_eps)
+        self.norm = norm_module(config, h)
         self.head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
         self.store: ActivationStore = make_store(self.policy, config.n_layers)
         self.token_reduction: TokenReduction | None = None  # memo.parallel: the loss is a mean over all ranks
@@ -45,11 +45,13 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2n)."""
+        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2n); norm scales 1 (weights
+        0 where the scale is 1 + weight)."""
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        one = 0.0 if self.config.norm_offset else 1.0
         for name, p in self.named_parameters():
             if p.dim() == 1:
-                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
+                nn.init.constant_(p, one) if name.endswith("norm.weight") else nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02)
 
@@ -92,6 +94,8 @@ class Transformer(nn.Module):
             log.warning("the phase planner serves one document per sequence: packed batches use the allocator")
             self._told_unplanned = True
         x = self.embed(input_ids)  # (b, s, h)
+        if self.config.scale_embeddings:  # Gemma: √h, in the embedding's dtype
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         set_dropout_keys(self, self.dropout_key if torch.is_grad_enabled() else None)  # LoRA dropout: training only
         if torch.is_grad_enabled():
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)

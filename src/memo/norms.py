@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .config import ModelConfig
 from .device import has_fused_kernel, kernel_device_type
 
 aten = torch.ops.aten
@@ -29,26 +30,54 @@ def stats_width(norm: nn.Module) -> int:
     return 2 if isinstance(norm, nn.LayerNorm) else 1
 
 
+def norm_module(c: ModelConfig, size: int) -> nn.Module:
+    """Returns a norm over `size` features as `c` has them: LayerNorm (gpt), RMSNorm, or Gemma's `OffsetRMSNorm`."""
+    if c.arch == "gpt":
+        return nn.LayerNorm(size, eps=c.norm_eps)
+    return OffsetRMSNorm(size, c.norm_eps, c.norm_offset) if c.norm_offset else nn.RMSNorm(size, eps=c.norm_eps)
+
+
+class OffsetRMSNorm(nn.RMSNorm):
+    """Gemma's RMSNorm: x·rstd·(offset + weight), computed in fp32 then cast (Llama's casts x·rstd first), its weight
+    starting at 0 (transformers' Gemma3RMSNorm); `norm_forward` and `norm_backward` read `offset`."""
+
+    def __init__(self, size: int, eps: float, offset: float):
+        super().__init__(size, eps=eps)
+        self.offset = offset
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)[0]
+
+
 @torch.library.custom_op("memo::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (x·rstd·weight, rstd) with rstd = 1/sqrt(mean(x²) + eps) of shape (..., 1)."""
-    if has_fused_kernel("aten::_fused_rms_norm", x.device.type):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (x·rstd·weight, rstd) with rstd = 1/sqrt(mean(x²) + eps) of shape (..., 1); with an `offset`,
+    x·rstd·(offset + weight) in the statistics' precision, then cast (Gemma)."""
+    if not offset and has_fused_kernel("aten::_fused_rms_norm", x.device.type):
         y, rstd = aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         return y, rstd
     xf = x.to(stats_dtype(x.dtype))
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * rstd * (offset + weight.to(xf.dtype))).to(x.dtype), rstd
     return (xf * rstd).to(x.dtype) * weight, rstd
 
 
 @rms_norm.register_fake
-def _rms_norm_fake(x, weight, eps):
+def _rms_norm_fake(x, weight, eps, offset=0.0):
     return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], 1), dtype=stats_dtype(x.dtype))
 
 
-def rms_norm_backward(dy, x, rstd, weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dx, dweight) of `rms_norm` from the forward's rstd (…, 1)."""
-    if has_fused_kernel("aten::_fused_rms_norm_backward", kernel_device_type(x.device)):
+def rms_norm_backward(dy, x, rstd, weight, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight) of `rms_norm` from the forward's rstd (…, 1): the scale offset + weight takes the
+    weight's place in dx, and dweight does not depend on it."""
+    if not offset and has_fused_kernel("aten::_fused_rms_norm_backward", kernel_device_type(x.device)):
         return aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], rstd, weight, [True, True])
+    if offset:
+        weight = weight.to(rstd.dtype) + offset
     acc = rstd.dtype
     xf, g = x.to(acc), dy.to(acc) * weight.to(acc)
     dx = rstd * (g - xf * rstd.pow(2) * (g * xf).mean(-1, keepdim=True))
@@ -61,7 +90,7 @@ def norm_forward(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.
     if isinstance(norm, nn.LayerNorm):
         y, mean, rstd = aten.native_layer_norm(x, [x.shape[-1]], norm.weight, norm.bias, norm.eps)
         return y, torch.cat((mean, rstd), dim=-1)
-    return rms_norm(x, norm.weight, norm.eps)
+    return rms_norm(x, norm.weight, norm.eps, getattr(norm, "offset", 0.0))
 
 
 def norm_backward(norm: nn.Module, dy, x, stats) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -74,5 +103,5 @@ def norm_backward(norm: nn.Module, dy, x, stats) -> tuple[torch.Tensor, dict[str
             dy, x, [x.shape[-1]], mean, rstd, norm.weight, norm.bias, [True, True, True]
         )
         return dx, {"weight": dw, "bias": db}
-    dx, dw = rms_norm_backward(dy, x, stats, norm.weight)
-    return dx, {"weight": dw}
+    dx, dw = rms_norm_backward(dy, x, stats, norm.weight, getattr(norm, "offset", 0.0))
+    return dx, {"weight": dw.to(norm.weight.dtype)}

@@ -28,9 +28,7 @@ def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) ->
     return store_layout(specs, layer_swaps(modes, alphas, seq, tile, policy.offload_last_layers), tile).host_total
 
 
-def check_host_budget(
-    model: nn.Module, batch: int, seq: int, dtype: torch.dtype, budget: int, states: int = 0
-) -> None:
+def check_host_budget(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, budget: int, states: int = 0) -> None:
     """Raises ValueError, before any training, when this node's ranks cannot hold their offload in `budget`
     bytes each (host_budget_per_rank); `batch`, `seq` are one rank's local batch and sequence shard, `states`
     the bytes of its offloaded model states (`cost.states.host_bytes`; 0 when they stay on the device)."""
