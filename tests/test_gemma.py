@@ -206,3 +206,34 @@ def test_sequence_parallel_sp2_matches_transformers(tmp_path, free_port):
 
     _gemma().save_pretrained(tmp_path)  # 12 tokens a rank: the window of 6 crosses the ranks' boundary
     mp.spawn(_sp_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+
+
+def test_memo_train_export_reload_and_eval_a_gemma_folder(tmp_path, capsys):
+    from memo.cli import main
+    from memo.eval import load
+
+    _gemma(vocab_size=256, max_position_embeddings=128).save_pretrained(tmp_path / "gemma")  # byte tokens
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    train = ["train", "--model", str(tmp_path / "gemma"), "--data", str(text), "--seq-len", "48", "--batch-size", "2"]
+    assert main([*train, "--steps", "2", "--alpha", "0.5", "--eval-every", "1000", "--out", str(run)]) == 0
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    trained = load(run, torch.device("cpu"), torch.float32).model
+    ids = torch.randint(0, 256, (2, 40))  # past the window of 6 on every sliding layer
+    with torch.no_grad():
+        torch.testing.assert_close(trained(ids), back(ids).logits, **LOGITS_TOL)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--trials", "0", "--ppl-file", str(text), "--lengths", "48", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"]["buckets"]
+
+
+def test_the_12b_preset_has_the_published_text_models_parameters():
+    from memo import ModelConfig
+
+    # keras-hub's gemma3_12b_text: 11,765,788,416 parameters with a 262,144-token vocabulary; HF's has 64 more rows
+    c = ModelConfig.preset("gemma3-12b")
+    assert c.num_parameters() == 11_765_788_416 + 64 * c.hidden_size
+    assert [c.window(i) for i in range(6)] == [1024] * 5 + [None] and c.attention_scale == 256**-0.5
+    assert ModelConfig.preset("gemma3-27b").attention_scale == 168**-0.5

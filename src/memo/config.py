@@ -188,6 +188,12 @@ class ModelConfig:
         """Returns the parameter count (a tied head counted once)."""
         return sum(_param_shapes_numel(self))
 
+    def with_layers(self, n: int) -> "ModelConfig":
+        """Returns the same model with `n` layers, of the attention types of its last `n` (its deepest: in Gemma 3's
+        pattern of five sliding layers and one global they hold a global one)."""
+        types = None if self.layer_types is None else self.layer_types[-n:]
+        return dataclasses.replace(self, n_layers=n, layer_types=types)
+
     def window(self, layer: int) -> int | None:
         """Returns the attention window of layer `layer`, None where it attends to every token before it."""
         return self.sliding_window if self.slides(layer) else None
@@ -299,6 +305,37 @@ def _llama3(name: str, n_layers: int, hidden: int, heads: int, ffn: int, factor:
     )
 
 
+def _gemma3(name: str, n_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, scalar: int):
+    """Returns a Gemma 3 text tower of 4B and up: 262208-token vocabulary, windows of 1024 on five layers of six,
+    RoPE θ = 1M scaled linearly by 8 on the global layers and 10K on the sliding ones, tied embeddings."""
+    return ModelConfig(
+        arch="llama",
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_heads=heads,
+        ffn_hidden_size=ffn,
+        vocab_size=262_208,
+        n_kv_heads=kv_heads,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        name=name,
+        kv_channels=head_dim,
+        qk_norm=True,
+        tie_embeddings=True,
+        max_position_embeddings=131_072,
+        rope_scaling=RopeScaling("linear", 8.0),
+        sliding_window=1024,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)),
+        norm_offset=1.0,
+        sandwich_norms=True,
+        mlp_activation="gelu_tanh",
+        scale_embeddings=True,
+        query_pre_attn_scalar=scalar,
+        rope_local_theta=1e4,
+        hf_model_type="gemma3_text",
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # docs/method.md §8 (the paper's table)
     "gpt-7b": _gpt("gpt-7b", 32, 4096, 32),
@@ -375,6 +412,10 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=32768,
         hf_model_type="mistral",
     ),
+    # google/gemma-3-{12b,27b}-pt config.json's text_config (shapes, window and RoPE as in Google's MaxText
+    # configs/models/gemma3-12b.yml and gemma3-27b.yml; the 27B's query_pre_attn_scalar is 168, not its head dim)
+    "gemma3-12b": _gemma3("gemma3-12b", 48, 3840, 16, 8, 256, 15360, 256),
+    "gemma3-27b": _gemma3("gemma3-27b", 62, 5376, 32, 16, 128, 21504, 168),
     # CPU-sized debug presets used by tests and the default training job
     "tiny": ModelConfig(
         arch="llama",

@@ -303,7 +303,7 @@ def _model(c: ModelConfig, traced: Traced, loss_chunk_tokens: int) -> Transforme
     (the store, sized again for each length, keeps nothing of a step after the next begins)."""
     layers = min(c.n_layers, TRACE_LAYERS)
     with torch.device("meta"):
-        model = Transformer(dataclasses.replace(c, n_layers=layers), traced.policy(layers), loss_chunk_tokens)
+        model = Transformer(c.with_layers(layers), traced.policy(layers), loss_chunk_tokens)
         model = model.to(traced.dtype)
     if traced.lora is not None:
         apply_lora(model, traced.lora)
