@@ -63,17 +63,21 @@ def _batch(b: int = 2):
     return ids, labels
 
 
-def _assert_matches(model, hf, ids, labels, names=lambda n: hf_name(n, "gemma3_text")) -> None:
+def _assert_matches(model, hf, ids, labels, **inputs) -> None:
+    """Checks logits, loss and every gradient of `model` (memo's, or a patched transformers one: its own names)
+    against `hf` on the same batch."""
+    patched = isinstance(model, transformers.PreTrainedModel)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids), hf(ids).logits, **LOGITS_TOL)
-    hf_loss = hf(ids, labels=labels).loss
+        got = model(input_ids=ids, **inputs).logits if patched else model(ids)
+        torch.testing.assert_close(got, hf(input_ids=ids, **inputs).logits, **LOGITS_TOL)
+    hf_loss = hf(input_ids=ids, labels=labels, **inputs).loss
     hf_loss.backward()
-    loss = model(ids, labels=labels)
+    loss = model(input_ids=ids, labels=labels, **inputs).loss if patched else model(ids, labels=labels)
     loss.backward()
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
     theirs = dict(hf.named_parameters())
     for name, p in model.named_parameters():
-        ref = theirs[names(name)].grad
+        ref = theirs[name if patched else hf_name(name, "gemma3_text")].grad
         atol = GRAD_REL_TOL * ref.abs().max().item()
         torch.testing.assert_close(p.grad, ref, rtol=GRAD_REL_TOL, atol=atol, msg=lambda m: f"{name}: {m}")
 
@@ -165,9 +169,21 @@ def test_what_memo_does_not_run_is_one_line_naming_the_field(field, value, named
     assert "\n" not in str(err.value)
 
 
-def test_memo_patch_refuses_gemma_naming_the_families_it_runs():
-    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3 causal LMs, got Gemma3ForCausalLM"):
-        patch(_gemma())
+def test_memo_patch_trains_gemma_packed_as_transformers_does():
+    """tests/test_patch.py runs every family case on Gemma too; here its four norms under packed position_ids."""
+    import copy
+
+    reference = _gemma()
+    patched = patch(copy.deepcopy(reference), ActivationPolicy("memo", alpha=0.5, tile_tokens=5))
+    ids, labels = _batch(1)
+    positions = torch.cat([torch.arange(n) for n in (10, 14)])[None]
+    labels[positions == 0] = -100
+    _assert_matches(patched, reference, ids, labels, position_ids=positions, use_cache=False)
+
+
+def test_memo_patch_refuses_a_multimodal_gemma_naming_the_families_it_runs(tmp_path):
+    with pytest.raises(ValueError, match="qwen3, gemma3_text causal LMs, got Gemma3ForConditionalGeneration"):
+        patch(_multimodal(tmp_path))
 
 
 def _sp_rank(rank: int, port: int, root: str) -> None:

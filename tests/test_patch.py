@@ -21,6 +21,7 @@ GRAD_REL_TOL = 1e-4  # times each tensor's max |grad| (tests/test_hf.py's conven
 LOSS_REL_TOL = 1e-5
 SEQ, VOCAB = 24, 96
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+GEMMA_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, head_dim=12)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=SEQ // 4)),  # 4x its window
@@ -30,6 +31,11 @@ FAMILIES = {
         dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=SEQ // 4, max_window_layers=1),
     ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
+    "gemma3": (  # 4x its window, a global layer between sliding ones, a scale that is not the head dim's
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(head_dim=8, query_pre_attn_scalar=12, sliding_window=SEQ // 4, layer_types=GEMMA_TYPES),
+    ),
 }
 TILED = ActivationPolicy("memo", alpha=0.5, tile_tokens=5)  # 5 does not divide 24
 

@@ -123,7 +123,7 @@ def _unsupported(field: str, value, why: str) -> ValueError:
 
 
 def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = CONFIG_NAME) -> ModelConfig:
-    """Returns the ModelConfig of a Llama, Mistral, Qwen2 or Qwen3 `config.json` dict (either layout); raises a
+    """Returns the ModelConfig of a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 `config.json` dict (either layout); raises a
     one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks the shapes, as it does
     memo's own model files."""
     try:
@@ -672,7 +672,7 @@ def from_hf(
     dtype: torch.dtype | None = None,
     config: ModelConfig | None = None,
 ) -> Transformer:
-    """Returns a memo.Transformer holding a local HF Llama, Mistral, Qwen2 or Qwen3 checkpoint
+    """Returns a memo.Transformer holding a local HF Llama, Mistral, Qwen2, Qwen3 or Gemma 3 (text) checkpoint
     (`save_pretrained` layout, one or several safetensors files).
 
     `dtype` None keeps the stored dtype (the embedding's, if the file mixes them). Tied embeddings stay tied:

@@ -1,4 +1,4 @@
-"""`memo.patch(model)`: a transformers (or PEFT) Llama, Mistral, Qwen2 or Qwen3 causal LM trains with memo's
+"""`memo.patch(model)`: a transformers (or PEFT) Llama, Mistral, Qwen2, Qwen3 or Gemma 3 causal LM trains with memo's
 activation management, in place, under whatever trains it (a loop, `Trainer`, TRL's `SFTTrainer`, FSDP2).
 
 The patch gives three objects an instance `forward` (the class's own stays, and is what runs without grad):
@@ -27,7 +27,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .documents import Documents
-from .hf import config_from_hf
+from .hf import GEMMA, GEMMA_LAYER_NAMES, LAYER_NAMES, config_from_hf
 from .hf_batch import documents_of, num_items, targets_of
 from .hf_weights import LayerWeights, active_module
 from .layer import DecoderLayer, LayerFunction
@@ -37,7 +37,7 @@ from .swap import ActivationStore, SwapStats, make_store
 
 log = logging.getLogger(__name__)
 RECORD = "_memo_patch"  # the causal LM's and backbone's __dict__ entry: a plain object, no state_dict key
-PATCHED = ("llama", "mistral", "qwen2", "qwen3")  # the families whose layers LayerWeights binds (hf.LAYER_NAMES)
+PATCHED = ("llama", "mistral", "qwen2", "qwen3", GEMMA)  # the families whose layers LayerWeights binds
 
 
 @dataclass(eq=False)
@@ -230,7 +230,9 @@ def _layer_forward(self, *args, memo_call: Call | None = None, **kwargs):
 def _run_layer(call: Call, hf_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Returns memo's layer over `hf_layer`'s weights on x (b, s, h), inside the layer's own call."""
     record, index = call.record, hf_layer.self_attn.layer_idx
-    twin, weights = record.twins[index], LayerWeights(hf_layer, index, call.dtype, call.key)
+    names = GEMMA_LAYER_NAMES if record.config.hf_model_type == GEMMA else LAYER_NAMES
+    weights = LayerWeights(hf_layer, index, call.dtype, call.key, names, record.config.norm_offset)
+    twin = record.twins[index]
     twin.source = weights
     with weights.bound(twin) as params:
         if index == 0:  # sized here, after FSDP has unsharded the first layer: the plan measures its weights

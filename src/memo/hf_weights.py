@@ -21,19 +21,33 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .hf import LAYER_NAMES
 from .lora import LoraLinear, adapter_key
+from .norms import OffsetRMSNorm
 
 _LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-_NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm")
+_NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")
 
 
 class LayerWeights:
     """The weights of transformers decoder layer `hf_layer` (index `index`) for one forward and its backward, in
-    `dtype`; `key` keys LoRA dropout (None: off)."""
+    `dtype`; `key` keys LoRA dropout (None: off); `names` the family's module of each memo name (`hf.LAYER_NAMES`),
+    `norm_offset` its RMSNorms' (Gemma's scale 1 + weight)."""
 
-    def __init__(self, hf_layer: nn.Module, index: int, dtype: torch.dtype, key: int | None):
+    def __init__(
+        self,
+        hf_layer: nn.Module,
+        index: int,
+        dtype: torch.dtype,
+        key: int | None,
+        names: dict[str, str],
+        norm_offset: float = 0.0,
+    ):
         self.hf_layer, self.index, self.dtype, self.key = hf_layer, index, dtype, key
+        self.names, self.norm_offset = names, norm_offset
+
+    def where(self, name: str) -> str:
+        """Returns the module path of memo's `name` in the model, for errors."""
+        return f"model.layers.{self.index}.{self.names[name]}"
 
     @contextmanager
     def bound(self, twin: nn.Module):
@@ -54,7 +68,7 @@ class LayerWeights:
             twin._modules.update(own)
 
     def _view(self, name: str) -> nn.Module:
-        module = active_module(self.hf_layer.get_submodule(LAYER_NAMES[name]))
+        module = active_module(self.hf_layer.get_submodule(self.names[name]))
         if name in _NORMS:
             return self._norm(module, name)
         return self._linear(module, name)
@@ -63,20 +77,22 @@ class LayerWeights:
         return None if t is None else t.to(self.dtype)  # differentiable under grad: the gradient reaches t
 
     def _norm(self, module: nn.Module, name: str) -> nn.Module:
-        _check_plain(module, name, self.index)
+        _check_plain(module, name, self.where(name))
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None or getattr(module, "bias", None) is not None:
-            raise ValueError(f"{_where(name, self.index)} is a {type(module).__name__}, not an RMSNorm memo runs")
-        view = nn.RMSNorm(module.weight.shape[0], eps=eps, device="meta")
+            raise ValueError(f"{self.where(name)} is a {type(module).__name__}, not an RMSNorm memo runs")
+        size = module.weight.shape[0]
+        offset = self.norm_offset
+        view = OffsetRMSNorm(size, eps, offset, device="meta") if offset else nn.RMSNorm(size, eps=eps, device="meta")
         view._parameters["weight"] = self._cast(module.weight)
         return view
 
     def _linear(self, module: nn.Module, name: str) -> nn.Module:
-        adapters = lora_adapters(module, name, self.index)
+        adapters = lora_adapters(module, self.where(name))
         if adapters is not None:  # PEFT's mixed-batch `adapter_names` come as hooks on the LoRA layer
-            _check_hooks(module, _where(name, self.index))
+            _check_hooks(module, self.where(name))
         base = module.get_base_layer() if adapters is not None else module
-        _check_plain(base, name, self.index)
+        _check_plain(base, name, self.where(name))
         if not adapters:  # a plain projection, or a LoRA layer whose adapters are merged or off
             if self.dtype == base.weight.dtype:
                 return base
@@ -92,7 +108,7 @@ class LayerWeights:
         drops = {_dropout(module, a) for a in adapters}
         if len(drops) > 1:
             raise ValueError(
-                f"{_where(name, self.index)}: active adapters {', '.join(adapters)} have different lora_dropout "
+                f"{self.where(name)}: active adapters {', '.join(adapters)} have different lora_dropout "
                 f"({sorted(drops)}); memo draws one dropout mask per projection: give them one value"
             )
         a = [module.lora_A[n].weight for n in adapters]
@@ -111,9 +127,9 @@ class LayerWeights:
         return LoraLinear.view(tensors, scales[0] if one else 1.0, dropout, key)
 
 
-def lora_adapters(module: nn.Module, name: str, index: int) -> list[str] | None:
-    """Returns the adapters of a PEFT LoRA layer that its forward would apply ([] when merged or disabled), None
-    for a module that is not a PEFT tuner layer; raises for a tuner layer memo cannot run exactly."""
+def lora_adapters(module: nn.Module, where: str) -> list[str] | None:
+    """Returns the adapters of a PEFT LoRA layer (at `where`) that its forward would apply ([] when merged or
+    disabled), None for a module that is not a PEFT tuner layer; raises for a tuner layer memo cannot run exactly."""
     try:
         from peft.tuners.lora import Linear as PeftLoraLinear
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -121,7 +137,6 @@ def lora_adapters(module: nn.Module, name: str, index: int) -> list[str] | None:
         return None
     if not isinstance(module, BaseTunerLayer):
         return None
-    where = _where(name, index)
     if type(module) is not PeftLoraLinear:
         raise ValueError(f"{where} is a PEFT {type(module).__name__}: memo runs plain LoRA (peft.tuners.lora.Linear)")
     if module.fan_in_fan_out:
@@ -162,11 +177,10 @@ def active_module(module: nn.Module) -> nn.Module:
     return module.modules_to_save[active[0]]
 
 
-def _check_plain(module: nn.Module, name: str, index: int) -> None:
-    """Raises unless `module` computes what memo's layer computes in its place: an nn.Linear or a transformers
-    RMSNorm with its class's own forward and no hooks (memo never calls it: a hook or a patched forward, Liger's
-    for one, would silently not run)."""
-    where = _where(name, index)
+def _check_plain(module: nn.Module, name: str, where: str) -> None:
+    """Raises unless `module` (memo's `name`, at `where`) computes what memo's layer computes in its place: an
+    nn.Linear or a transformers RMSNorm with its class's own forward and no hooks (memo never calls it: a hook or a
+    patched forward, Liger's for one, would silently not run)."""
     cls = type(module)
     known = isinstance(module, nn.Linear) if name in _LINEARS else cls.__module__.startswith("transformers.models.")
     if not known or (name in _LINEARS and cls.forward is not nn.Linear.forward):
@@ -185,7 +199,3 @@ def _check_hooks(module: nn.Module, where: str) -> None:
         )
     if not type(module).__module__.startswith(("transformers.", "torch.nn.", "peft.")):
         raise ValueError(f"{where} is a {type(module).__module__}.{type(module).__name__}: memo runs transformers' own")
-
-
-def _where(name: str, index: int) -> str:
-    return f"model.layers.{index}.{LAYER_NAMES[name]}"

@@ -41,8 +41,8 @@ class OffsetRMSNorm(nn.RMSNorm):
     """Gemma's RMSNorm: x·rstd·(offset + weight), computed in fp32 then cast (Llama's casts x·rstd first), its weight
     starting at 0 (transformers' Gemma3RMSNorm); `norm_forward` and `norm_backward` read `offset`."""
 
-    def __init__(self, size: int, eps: float, offset: float):
-        super().__init__(size, eps=eps)
+    def __init__(self, size: int, eps: float, offset: float, device=None):
+        super().__init__(size, eps=eps, device=device)
         self.offset = offset
         nn.init.zeros_(self.weight)
 
