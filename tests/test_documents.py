@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import ranks
 import torch
 from test_layer_gradients import DEVICE, FP32_TOL, POLICIES, TILED, _config, _pair
 
@@ -175,7 +176,6 @@ def test_packed_documents_match_transformers_packed_forward(tmp_path, family, ro
 
 
 def _sp_rank(rank: int, port: int, root: str) -> None:
-    import os
     from datetime import timedelta
 
     import test_hf
@@ -183,9 +183,7 @@ def _sp_rank(rank: int, port: int, root: str) -> None:
 
     from memo.parallel import full_gradients, init_mesh, parallelize, shard_batch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    ranks.join(rank, 2, port)
     try:
         mesh = init_mesh(2, timeout=timedelta(seconds=60))
         for policy in ("none", "memo-a0.5-all-layers"):

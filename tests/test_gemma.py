@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import ranks
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -187,16 +188,13 @@ def test_memo_patch_refuses_a_multimodal_gemma_naming_the_families_it_runs(tmp_p
 
 
 def _sp_rank(rank: int, port: int, root: str) -> None:
-    import os
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from memo.parallel import full_gradients, init_mesh, parallelize, shard_batch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    ranks.join(rank, 2, port)
     try:
         mesh = init_mesh(2, timeout=timedelta(seconds=60))
         hf = transformers.AutoModelForCausalLM.from_pretrained(root, attn_implementation="eager").eval()

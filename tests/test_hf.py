@@ -11,6 +11,7 @@ import stat
 from datetime import timedelta
 
 import pytest
+import ranks
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
@@ -264,15 +265,7 @@ SP_CASES = [("qwen3", "default", "memo-a0.5-all-layers"), ("llama", "dynamic", "
 def _sp_rank(rank: int, port: int, root: str) -> None:
     from memo.parallel import full_gradients, init_mesh, parallelize, shard_batch
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
-    torch.set_num_threads(1)
+    ranks.join(rank, 2, port)
     import torch.distributed as dist
 
     try:

@@ -4,11 +4,11 @@ Ulysses sp = 2; frozen weights get no gradient product and no optimizer state; a
 loads, merge into full weights, and a LoRA run resumes exactly."""
 
 import json
-import os
 import warnings
 from datetime import timedelta
 
 import pytest
+import ranks
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
@@ -267,15 +267,7 @@ def test_frozen_weights_cost_no_gradient_product(tmp_path):
 def _sp_rank(rank: int, port: int, root: str) -> None:
     from memo.parallel import full_gradients, init_mesh, parallelize, shard_batch
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
-    torch.set_num_threads(1)
+    ranks.join(rank, 2, port)
     import torch.distributed as dist
 
     try:

@@ -8,10 +8,10 @@ seconds on two cores); a failing check raises in its rank and fails the test wit
 from __future__ import annotations
 
 import copy
-import os
 from datetime import timedelta
 
 import pytest
+import ranks
 import torch
 import torch.multiprocessing as mp
 
@@ -145,15 +145,7 @@ def _check_mixed_precision() -> None:
 
 
 def _run(rank: int, world: int, port: int, layouts: list[tuple[int, int]]) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    ranks.join(rank, world, port)
     import torch.distributed as dist
 
     try:

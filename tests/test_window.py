@@ -102,6 +102,12 @@ def test_packed_documents_slide_within_their_own_document(monkeypatch):
         torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-5)
 
 
+GEMMA = dict(  # Gemma 3's arithmetic (its norms, GeGLU, scales, a RoPE base of the sliding layers' own)
+    norm_offset=1.0, sandwich_norms=True, mlp_activation="gelu_tanh", scale_embeddings=True, qk_norm=True,
+    query_pre_attn_scalar=24, rope_local_theta=50.0,
+)  # fmt: skip
+
+
 def _tiny(**fields) -> ModelConfig:
     return ModelConfig.preset("tiny", n_layers=3, hidden_size=64, n_heads=4, n_kv_heads=2, ffn_hidden_size=96, **fields)
 
@@ -111,10 +117,17 @@ def _tiny(**fields) -> ModelConfig:
     [ActivationPolicy("none"), ActivationPolicy("full"), ActivationPolicy("memo", alpha=0.5, tile_tokens=7)],
     ids=["none", "full", "memo-a0.5-tile7"],
 )
-def test_a_model_at_4x_its_window_matches_the_reference_with_the_window_as_a_mask(policy):
-    config = _tiny(sliding_window=8, layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_a_model_at_4x_its_window_matches_the_reference_with_the_window_as_a_mask(policy, gemma):
+    types = ("sliding_attention", "full_attention", "sliding_attention")
+    config = _tiny(sliding_window=8, layer_types=types, **(GEMMA if gemma else {}))
     torch.manual_seed(0)
     ref = ReferenceTransformer(config)
+    if gemma:  # norm weights away from 0, where the scale 1 + w hides a dropped offset
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     model = Transformer(config, policy)
     model.load_state_dict(ref.state_dict())
     assert [layer.window for layer in model.layers] == [8, None, 8]

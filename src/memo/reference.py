@@ -7,7 +7,7 @@ It takes the frequencies of scaled RoPE from `memo.rope` (transformers is the or
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,27 @@ from torch import nn
 
 from .config import ModelConfig
 from .rope import attention_factor, inverse_frequencies
+
+
+class GemmaNorm(nn.Module):
+    """RMSNorm scaling by offset + weight in float32, then cast (transformers' Gemma3RMSNorm)."""
+
+    def __init__(self, size: int, eps: float, offset: float):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight.float())).to(
+            x.dtype
+        )
+
+
+def _norm(c: ModelConfig, size: int) -> nn.Module:
+    if c.arch == "gpt":
+        return nn.LayerNorm(size, eps=c.norm_eps)
+    return GemmaNorm(size, c.norm_eps, c.norm_offset) if c.norm_offset else nn.RMSNorm(size, eps=c.norm_eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -45,29 +66,30 @@ class ReferenceBlock(nn.Module):
         self.c, self.attention = c, attention
         self.window = c.window(index)  # None: every token before; w: itself and the w - 1 before it
         gpt = c.arch == "gpt"
-        norm = (
-            (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps))
-            if gpt
-            else (lambda: nn.RMSNorm(c.hidden_size, eps=c.norm_eps))
-        )
         q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        self.attn_norm, self.mlp_norm = norm(), norm()
+        self.attn_norm, self.mlp_norm = _norm(c, c.hidden_size), _norm(c, c.hidden_size)
         self.wq = nn.Linear(c.hidden_size, q, bias=c.qkv_bias)
         self.wk = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias)
         self.wv = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias)
-        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else nn.Identity()
+        self.q_norm = _norm(c, c.head_dim) if c.qk_norm else nn.Identity()
+        self.k_norm = _norm(c, c.head_dim) if c.qk_norm else nn.Identity()
         self.wo = nn.Linear(q, c.hidden_size, bias=c.out_bias)
         self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
         self.w_up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
         self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias)
-        self.rope = RotaryEmbedding(c)
+        self.attn_post_norm = _norm(c, c.hidden_size) if c.sandwich_norms else nn.Identity()
+        self.mlp_post_norm = _norm(c, c.hidden_size) if c.sandwich_norms else nn.Identity()
+        local = c.rope_local_theta is not None and c.slides(index)
+        self.rope = RotaryEmbedding(
+            dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_scaling=None) if local else c
+        )
 
     def _attend(self, q, k, v, positions=None):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scale = (self.c.query_pre_attn_scalar or q.shape[-1]) ** -0.5
         if self.attention == "sdpa" and positions is None and self.window is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         s = q.shape[2]
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         if self.window is not None:
@@ -76,8 +98,8 @@ class ReferenceBlock(nn.Module):
             document = (positions == 0).cumsum(dim=1).to(q.device)  # (b, s)
             mask = mask & (document[:, :, None] == document[:, None, :])[:, None]  # (b, 1, s, s)
         if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        scores = (q @ k.transpose(-1, -2)) * scale
         probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
         return probs @ v
 
@@ -88,10 +110,15 @@ class ReferenceBlock(nn.Module):
         q, k, v = self.q_norm(heads(self.wq(n))), self.k_norm(heads(self.wk(n))), heads(self.wv(n))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
         o = self._attend(self.rope(q, positions), self.rope(k, positions), v, positions)
-        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        x = x + self.attn_post_norm(self.wo(o.transpose(1, 2).reshape(b, s, -1)))
         n = self.mlp_norm(x)
-        hidden = F.gelu(self.w_up(n)) if self.w_gate is None else F.silu(self.w_gate(n)) * self.w_up(n)
-        return x + self.w_down(hidden)
+        if self.w_gate is None:
+            hidden = F.gelu(self.w_up(n))
+        else:
+            gate = self.w_gate(n)
+            act = F.gelu(gate, approximate="tanh") if self.c.mlp_activation == "gelu_tanh" else F.silu(gate)
+            hidden = act * self.w_up(n)
+        return x + self.mlp_post_norm(self.w_down(hidden))
 
 
 class ReferenceTransformer(nn.Module):
@@ -102,17 +129,15 @@ class ReferenceTransformer(nn.Module):
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(ReferenceBlock(c, attention, i) for i in range(c.n_layers))
-        self.norm = (
-            nn.LayerNorm(c.hidden_size, eps=c.norm_eps)
-            if c.arch == "gpt"
-            else nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
-        )
+        self.norm = _norm(c, c.hidden_size)
         self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids, labels=None, block=None, positions=None):
         """Returns the mean next-token loss (or logits); `block(layer, x)` wraps each layer, e.g. checkpoint;
         `positions` (b, s) packs documents: positions within each, 0 where one starts."""
         x = self.embed(input_ids)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         for layer in self.layers:
             x = (layer(x) if positions is None else layer(x, positions)) if block is None else block(layer, x)
         logits = self.norm(x) @ (self.embed.weight if self.head is None else self.head.weight).t()
