@@ -12,7 +12,6 @@ from memo import window as band
 from memo.attention import attention_backward, attention_forward
 from memo.cost.efficiency import published_band
 from memo.cost.estimate import Layout, Pricing, estimate
-from memo.cost.flops import windowed_attended
 from memo.cost.hardware import GPUS
 from memo.documents import Documents
 from memo.hf import config_from_hf
@@ -171,11 +170,11 @@ def test_windowed_attention_counts_the_pairs_a_window_leaves_brute_force():
     for seq, w in ((20, 6), (20, 20), (20, 30), (1000, 64)):
         causal = sum(i + 1 for i in range(seq))
         pairs = sum(min(i + 1, w) for i in range(seq))
-        assert windowed_attended(_tiny(sliding_window=w), seq, seq) == pytest.approx(seq * pairs / causal, rel=1e-12)
+        assert _tiny(sliding_window=w).attended(seq, seq) == pytest.approx(seq * pairs / causal, rel=1e-12)
     half = _tiny(sliding_window=64, layer_types=("sliding_attention", "full_attention", "full_attention"))
-    every = windowed_attended(_tiny(sliding_window=64), 1000, 1000)
-    assert windowed_attended(half, 1000, 1000) == pytest.approx((every + 2 * 1000) / 3, rel=1e-12)  # a layer in 3
-    assert windowed_attended(_tiny(sliding_window=64), 1000, 40) == 40  # short documents: theirs, the smaller
+    every = _tiny(sliding_window=64).attended(1000, 1000)
+    assert half.attended(1000, 1000) == pytest.approx((every + 2 * 1000) / 3, rel=1e-12)  # a layer in 3
+    assert _tiny(sliding_window=64).attended(1000, 40) == 40  # short documents: theirs, the smaller
 
 
 def test_estimate_times_windowed_attention_at_its_share_and_leaves_memory_as_it_was():
@@ -184,7 +183,7 @@ def test_estimate_times_windowed_attention_at_its_share_and_leaves_memory_as_it_
     eff = published_band(H100, full, seq, full.n_heads)  # one efficiency for both: seconds scale with FLOPs
     pricing, layout = Pricing(band=eff), Layout(system="megatron-deepspeed", recompute="full")
     a, b = (estimate(Job(model=m, seq=seq), H100, "megatron-deepspeed", pricing, layout) for m in (full, windowed))
-    share = windowed_attended(windowed, seq, seq) / seq  # about 2w / s
+    share = windowed.attended(seq, seq) / seq  # about 2w / s
     assert share == pytest.approx(2 * w / seq, rel=0.04)
     assert b.seconds["attention"] == pytest.approx(share * a.seconds["attention"], rel=1e-12)
     assert b.attention_flops == pytest.approx(share * a.attention_flops, rel=1e-12)

@@ -192,7 +192,7 @@ def _flash_forward(q, k, v, scale, window: int | None = None):
     if windowed:  # the variable-length entry point is the one that takes a window: b sequences of s tokens
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
         out, lse, aux = _varlen_forward(q, k, v, scale, cu, s, window)
-        return out, lse, ("window", cu, s, *aux, window)
+        return out, lse, ("window", *aux)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, True, False, scale=scale
     )
@@ -207,7 +207,7 @@ def _flash_backward(dout, q, k, v, out, lse, aux, scale):
     if aux[0] == "band":
         return band_backward(dout, q, k, v, out, lse, scale, aux[1])
     if aux[0] == "window":
-        return _varlen_backward(dout, q, k, v, out, lse, *aux[1:], scale)
+        return _varlen_backward(dout, q, k, v, out, lse, aux[1:], scale)
     cum_q, cum_k, max_q, max_k, seed, offset = aux
     return aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
@@ -398,17 +398,18 @@ def _heads(t: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _varlen_forward(q, k, v, scale, cu: torch.Tensor, most: int, window: int | None = None):
-    """Returns (out, lse, (seed, offset)) of CUDA's variable-length flash call over the sequences `cu` delimits in
-    the b·s tokens of q (b, heads, s, d), at most `most` long; a `window` passed as the kernel takes it."""
+    """Returns (out, lse, aux) of CUDA's variable-length flash call over the sequences `cu` delimits in the b·s
+    tokens of q (b, heads, s, d), at most `most` long, a `window` passed as the kernel takes it; aux is what
+    `_varlen_backward` needs: (cu, most, seed, offset, window)."""
     b, _, s, _ = q.shape
     out, lse, seed, offset, _ = aten._flash_attention_forward(
         _tokens(q), _tokens(k), _tokens(v), cu, cu, most, most, 0.0, True, False, scale=scale, **_window_args(window)
     )
-    return _heads(out, b), lse.unflatten(1, (b, s)).transpose(0, 1), (seed, offset)  # lse (h, b·s)
+    return _heads(out, b), lse.unflatten(1, (b, s)).transpose(0, 1), (cu, most, seed, offset, window)  # lse (h, b·s)
 
 
-def _varlen_backward(dout, q, k, v, out, lse, cu, most, seed, offset, window, scale):
-    b = q.shape[0]
+def _varlen_backward(dout, q, k, v, out, lse, aux: tuple, scale):
+    b, (cu, most, seed, offset, window) = q.shape[0], aux
     tokens_lse = lse.transpose(0, 1).flatten(1).contiguous()  # (h, b·s), as the kernel wrote it
     tokens = (_tokens(t) for t in (dout, q, k, v, out))
     grads = aten._flash_attention_backward(
@@ -427,7 +428,7 @@ def _documents_forward(name, q, k, v, scale, documents: Documents, window: int |
     if _varlen(name, q):
         cu, most = documents.cu_seqlens, documents.max_length
         out, lse, aux = _varlen_forward(q, k, v, scale, cu, most, window)
-        return out, lse, ("varlen", cu, most, *aux, window)
+        return out, lse, ("varlen", *aux)
     out = q.new_empty(q.shape)
     lse = q.new_empty((b, heads, lse_seq_len(s, name)), dtype=torch.float32)
     auxes = []
@@ -443,7 +444,7 @@ def _documents_forward(name, q, k, v, scale, documents: Documents, window: int |
 def _documents_backward(name, dout, q, k, v, out, lse, aux, scale, documents: Documents):
     b, _, s, _ = q.shape
     if aux[0] == "varlen":
-        return _varlen_backward(dout, q, k, v, out, lse, *aux[1:], scale)
+        return _varlen_backward(dout, q, k, v, out, lse, aux[1:], scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for run, part_aux in zip(_runs(documents, s), aux[1]):
         parts = (run.of(t) for t in (dout, q, k, v, out))

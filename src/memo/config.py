@@ -194,6 +194,18 @@ class ModelConfig:
         types = None if self.layer_types is None else self.layer_types[-n:]
         return dataclasses.replace(self, n_layers=n, layer_types=types)
 
+    def attended(self, seq: int, attended: float) -> float:
+        """Returns the mean over layers of the length that stands for s in attention FLOPs (`attended`: s, or packed
+        documents' E[Σ d_i²] / s): a windowed layer's share Σ_{i<s} min(i + 1, w) / (s(s + 1)/2) of s, or with
+        documents the smaller of that and theirs (cost/flops.py)."""
+        w = self.sliding_window
+        if w is None or w >= seq:
+            return attended
+        pairs = w * (w + 1) / 2 + (seq - w) * w
+        windowed = min(attended, seq * pairs / (seq * (seq + 1) / 2))
+        sliding = sum(self.slides(i) for i in range(self.n_layers))
+        return (sliding * windowed + (self.n_layers - sliding) * attended) / self.n_layers
+
     def window(self, layer: int) -> int | None:
         """Returns the attention window of layer `layer`, None where it attends to every token before it."""
         return self.sliding_window if self.slides(layer) else None

@@ -18,7 +18,6 @@ import torch
 
 from .attention import CHOICES
 from .config import PRESETS, ModelConfig, check_int, model_config_from
-from .cost.flops import windowed_attended
 from .device import DTYPES
 from .documents import DocumentLengths
 from .files import read_config_file, read_json_object
@@ -96,10 +95,8 @@ class Job:
     @functools.cached_property
     def attended(self) -> float:
         """Returns the tokens a token attends to: the sequence length, or packed documents' E[Σ d_i²] / s, less
-        what sliding windows leave out (`cost.flops.windowed_attended`)."""
-        return windowed_attended(
-            self.model, self.seq, self.documents.attended(self.seq) if self.documents else self.seq
-        )
+        what sliding windows leave out (`ModelConfig.attended`)."""
+        return self.model.attended(self.seq, self.documents.attended(self.seq) if self.documents else self.seq)
 
     @property
     def torch_dtype(self) -> torch.dtype:

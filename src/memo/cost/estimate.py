@@ -34,7 +34,7 @@ Packed documents (`Job.documents`, `DocumentLengths`): a sequence made of docume
 themselves does E[Σ d_i²] of attention work instead of s²: every attention FLOP (model FLOPs, step time, recompute,
 MFU) counts E[Σ d_i²] / s tokens attended per token in place of s, and attention runs at the published speed of that
 length (`efficiency.published_band`'s `length`). Memory does not change: activations are per token. Sliding
-windows count and time the same way (`flops.windowed_attended`, `flops.MFU_WINDOWED`).
+windows count and time the same way (`ModelConfig.attended`, `flops.MFU_WINDOWED`).
 
 memo (and offload-all) also estimate two more ways of training (`Job.lora`, `Job.offload_states`): LoRA (a
 frozen bf16 base, adapters trained; frozen linears compute no weight gradient) and model states in host memory

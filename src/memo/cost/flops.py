@@ -12,7 +12,7 @@ tokens attend only within their own document does Σ d_i² of attention work ins
 the matrices the documents need (half of each d_i × d_i, or all of it), not s × s (`MFU_PACKED`, `MFU_PACKED_FULL`).
 Memory does not change: activations are per token.
 
-Sliding windows (`windowed_attended`): a layer of window w computes Σ_{i<s} min(i + 1, w) of the s(s + 1)/2 pairs
+Sliding windows (`ModelConfig.attended`): a layer of window w computes Σ_{i<s} min(i + 1, w) of the s(s + 1)/2 pairs
 of causal attention, s·w rather than s²/2 at length; both conventions count that share of their matrix.
 """
 
@@ -50,19 +50,6 @@ MFU_WINDOWED = (
     "timed at the published causal speed of the length that stands for that work, of the kernel named above (a "
     "windowed layer runs flash on CUDA: where that kernel is cuDNN, its windowed layers are timed a little fast)"
 )
-
-
-def windowed_attended(c: ModelConfig, seq: int, attended: float) -> float:
-    """Returns the mean over layers of the length that stands for s in attention FLOPs (`attended`: s, or packed
-    documents' E[Σ d_i²] / s): a windowed layer's share Σ_{i<s} min(i + 1, w) / (s(s + 1)/2) of s, or with
-    documents the smaller of that and theirs."""
-    w = c.sliding_window
-    if w is None or w >= seq:
-        return attended
-    pairs = w * (w + 1) / 2 + (seq - w) * w
-    windowed = min(attended, seq * pairs / (seq * (seq + 1) / 2))
-    sliding = sum(c.window(i) is not None for i in range(c.n_layers))
-    return (sliding * windowed + (c.n_layers - sliding) * attended) / c.n_layers
 
 
 def layer_forward_flops(

@@ -33,7 +33,7 @@ from .. import parallel
 from ..attention import choose as choose_attention
 from ..config import ModelConfig
 from ..cost.estimate import ATTENTION_CHOICES
-from ..cost.flops import model_flops_per_token, windowed_attended
+from ..cost.flops import model_flops_per_token
 from ..cost.hardware import gpu_of
 from ..cost.memory import training_lower_bound
 from ..cost.predict import compare, host_pool_bytes, pinned_host_line, predict_run
@@ -452,7 +452,7 @@ class Trainer:
         # MFU in both conventions (flops.MFU_CAUSAL, the "mfu" of the records, and flops.MFU_FULL); packed documents
         # count the attention they need, Σ dᵢ² of this batch rather than s² (flops.MFU_PACKED, MFU_PACKED_FULL)
         attended = cfg.seq_len if positions is None else attended_tokens(positions)
-        attended = windowed_attended(self.job.model, cfg.seq_len, attended)
+        attended = self.job.model.attended(cfg.seq_len, attended)
         flops = model_flops_per_token(self.job.model, attended, lora=self.job.lora) * tokens / seconds
         full_flops = model_flops_per_token(self.job.model, attended, False, self.job.lora) * tokens / seconds
         peak = (self.mesh.size() if self.mesh else 1) * self.peak_flops if self.peak_flops else None  # all ranks
