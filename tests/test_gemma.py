@@ -251,3 +251,27 @@ def test_the_12b_preset_has_the_published_text_models_parameters():
     assert c.num_parameters() == 11_765_788_416 + 64 * c.hidden_size
     assert [c.window(i) for i in range(6)] == [1024] * 5 + [None] and c.attention_scale == 256**-0.5
     assert ModelConfig.preset("gemma3-27b").attention_scale == 168**-0.5
+
+
+def test_gemma_norm_in_bf16_is_bitwise_transformers_own_scale_then_cast():
+    """Gemma scales by 1 + w in fp32 and casts last, where Llama casts first: one bf16 rounding apart, too little
+    for a model-level tolerance to see, so the norm is compared alone, bit for bit, forward and backward."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from memo.norms import OffsetRMSNorm, norm_backward, norm_forward
+
+    theirs = Gemma3RMSNorm(64, eps=1e-6)
+    ours = OffsetRMSNorm(64, 1e-6, 1.0)
+    with torch.no_grad():
+        theirs.weight.normal_(0, 0.3)
+        ours.weight.copy_(theirs.weight)
+    theirs, ours = theirs.bfloat16(), ours.bfloat16()
+    x = torch.randn(3, 5, 64).bfloat16().requires_grad_()
+    y = theirs(x)
+    got, stats = norm_forward(ours, x.detach())
+    assert torch.equal(got, y)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dx, grads = norm_backward(ours, dy, x.detach(), stats)
+    torch.testing.assert_close(dx, x.grad, rtol=1e-2, atol=1e-2)  # autograd's bf16 steps against fp32 ones
+    torch.testing.assert_close(grads["weight"], theirs.weight.grad, rtol=1e-2, atol=1e-2)
