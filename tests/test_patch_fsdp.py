@@ -67,6 +67,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         assert model._memo_patch.store.step == STEPS
         if rank == 0:
             torch.save(losses / 2, out)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
