@@ -211,11 +211,13 @@ def test_policies_on_a_loaded_checkpoint_match_transformers(tmp_path, family, ro
     assert model.swap_stats().tokens_recomputed > 0  # the policy really recomputed part of the layers
 
 
-def test_phase_planner_on_a_loaded_checkpoint_matches_transformers(tmp_path):
-    hf = _saved(tmp_path, "qwen3", "yarn")
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # qwen2: a full layer, then a windowed one (other ops)
+def test_phase_planner_on_a_loaded_checkpoint_matches_transformers(tmp_path, family):
+    hf = _saved(tmp_path, family, "yarn")
     model = from_hf(tmp_path, policy=ActivationPolicy("memo", alpha=0.5))
-    attach(model, debug=True, time_limit=0.2)
+    planner = attach(model, debug=True, time_limit=0.2)
     _assert_matches_hf(model, hf)
+    assert not planner.unplanned, planner.unplanned  # each kind of layer has a plan of its own
 
 
 def test_interleaved_rope_pairing_would_be_caught(tmp_path):

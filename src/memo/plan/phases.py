@@ -175,7 +175,7 @@ class PhasePlanner:
         allocation where the phase cannot be planned)."""
         device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
         kernel = layer.attention_ran or choose(layer.attention_kernel, device, dtype)  # the trace runs the same
-        key = (phase.__name__, dtype, kernel, _signature(args))
+        key = (phase.__name__, dtype, kernel, layer.window, _signature(args))  # a windowed layer runs other ops
         if key not in self.plans and key not in self.unplanned:
             self._plan(key, layer, phase, args, device)
         if key in self.unplanned:
@@ -197,7 +197,7 @@ class PhasePlanner:
     def _plan(self, key, layer, phase, args, device) -> None:
         """Plans the phase from its trace on `meta`, or marks it unplanned when it cannot be traced there."""
         try:
-            twin = self._twin(layer, key[2])
+            twin = self._twin(layer, kernel=key[2])
             meta_args = tree_map(_meta_twin, args)
             with meta_kernels(device.type):
                 phase_trace, _ = trace(phase, twin, *meta_args)
@@ -215,9 +215,9 @@ class PhasePlanner:
         self.unplanned[key] = why
 
     def _twin(self, layer, kernel: str):
-        """Returns a parameter-free copy of `layer` on `meta` (same code, same shapes, no memory) that runs the
-        attention kernel `kernel`."""
-        key = (next(layer.parameters()).dtype, kernel)
+        """Returns a parameter-free copy of `layer` on `meta` (same code, same shapes, same window, no memory) that
+        runs the attention kernel `kernel`."""
+        key = (next(layer.parameters()).dtype, kernel, layer.window)
         if key not in self._twins:
             with torch.device("meta"):
                 self._twins[key] = type(layer)(layer.config, layer.index).to(key[0])
