@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memo import ActivationPolicy, from_hf, patch, to_hf
-from memo.hf import config_from_hf, hf_name
+from memo.hf import config_from_hf, config_token_ids, hf_name
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,12 +126,15 @@ def test_export_loads_in_transformers_with_the_same_logits_and_config(tmp_path):
     assert config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()), "in") == model.config
 
 
-def _multimodal(path):
-    """Saves a tiny Gemma3ForConditionalGeneration (a one-layer SigLIP tower beside the text model) and returns it."""
+def _multimodal(path, tied: bool = True):
+    """Saves a tiny Gemma3ForConditionalGeneration (a one-layer SigLIP tower beside the text model) and returns it;
+    `tied` is the outer config's, which the multimodal class ties its head by (its text_config says True)."""
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     )
-    config = transformers.Gemma3Config(text_config=TEXT, vision_config=vision, mm_tokens_per_image=4)
+    config = transformers.Gemma3Config(
+        text_config=TEXT, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=tied
+    )
     config.text_config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).float()
@@ -140,15 +143,17 @@ def _multimodal(path):
     return model.eval()
 
 
-@pytest.mark.parametrize("layout", ["transformers 5", "released"])
-def test_the_text_tower_of_a_multimodal_gemma3_folder_matches_its_text_model(tmp_path, layout):
-    mm = _multimodal(tmp_path)
+@pytest.mark.parametrize("layout, tied", [("transformers 5", True), ("released", True), ("transformers 5", False)])
+def test_the_text_tower_of_a_multimodal_gemma3_folder_matches_its_text_model(tmp_path, layout, tied):
+    mm = _multimodal(tmp_path, tied)
+    assert mm.config.text_config.tie_word_embeddings  # the inner flag says tied whatever the outer one says
     if layout == "released":  # the Hub's files: language_model.model.* and language_model.lm_head.weight
         state = load_file(tmp_path / "model.safetensors")
         renamed = {k.replace("model.language_model.", "language_model.model."): v for k, v in state.items()}
         save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
     model = from_hf(tmp_path, policy=POLICIES["memo-a0.5"])
-    assert model.config.hf_model_type == "gemma3_text" and model.config.n_layers == 4
+    assert model.config.hf_model_type == "gemma3_text" and model.config.tie_embeddings == tied
+    assert config_token_ids(tmp_path) == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}  # text_config's
     ids = _batch()[0]
     with torch.no_grad():
         torch.testing.assert_close(model(ids), mm(input_ids=ids).logits, **LOGITS_TOL)

@@ -161,6 +161,8 @@ def test_layer_types_are_checked_and_read_from_transformers_configs():
     assert (none.sliding_window, none.layer_types) == (None, None)
     off = config_from_hf({**base, "use_sliding_window": False, "max_window_layers": 0})
     assert off.sliding_window is None
+    with pytest.raises(ValueError, match="`layer_types` .* each of the 3 layers"):
+        config_from_hf({**base, "layer_types": ["full_attention"]})  # too short, even with nothing sliding
 
 
 # ---- the cost model: a window's share of causal attention -----------------------------------------------------
@@ -190,3 +192,29 @@ def test_estimate_times_windowed_attention_at_its_share_and_leaves_memory_as_it_
     assert b.seconds["matmul"] == a.seconds["matmul"]
     same = ("model_states", "skeletal_buffers", "transient_peak")  # the windowed kernel's calls fragment otherwise
     assert [b.device_bytes[k] for k in same] == [a.device_bytes[k] for k in same]
+
+
+def test_a_solved_plan_prices_attention_at_the_mean_of_the_models_sliding_and_full_layers(monkeypatch):
+    """The plan problem stands for every layer with one; layer 0, the one timed, may slide where others do not."""
+    from memo import swap
+
+    seen = []
+    monkeypatch.setattr(swap, "measure_layer_seconds", lambda *_: {"qkv": 1.0, "attention": 1.0, "mlp": 1.0})
+    monkeypatch.setattr(swap, "solve_plan", lambda problem, modes: seen.append(problem) or (["memo"] * 3, [0.5] * 3))
+    config = _tiny(sliding_window=8, layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    Transformer(config, ActivationPolicy("memo", tile_tokens=16))(ids, labels=ids).backward()
+    share = config.attended(64, 64) / config.layer_attended(0, 64, 64)
+    assert share > 1 and seen[0].attention_seconds == pytest.approx(share)  # the full layer weighs in
+
+
+def test_a_windowed_layer_under_the_efficient_kernel_keeps_flashs_unpadded_lse():
+    """`--attention efficient` pads the LSE the layer sizes to 32 tokens; a windowed call runs flash, whose is s."""
+    from memo.device import meta_kernels
+
+    for s in (100, 128):
+        with meta_kernels("cuda"), torch.device("meta"):
+            model = Transformer(_tiny(sliding_window=16), ActivationPolicy("memo", alpha=0.5, attention="efficient"))
+            ids = torch.zeros(1, s, dtype=torch.long)
+            model.to(torch.bfloat16)(ids, labels=ids).backward()
+        assert model.layers[0].attention_ran == "flash"

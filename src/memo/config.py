@@ -198,13 +198,15 @@ class ModelConfig:
         """Returns the mean over layers of the length that stands for s in attention FLOPs (`attended`: s, or packed
         documents' E[Σ d_i²] / s): a windowed layer's share Σ_{i<s} min(i + 1, w) / (s(s + 1)/2) of s, or with
         documents the smaller of that and theirs (cost/flops.py)."""
-        w = self.sliding_window
+        return sum(self.layer_attended(i, seq, attended) for i in range(self.n_layers)) / self.n_layers
+
+    def layer_attended(self, layer: int, seq: int, attended: float) -> float:
+        """Returns `attended` for layer `layer` (`attended`): less what its window leaves out."""
+        w = self.window(layer)
         if w is None or w >= seq:
             return attended
         pairs = w * (w + 1) / 2 + (seq - w) * w
-        windowed = min(attended, seq * pairs / (seq * (seq + 1) / 2))
-        sliding = sum(self.slides(i) for i in range(self.n_layers))
-        return (sliding * windowed + (self.n_layers - sliding) * attended) / self.n_layers
+        return min(attended, seq * pairs / (seq * (seq + 1) / 2))
 
     def window(self, layer: int) -> int | None:
         """Returns the attention window of layer `layer`, None where it attends to every token before it."""

@@ -137,14 +137,18 @@ def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = 
 
 
 def text_config(cfg: dict) -> dict:
-    """Returns the config of a multimodal folder's text tower (Gemma 3's `text_config`), else `cfg` itself."""
+    """Returns the config of a multimodal folder's text tower (Gemma 3's `text_config`), else `cfg` itself: the
+    outer config's head tie, which is what transformers' multimodal class ties by, and the text config's token ids
+    (transformers 5 keeps them there; older folders at the top)."""
     family = cfg.get("model_type")
     if not isinstance(family, str) or family not in MULTIMODAL:
         return cfg
     text = cfg.get("text_config") or {}  # absent or empty: every field the text config class's default
     if not isinstance(text, dict):
         raise _unsupported("text_config", text, "it must be the text tower's config")
-    return {**text, "model_type": MULTIMODAL[family]}
+    tokens = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    tie = cfg.get("tie_word_embeddings", True)  # Gemma3Config's default
+    return {**tokens, **text, "model_type": MULTIMODAL[family], "tie_word_embeddings": tie}
 
 
 def _model_fields(cfg: dict, name: str) -> dict:
@@ -372,6 +376,8 @@ def _windows(cfg: dict, family: str) -> dict:
     unknown = sorted(set(types) - {"full_attention", "attention", "sliding_attention"})
     if unknown:
         raise _unsupported("layer_types", unknown, "memo runs full or sliding-window attention")
+    if len(types) != layers:
+        raise _unsupported("layer_types", types, f"it must name the attention of each of the {layers} layers")
     sliding = tuple("sliding_attention" if t == "sliding_attention" else "full_attention" for t in types)
     if window is None or "sliding_attention" not in sliding:
         return {"sliding_window": None, "layer_types": None}
@@ -552,7 +558,7 @@ def config_token_ids(model: str | os.PathLike) -> dict[str, int | None]:
     path = Path(model) / CONFIG_NAME
     if not str(model) or not path.is_file():
         return {}
-    cfg = read_json_object(path)
+    cfg = text_config(read_json_object(path))
     return {key: cfg.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 

@@ -384,7 +384,7 @@ class DecoderLayer(nn.Module):
                         heads_major(q), kc, vc, self.scale, kernel, documents, self.window
                     )
                     sp.to_tokens(heads_major(out), out=(t["attn"],), heads=(heads,))
-                t["lse"][:, heads].copy_(lse)
+                t["lse"][:, heads, : lse.shape[-1]].copy_(lse)  # a windowed call's flash LSE: no padding
                 kernel = aux[0]  # after a refusal the next calls start from the kernel that ran
         if documents is None:
             self.attention_ran = kernel
@@ -481,6 +481,7 @@ class DecoderLayer(nn.Module):
         were the last to read: dq over dattn, and (one rank) dk, dv over k, v, which nothing reads after attention's
         backward; under sequence parallelism k, v are gathered copies of other shapes and dk, dv are new."""
         sp = self.seq_parallel
+        tokens = self.attention_shape(t["x"].shape[1])[2]
         k, v = self._kv(t)
         dk, dv = (k, v) if sp is None else (torch.empty_like(k), torch.empty_like(v))
         for kv_heads, q_chunks in self._head_chunks(t, per_call):
@@ -491,7 +492,7 @@ class DecoderLayer(nn.Module):
                     q, out, dout = (heads_major(x)[:, heads] for x in (t["q"], t["attn"], dattn))
                 else:  # everything the kernel reads to head shards, the gradients back to tokens
                     q, out, dout = (heads_major(x) for x in sp.to_heads(t["q"], t["attn"], dattn, heads=(heads,) * 3))
-                lse = t["lse"][:, heads]
+                lse = t["lse"][:, heads, : lse_seq_len(tokens, aux[0])]
                 gq, gk, gv = attention_backward(dout, q, kc, vc, out, lse, aux, self.scale, t.get("documents"))
                 del q, out, dout
                 if sp is None:

@@ -489,12 +489,16 @@ class ActivationStore:
         return modes, alphas
 
     def _plan_problem(self, layer: DecoderLayer, batch: int, seq: int, budget: int) -> PlanProblem:
-        """Returns the plan problem of this rank with the layer's measured seconds and copy bandwidth."""
+        """Returns the plan problem of this rank with the layer's measured seconds and copy bandwidth; attention's
+        scaled from the measured layer to the mean of the model's (sliding and full layers attend to more or fewer
+        tokens: `ModelConfig.attended`), the one layer every layer of the plan problem stands for."""
         whole = {
             n: torch.empty(sp.shape, dtype=sp.dtype, device=self._device)
             for n, sp in in_group(self.specs, "whole").items()
         }
         seconds = measure_layer_seconds(layer, whole, FreshTiles.of(self.specs, self._tile, self._heads))
+        tokens, c = layer.attention_shape(seq)[2], layer.config
+        seconds["attention"] *= c.attended(tokens, tokens) / c.layer_attended(layer.index, tokens, tokens)
         forward = sum(seconds.values())
         seconds.update(forward=forward, backward=BACKWARD_OVER_FORWARD * forward)
         p = self.policy
