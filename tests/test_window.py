@@ -218,3 +218,22 @@ def test_a_windowed_layer_under_the_efficient_kernel_keeps_flashs_unpadded_lse()
             ids = torch.zeros(1, s, dtype=torch.long)
             model.to(torch.bfloat16)(ids, labels=ids).backward()
         assert model.layers[0].attention_ran == "flash"
+
+
+def test_estimate_times_windowed_layers_on_flash_and_the_others_on_the_kernel_asked():
+    """Each layer's attention time is its FLOPs at its own kernel's published speed for the length of its work:
+    the full layers' on cuDNN at s, the windowed layers' on flash at their window's share of s."""
+    seq, w = 65536, 4096
+    config = _tiny(sliding_window=w, layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    layout = Layout(system="megatron-deepspeed", recompute="full")
+    e = estimate(Job(model=config, seq=seq, attention="cudnn"), H100, "megatron-deepspeed", layout=layout)
+    assert e.attention_kernel == "cudnn, windowed layers flash"
+    heads, rows = config.n_heads, seq
+    full = published_band(H100, config, seq, heads, "cudnn", rows=rows, length=seq).mid
+    windowed = config.layer_attended(0, seq, seq)
+    flash = published_band(H100, config, seq, heads, "flash", rows=rows, length=windowed).mid
+    flops = 4 * config.n_heads * config.head_dim * seq * seq / 2  # a full layer's causal forward FLOPs
+    share = 2 * windowed / seq  # the two windowed layers' FLOPs, in full layers'
+    fwd = flops * (1 / full.attention_forward + share / flash.attention_forward)
+    bwd = 2.5 * flops * (1 / full.attention_backward + share / flash.attention_backward)
+    assert e.seconds["attention"] == pytest.approx((fwd + bwd) / H100.peak_flops, rel=1e-9)

@@ -55,6 +55,23 @@ class Band:
     def around(cls, mid: Efficiency, spread: float, source: str, attention: str = "") -> Band:
         return cls(mid.scaled(1 - spread), mid, mid.scaled(1 + spread), source, attention)
 
+    def blended(self, other: Band, share: float) -> Band:
+        """Returns this band with `share` of the attention FLOPs run at `other`'s attention speeds (a model's
+        windowed layers on their own kernel and length): at each point the speed that takes the time of both parts,
+        1 / ((1 - share) / e + share / e_other); everything else is this band's."""
+
+        def mix(mine: Efficiency, theirs: Efficiency) -> Efficiency:
+            speeds = {
+                name: 1 / ((1 - share) / getattr(mine, name) + share / getattr(theirs, name))
+                for name in ("attention_forward", "attention_backward")
+            }
+            return dataclasses.replace(mine, **speeds)
+
+        attention = f"{self.attention}, windowed layers {other.attention}"
+        note = "; ".join(n for n in (self.note, other.note) if n)
+        points = (mix(getattr(self, p), getattr(other, p)) for p in POINTS)
+        return Band(*points, source=self.source, attention=attention, note=note)
+
 
 @dataclass(frozen=True)
 class KernelSpeeds:

@@ -361,9 +361,17 @@ def _band(job: Job, layout: Layout, gpu: GPUSpec, kernel: str) -> Band:
     c = job.model
     heads = job.micro_batch * c.n_heads // (layout.tp * layout.ulysses)
     chunk = job.seq // layout.cp
-    length = min(job.attended, chunk) if job.documents or job.model.sliding_window else chunk
+    whole = job.documents.attended(job.seq) if job.documents else job.seq  # what a full layer attends to
     rows = layout.tile or job.tokens(layout.sp)
-    return published_band(gpu, c, chunk, heads, kernel, rows=rows, length=length)
+    band = published_band(gpu, c, chunk, heads, kernel, rows=rows, length=min(whole, chunk))
+    sliding = [i for i in range(c.n_layers) if c.slides(i)]
+    windowed = c.layer_attended(sliding[0], job.seq, whole) if sliding else whole
+    if windowed >= whole:
+        return band
+    # a windowed layer runs flash (the kernel that takes a window) at the length that stands for its work
+    window = published_band(gpu, c, chunk, heads, "flash", rows=rows, length=min(windowed, chunk))
+    share = len(sliding) * windowed / (len(sliding) * windowed + (c.n_layers - len(sliding)) * whole)
+    return band.blended(window, share)
 
 
 def _unsupported(job: Job, gpu: GPUSpec, system: str) -> Estimate:

@@ -47,8 +47,8 @@ MFU_PACKED_FULL = "packed documents: model FLOPs, each document's whole d x d ma
 MFU_WINDOWED = (
     "sliding window: each windowed layer's attention counted as the sum over tokens of min(position + 1, w) pairs "
     "of the causal count, averaged over the layers; packed documents take the smaller of the two (an upper bound); "
-    "timed at the published causal speed of the length that stands for that work, of the kernel named above (a "
-    "windowed layer runs flash on CUDA: where that kernel is cuDNN, its windowed layers are timed a little fast)"
+    "timed at the published causal speed, at the length that stands for that work, of the kernel that runs: flash "
+    "for the windowed layers, the kernel named above for the others"
 )
 
 
