@@ -48,7 +48,9 @@ FAMILIES = {
 }
 GEMMA = "gemma3_text"
 MULTIMODAL = {"gemma3": GEMMA}  # a vision-language folder whose text tower memo reads (`text_config`)
-# where a multimodal folder keeps its text tower: transformers 5's names, then the released checkpoints'
+# (prefix of the decoder, name of the head) of a `*ForCausalLM` folder's weights, and where a multimodal folder keeps
+# its text tower: transformers 5's names, then the released checkpoints'
+PLAIN = ("model.", "lm_head.weight")
 TEXT_TOWERS = (("model.language_model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -73,6 +75,13 @@ GEMMA_LAYER_NAMES = {
     "attn_post_norm": "post_attention_layernorm",
     "mlp_post_norm": "post_feedforward_layernorm",
 }
+
+
+def layer_names(family: str) -> dict[str, str]:
+    """Returns memo's name -> the module of `family`'s decoder layer (`LAYER_NAMES`, Gemma's its own)."""
+    return GEMMA_LAYER_NAMES if family == GEMMA else LAYER_NAMES
+
+
 _TOP_NAMES = {
     "embed.weight": "embed_tokens.weight",
     "norm.weight": "norm.weight",
@@ -87,7 +96,7 @@ _SPECIAL_TOKENS = {
 }
 
 
-def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = ("model.", "lm_head.weight")) -> str:
+def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = PLAIN) -> str:
     """Returns the HF `*ForCausalLM` tensor name of a memo parameter name (`layers.3.wq.bias` ->
     `model.layers.3.self_attn.q_proj.bias`) in `family`, under a multimodal folder's text `tower` (its prefix and
     its head's name) when given."""
@@ -97,8 +106,7 @@ def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = ("model."
     if name in _TOP_NAMES:
         return prefix + _TOP_NAMES[name]
     _, index, module, kind = name.split(".")
-    layers = GEMMA_LAYER_NAMES if family == GEMMA else LAYER_NAMES
-    return f"{prefix}layers.{index}.{layers[module]}.{kind}"
+    return f"{prefix}layers.{index}.{layer_names(family)[module]}.{kind}"
 
 
 # ModelConfig field -> the config.json field it is read from: errors name the file's
@@ -442,18 +450,22 @@ def check_exportable(config: ModelConfig, family: str) -> None:
         )
 
 
+def _layer_types(config: ModelConfig) -> list[str]:
+    """Returns transformers 5's `layer_types` of a config: each layer's attention."""
+    return ["sliding_attention" if config.slides(i) else "full_attention" for i in range(config.n_layers)]
+
+
 def _gemma_to_hf(config: ModelConfig, out: dict) -> None:
     """Writes Gemma 3's own fields into `out`: its activation's name, attention scale, window per layer, RoPE per
     layer type (5.x) and its 4.x names, and the soft-capping it runs without."""
     del out["hidden_act"]
-    types = ["full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layers)]
     local = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
     out.update(
         hidden_activation="gelu_pytorch_tanh",
         attention_bias=config.qkv_bias,
         query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
         sliding_window=config.sliding_window,
-        layer_types=types,
+        layer_types=_layer_types(config),
         rope_parameters={
             "full_attention": out["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": local},
@@ -533,7 +545,7 @@ def config_to_hf(
     if family == GEMMA:
         _gemma_to_hf(config, out)
     if family in ("qwen2", "qwen3"):
-        types = ["full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layers)]
+        types = _layer_types(config)
         out.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window)
         out["max_window_layers"] = next((i for i, t in enumerate(types) if t == "sliding_attention"), config.n_layers)
         out["layer_types"] = types
@@ -586,9 +598,8 @@ def special_token_ids(tokenizer: str | os.PathLike) -> dict[str, int | None]:
 # ---- reading ------------------------------------------------------------------------------------------
 
 
-def _text_tower(path: Path) -> tuple[str, str]:
-    """Returns (prefix, head name) of the text tower a multimodal folder's weights hold (`TEXT_TOWERS`)."""
-    files = _weight_files(path)
+def _text_tower(path: Path, files: dict[str, Path]) -> tuple[str, str]:
+    """Returns (prefix, head name) of the text tower a multimodal folder's weights (`files`) hold (`TEXT_TOWERS`)."""
     for prefix, head in TEXT_TOWERS:
         if prefix + "embed_tokens.weight" in files:
             return prefix, head
@@ -634,15 +645,14 @@ def _opened(file: Path) -> Iterator:
 
 
 def _read_state_dict(
-    path: Path, names: dict[str, str], shapes: dict, tied: bool, tower: tuple[str, str] | None = None
+    path: Path, files: dict[str, Path], names: dict[str, str], shapes: dict, tied: bool, tower: tuple[str, str] | None
 ) -> dict[str, torch.Tensor]:
-    """Returns memo name -> tensor read from the checkpoint, checking that the tensor names match exactly (those of
-    a multimodal folder's text `tower` only) and that each tensor has the shape `shapes` says and a floating-point
-    dtype."""
-    files = _weight_files(path)
+    """Returns memo name -> tensor read from the checkpoint's `files` (`_weight_files`), checking that the tensor
+    names match exactly (those of a multimodal folder's text `tower` only) and that each tensor has the shape
+    `shapes` says and a floating-point dtype."""
     if tower is not None:
         files = {n: f for n, f in files.items() if n.startswith(tower[0]) or n == tower[1]}
-    head = "lm_head.weight" if tower is None else tower[1]
+    head = (tower or PLAIN)[1]
     # Old checkpoints stored RoPE's inv_freq buffer; it is recomputed from the config. A tied head is the
     # embedding, whether or not the file also holds a copy.
     present = {n for n in files if not n.endswith("rotary_emb.inv_freq") and not (tied and n == head)}
@@ -694,9 +704,10 @@ def from_hf(
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = Transformer(config, policy)
     shapes = {name: p.shape for name, p in model.state_dict().items()}
-    tower = _text_tower(path) if text_config(raw) is not raw else None
-    names = {name: hf_name(name, hf_family(config), *(() if tower is None else (tower,))) for name in shapes}
-    state = _read_state_dict(path, names, shapes, config.tie_embeddings, tower)
+    files = _weight_files(path)
+    tower = _text_tower(path, files) if text_config(raw) is not raw else None
+    names = {name: hf_name(name, hf_family(config), tower or PLAIN) for name in shapes}
+    state = _read_state_dict(path, files, names, shapes, config.tie_embeddings, tower)
     dtype = dtype or state["embed.weight"].dtype  # one dtype throughout, even if the file mixes them
     model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, assign=True)
     return model

@@ -27,7 +27,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .documents import Documents
-from .hf import GEMMA, GEMMA_LAYER_NAMES, LAYER_NAMES, config_from_hf
+from .hf import GEMMA, config_from_hf, layer_names
 from .hf_batch import documents_of, num_items, targets_of
 from .hf_weights import LayerWeights, active_module
 from .layer import DecoderLayer, LayerFunction
@@ -230,7 +230,7 @@ def _layer_forward(self, *args, memo_call: Call | None = None, **kwargs):
 def _run_layer(call: Call, hf_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Returns memo's layer over `hf_layer`'s weights on x (b, s, h), inside the layer's own call."""
     record, index = call.record, hf_layer.self_attn.layer_idx
-    names = GEMMA_LAYER_NAMES if record.config.hf_model_type == GEMMA else LAYER_NAMES
+    names = layer_names(record.config.hf_model_type)
     weights = LayerWeights(hf_layer, index, call.dtype, call.key, names, record.config.norm_offset)
     twin = record.twins[index]
     twin.source = weights

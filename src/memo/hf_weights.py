@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .lora import LoraLinear, adapter_key
-from .norms import OffsetRMSNorm
+from .norms import rms_norm_module
 
 _LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")
@@ -81,9 +81,7 @@ class LayerWeights:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None or getattr(module, "bias", None) is not None:
             raise ValueError(f"{self.where(name)} is a {type(module).__name__}, not an RMSNorm memo runs")
-        size = module.weight.shape[0]
-        offset = self.norm_offset
-        view = OffsetRMSNorm(size, eps, offset, device="meta") if offset else nn.RMSNorm(size, eps=eps, device="meta")
+        view = rms_norm_module(module.weight.shape[0], eps, self.norm_offset, device="meta")
         view._parameters["weight"] = self._cast(module.weight)
         return view
 

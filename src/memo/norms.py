@@ -34,7 +34,12 @@ def norm_module(c: ModelConfig, size: int) -> nn.Module:
     """Returns a norm over `size` features as `c` has them: LayerNorm (gpt), RMSNorm, or Gemma's `OffsetRMSNorm`."""
     if c.arch == "gpt":
         return nn.LayerNorm(size, eps=c.norm_eps)
-    return OffsetRMSNorm(size, c.norm_eps, c.norm_offset) if c.norm_offset else nn.RMSNorm(size, eps=c.norm_eps)
+    return rms_norm_module(size, c.norm_eps, c.norm_offset)
+
+
+def rms_norm_module(size: int, eps: float, offset: float = 0.0, device=None) -> nn.RMSNorm:
+    """Returns an RMSNorm over `size` features: `OffsetRMSNorm` when the scale is `offset` + weight."""
+    return OffsetRMSNorm(size, eps, offset, device) if offset else nn.RMSNorm(size, eps=eps, device=device)
 
 
 class OffsetRMSNorm(nn.RMSNorm):
@@ -76,10 +81,8 @@ def rms_norm_backward(dy, x, rstd, weight, offset: float = 0.0) -> tuple[torch.T
     weight's place in dx, and dweight does not depend on it."""
     if not offset and has_fused_kernel("aten::_fused_rms_norm_backward", kernel_device_type(x.device)):
         return aten._fused_rms_norm_backward(dy, x, [x.shape[-1]], rstd, weight, [True, True])
-    if offset:
-        weight = weight.to(rstd.dtype) + offset
     acc = rstd.dtype
-    xf, g = x.to(acc), dy.to(acc) * weight.to(acc)
+    xf, g = x.to(acc), dy.to(acc) * (weight.to(acc) + offset if offset else weight.to(acc))
     dx = rstd * (g - xf * rstd.pow(2) * (g * xf).mean(-1, keepdim=True))
     dw = (dy.to(acc) * xf * rstd).reshape(-1, x.shape[-1]).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
@@ -104,4 +107,4 @@ def norm_backward(norm: nn.Module, dy, x, stats) -> tuple[torch.Tensor, dict[str
         )
         return dx, {"weight": dw, "bias": db}
     dx, dw = rms_norm_backward(dy, x, stats, norm.weight, getattr(norm, "offset", 0.0))
-    return dx, {"weight": dw.to(norm.weight.dtype)}
+    return dx, {"weight": dw}
