@@ -76,6 +76,9 @@ class ModelConfig:
     casts), `sandwich_norms` (a norm after attention and after the MLP, before each residual add), a tanh-GELU
     gated MLP (`mlp_activation`), embeddings scaled by √h (`scale_embeddings`), attention scaled by
     `query_pre_attn_scalar`^-½, and `rope_local_theta` the RoPE base of its sliding layers (unscaled).
+    A mixture-of-experts model (`n_experts` > 0) routes each token of every layer's MLP to `experts_per_token` of
+    `n_experts` SwiGLU experts of width `expert_ffn_size`, weighted by the router's softmax (top-k, renormalised
+    with `norm_topk_prob`); `router_aux_loss` adds transformers' load-balancing loss times `router_aux_loss_coef`.
     Both use rotary position embeddings: a learned table of 1M positions would cost more than the model.
     Bias flags left None take the arch's default.
     """
@@ -106,6 +109,12 @@ class ModelConfig:
     scale_embeddings: bool = False  # token embeddings times √h, cast to their dtype (Gemma)
     query_pre_attn_scalar: float | None = None  # attention scale 1/√this (Gemma); None: 1/√head_dim
     rope_local_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_theta
+    n_experts: int = 0  # routed experts of every layer's MLP (Qwen3-MoE, Mixtral); 0: a dense MLP
+    experts_per_token: int = 0  # k: the experts each token is routed to (top-k of the router's softmax)
+    expert_ffn_size: int | None = None  # each expert's FFN width; None: ffn_hidden_size (Mixtral's convention)
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1 (Mixtral always; Qwen3-MoE's flag)
+    router_aux_loss: bool = False  # add transformers' load-balancing loss (its `output_router_logits`)
+    router_aux_loss_coef: float = 0.001  # its weight in the loss
     hf_model_type: str | None = None  # the Hugging Face family it came from / exports as (llama, mistral, qwen2, qwen3)
 
     def __post_init__(self) -> None:
@@ -142,6 +151,7 @@ class ModelConfig:
                 f"`mlp_activation` must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}"
             )
         check_bool("sandwich_norms", self.sandwich_norms)
+        self._check_experts()
         check_bool("scale_embeddings", self.scale_embeddings)
         if not isinstance(self.norm_offset, (int, float)) or isinstance(self.norm_offset, bool):
             raise ValueError(f"`norm_offset` must be a number, got {self.norm_offset!r}")
@@ -154,6 +164,21 @@ class ModelConfig:
             raise ValueError(f"`layer_types` must give each of the {self.n_layers} layers one of {LAYER_TYPES}")
         if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
             raise ValueError(f"`rope_scaling` must be a mapping of type, factor, ..., got {self.rope_scaling!r}")
+
+    def _check_experts(self) -> None:
+        """Raises for a mixture-of-experts field of the wrong kind, or k outside 1..n_experts."""
+        check_int("n_experts", self.n_experts, least=0, most=MAX_SIZE)
+        if self.expert_ffn_size is not None:
+            check_int("expert_ffn_size", self.expert_ffn_size, most=MAX_SIZE)
+        check_bool("norm_topk_prob", self.norm_topk_prob)
+        check_bool("router_aux_loss", self.router_aux_loss)
+        check_number("router_aux_loss_coef", self.router_aux_loss_coef)
+        if self.n_experts:
+            check_int("experts_per_token", self.experts_per_token, most=self.n_experts)
+            if self.arch == "gpt" or self.mlp_activation != "silu" or self.mlp_bias or self.sandwich_norms:
+                raise ValueError("memo's experts are SwiGLU MLPs without biases of the llama arch (Qwen3-MoE, Mixtral)")
+        elif self.experts_per_token:
+            raise ValueError(f"`experts_per_token` is {self.experts_per_token} but the model has no experts")
 
     def _check_shapes(self) -> None:
         """Raises unless the heads split the hidden size and each other as attention and RoPE need."""
@@ -172,6 +197,25 @@ class ModelConfig:
             raise ValueError("Gemma's norms, gated GELU and embedding scale are of the llama arch, not gpt")
         if self.rope_scaling is not None and self.rope_scaling.type == "dynamic" and not self.max_position_embeddings:
             raise ValueError("dynamic RoPE scaling needs `max_position_embeddings` (where the stretching starts)")
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """Returns each expert's FFN width."""
+        return self.expert_ffn_size or self.ffn_hidden_size
+
+    def active_parameters(self) -> int:
+        """Returns the parameters a token's forward multiplies by: every parameter of a dense model; of a mixture of
+        experts its k experts of each layer, not all of them."""
+        n = self.num_parameters()
+        if not self.moe:
+            return n
+        idle = (self.n_experts - self.experts_per_token) * 3 * self.hidden_size * self.expert_ffn
+        return n - self.n_layers * idle
 
     @property
     def head_dim(self) -> int:
@@ -282,6 +326,8 @@ def _param_shapes_numel(c: ModelConfig) -> list[int]:
     q, kv = c.n_heads * d, c.n_kv_heads * d
     attention = h * (q + 2 * kv) + q * h + c.qkv_bias * (q + 2 * kv) + c.out_bias * h + c.qk_norm * 2 * d
     mlp = (2 if c.arch == "gpt" else 3) * h * f + c.mlp_bias * (f + h)
+    if c.moe:  # the router and every expert's gate, up and down
+        mlp = c.n_experts * h + c.n_experts * 3 * h * c.expert_ffn
     norm = (2 if c.arch == "gpt" else 1) * h
     layer = attention + mlp + (4 if c.sandwich_norms else 2) * norm
     return [c.vocab_size * h, c.n_layers * layer, norm, 0 if c.tie_embeddings else c.vocab_size * h]

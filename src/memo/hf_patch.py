@@ -240,7 +240,7 @@ def _run_layer(call: Call, hf_layer: nn.Module, x: torch.Tensor) -> torch.Tensor
         if not (x.requires_grad or any(p.requires_grad for p in params)):
             with torch.no_grad():  # a layer with nothing to train below the first that has: keeps nothing
                 return twin(x, record.store, call.documents)
-        y = LayerFunction.apply(x, twin, record.store, call.documents, *params)
+        y = LayerFunction.apply(x, twin, record.store, call.documents, None, *params)
     if call.output is None:
         y = _BackwardReached.apply(y, call)
         call.output = weakref.ref(y.grad_fn)

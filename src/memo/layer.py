@@ -26,6 +26,11 @@ time, so only the attention side is ever whole-length on the device:
     up   (b,r,f)    up projection                    -- other
     act  (b,r,f)    GeLU(up) or SiLU(gate)*up        -- other
 
+    a mixture-of-experts layer (`memo.experts`) has instead of gate, up, act:
+    route_idx (b,s,k) int32  its top-k experts      -- role "input", group "whole": kept, never recomputed
+    route_w   (b,s,k)   their routing weights        -- input, whole
+    e_gate, e_up, e_act (b,r,k,f)  each routed expert's gate, up and SiLU(gate)*up  -- other, mlp
+
 Where a tile's token-local tensors live (kept whole, a tile-sized slot whose α rows go to host, or fresh)
 is the store's choice, behind the `Tiles` interface, and so is where the whole-length ones wait for the backward,
 behind `Store`; the layer only fills rows and runs their backward.
@@ -61,6 +66,7 @@ from torch import nn
 from .attention import attention_backward, attention_forward, choose, head_chunks, lse_seq_len
 from .config import ModelConfig
 from .documents import Documents
+from .experts import Experts, Groups, RouterTotals, grouped_mm, route, route_backward
 from .lora import dropout_keys, drops_out, keys_of, low_rank_add, low_rank_backward
 from .loss import ONE_BACKWARD
 from .matmul import add_mm, add_to
@@ -191,15 +197,19 @@ def tile_ranges(start: int, stop: int, tile: int) -> list[slice]:
     return [slice(i, min(i + tile, stop)) for i in range(start, stop, tile)]
 
 
+TOKEN_MAJOR = ("x", "q", "k", "v", "attn", "route_idx", "route_w", "pos")  # whole-length, sliced by rows
+PASSED = ("documents", "router", "router_grad")  # whole-sequence values every tile reads as they are
+
+
 def rows_of(t: dict, rows: slice) -> dict:
     """Returns the token rows of the whole-length tensors in `t` (the LSE is not token-major: left out), and of
-    the tokens' global positions (1, s) where LoRA dropout needs them; packed `documents` pass as they are."""
-    v = {n: t[n][:, rows] for n in ("x", "q", "k", "v", "attn", "pos") if n in t}
-    return v if "documents" not in t else {**v, "documents": t["documents"]}
+    the tokens' global positions (1, s) where LoRA dropout needs them; packed `documents`, a mixture of experts'
+    `router` totals and their gradient pass as they are."""
+    return {**{n: t[n][:, rows] for n in TOKEN_MAJOR if n in t}, **{n: t[n] for n in PASSED if n in t}}
 
 
 def _tail(v: dict, start: int) -> dict:
-    return {n: x[:, start:] if isinstance(x, torch.Tensor) else x for n, x in v.items()}
+    return {n: x if n in PASSED or not isinstance(x, torch.Tensor) else x[:, start:] for n, x in v.items()}
 
 
 def linear_into(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear, pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,9 +253,12 @@ class DecoderLayer(nn.Module):
         self.k_norm = norm_module(c, d) if c.qk_norm else None
         self.wo = nn.Linear(c.n_heads * d, h, bias=c.out_bias)
         self.mlp_norm = norm_module(c, h)
-        self.w_gate = None if self.gpt else nn.Linear(h, f, bias=c.mlp_bias)
-        self.w_up = nn.Linear(h, f, bias=c.mlp_bias)
-        self.w_down = nn.Linear(f, h, bias=c.mlp_bias)
+        dense = not c.moe
+        self.w_gate = nn.Linear(h, f, bias=c.mlp_bias) if dense and not self.gpt else None
+        self.w_up = nn.Linear(h, f, bias=c.mlp_bias) if dense else None
+        self.w_down = nn.Linear(f, h, bias=c.mlp_bias) if dense else None
+        self.router = None if dense else nn.Linear(h, c.n_experts, bias=False)  # (E, h)
+        self.experts = None if dense else Experts(c.n_experts, h, c.expert_ffn)
         self.attn_post_norm = norm_module(c, h) if c.sandwich_norms else None  # on attention's output (Gemma)
         self.mlp_post_norm = norm_module(c, h) if c.sandwich_norms else None  # on the MLP's output
         self.scale = c.attention_scale
@@ -258,6 +271,7 @@ class DecoderLayer(nn.Module):
         self.attention_ran: str | None = None  # the kernel the last forward's attention ran (one document a row)
         self.packed_ran: str | None = None  # ... over packed documents, and how: "varlen" or "per document"
         self.source = None  # a patch's weights: binds this twin's modules to a transformers layer's at each call
+        self.router_totals = None  # a mixture of experts' routing of the last forward (experts.RouterTotals)
 
     # ---- skeletal tensors -------------------------------------------------------------------------------
     def skeletal_specs(self, batch: int, seq: int, dtype, device) -> dict[str, SkeletalSpec]:
@@ -290,6 +304,13 @@ class DecoderLayer(nn.Module):
         }
         if self.gpt:
             del specs["gate"]
+        if c.moe:  # the routing, kept whole, and each routed expert's tensors in place of the dense MLP's
+            k, fe = c.experts_per_token, c.expert_ffn
+            for name in ("gate", "up", "act"):
+                specs["e_" + name] = spec("other", "mlp", k, fe)
+                del specs[name]
+            specs["route_idx"] = SkeletalSpec((b, s, k), torch.int32, "input", "whole")
+            specs["route_w"] = spec("input", "whole", k)
         if self.config.sandwich_norms:  # the post norms' inputs: attention's projection and the MLP's output
             specs.update(
                 o=spec("other", "mlp", h), o_stats=stats("mlp"), m=spec("other", "mlp", h), m_stats=stats("mlp")
@@ -392,9 +413,10 @@ class DecoderLayer(nn.Module):
             self.packed_ran = f"{kernel}, {aux[1]}"
         return aux
 
-    def fill_mlp(self, v: dict) -> None:
+    def fill_mlp(self, v: dict, route: bool = True) -> None:
         """Writes x1, n2 (+ statistics), up, (gate,) act of the rows from x and attn; with sandwich norms also o and
-        m, the post norms' inputs (+ statistics)."""
+        m, the post norms' inputs (+ statistics); of a mixture of experts, the routing (unless `route` is False: the
+        recompute reads the routing its forward kept) and each routed expert's gate, up and act."""
         pos = v.get("pos")
         o = linear(v["attn"].flatten(2), self.wo, pos)  # (b, r, h)
         if self.attn_post_norm is not None:
@@ -404,6 +426,8 @@ class DecoderLayer(nn.Module):
         x1 = torch.add(v["x"], o, out=v["x1"])
         del o  # before the MLP's tensors come
         _norm_into(v, "n2", x1, self.mlp_norm)
+        if self.experts is not None:
+            return self._fill_experts(v, route)
         up = linear_into(v["up"], v["n2"], self.w_up, pos)  # (b, r, f)
         if self.gpt:
             aten.gelu.out(up, out=v["act"])
@@ -414,6 +438,36 @@ class DecoderLayer(nn.Module):
             linear_into(v["m"], v["act"], self.w_down, pos)
             v["m_stats"].copy_(norm_forward(self.mlp_post_norm, v["m"])[1])
 
+    def _fill_experts(self, v: dict, route_now: bool) -> None:
+        """Writes the rows' routing (when `route_now`) and their experts' e_gate, e_up, e_act (b, r, k, f), computed
+        in expert-major order (`Groups`) and written back token-major."""
+        c = self.config
+        n2 = v["n2"].reshape(-1, c.hidden_size)  # (T, h)
+        if route_now:
+            logits = F.linear(n2, self.router.weight)  # (T, E)
+            weights, idx = route(logits, c.experts_per_token, c.norm_topk_prob)
+            v["route_w"].copy_(weights.view(v["route_w"].shape))
+            v["route_idx"].copy_(idx.view(v["route_idx"].shape))
+            if "router" in v:
+                v["router"].add(logits, idx)
+            del logits
+        groups = v["groups"] = Groups.of(v["route_idx"].reshape(n2.shape[0], -1), c.n_experts)
+        xs = n2[groups.token]  # (T·k, h), expert-major
+        gate = grouped_mm(xs, self.experts.gate.transpose(1, 2), groups)  # (T·k, f)
+        up = grouped_mm(xs, self.experts.up.transpose(1, 2), groups)
+        del xs
+        for name, value in (("e_gate", gate), ("e_up", up), ("e_act", F.silu(gate).mul_(up))):
+            _token_major(v[name], value, groups)
+
+    def _experts_output(self, v: dict) -> torch.Tensor:
+        """Returns the rows' routed experts' weighted sum (b, r, h) from their e_act and the kept routing."""
+        groups, shape = v.get("groups"), v["x1"].shape
+        if groups is None:
+            groups = Groups.of(v["route_idx"].reshape(-1, self.config.experts_per_token), self.config.n_experts)
+        down = grouped_mm(_expert_major(v["e_act"], groups), self.experts.down.transpose(1, 2), groups)
+        down *= v["route_w"].reshape(-1)[groups.order, None]  # (T·k, h)
+        return down.new_zeros(shape[0] * shape[1], shape[2]).index_add_(0, groups.token, down).view(shape)
+
     def _activation(self, gate: torch.Tensor) -> torch.Tensor:
         """Returns the gated MLP's activation of `gate`: SiLU, or Gemma's tanh GELU."""
         return F.gelu(gate, approximate="tanh") if self.config.mlp_activation == "gelu_tanh" else F.silu(gate)
@@ -423,6 +477,8 @@ class DecoderLayer(nn.Module):
         norms, from the m fill_mlp wrote), into `out`."""
         if self.mlp_post_norm is not None:
             return torch.add(v["x1"], norm_forward(self.mlp_post_norm, v["m"])[0], out=out)
+        if self.experts is not None:
+            return torch.add(v["x1"], self._experts_output(v), out=out)
         return torch.add(v["x1"], linear(v["act"], self.w_down, v.get("pos")), out=out)
 
     # ---- backward pieces: each adds its parameter gradients (summed over tiles) to `grads` -----------------
@@ -450,6 +506,10 @@ class DecoderLayer(nn.Module):
     def mlp_backward(self, dy: torch.Tensor, v: dict, grads: dict, dx1: torch.Tensor) -> None:
         """Writes dx1 = dy + the MLP's input gradient (b, r, h) for the rows of dy, y = x1 + MLP(norm(x1))."""
         pos = v.get("pos")
+        if self.experts is not None:
+            dn2 = self._experts_backward(dy, v, grads)
+            torch.add(dy, self._norm_backward(dn2, v["x1"], v["n2_stats"], "mlp_norm", grads), out=dx1)
+            return
         dm = dy if self.mlp_post_norm is None else self._norm_backward(dy, v["m"], v["m_stats"], "mlp_post_norm", grads)
         dact = self._linear_backward(dm, v["act"], "w_down", grads, pos)  # (b, r, f)
         del dm
@@ -466,6 +526,40 @@ class DecoderLayer(nn.Module):
             dn2 = self._linear_backward(dup, v["n2"], "w_up", grads, pos)
             dn2 += self._linear_backward(dgate, v["n2"], "w_gate", grads, pos)
         torch.add(dy, self._norm_backward(dn2, v["x1"], v["n2_stats"], "mlp_norm", grads), out=dx1)
+
+    def _experts_backward(self, dy: torch.Tensor, v: dict, grads: dict) -> torch.Tensor:
+        """Returns dn2 (T, h) of the routed experts' weighted sum and the router for the rows of dy (b, r, h), with
+        the routing kept from the forward; adds the experts' and the router's gradients."""
+        c, ex = self.config, self.experts
+        n2, dy = v["n2"].reshape(-1, c.hidden_size), dy.reshape(-1, c.hidden_size)  # (T, h)
+        idx = v["route_idx"].reshape(n2.shape[0], -1)  # (T, k)
+        groups = Groups.of(idx, c.n_experts)
+        xs, dys = n2[groups.token], dy[groups.token]  # (T·k, h), expert-major
+        gate, up, act = (_expert_major(v[name], groups) for name in ("e_gate", "e_up", "e_act"))
+        out = grouped_mm(act, ex.down.transpose(1, 2), groups)  # (T·k, h): each expert's output, for dweights
+        dweights = torch.empty(idx.numel(), device=dy.device).index_copy_(0, groups.order, _dot(dys, out))
+        del out
+        d_down = dys * v["route_w"].reshape(-1)[groups.order, None]  # (T·k, h)
+        del dys
+        wide = torch.float32 if d_down.dtype.itemsize < 4 else None
+        if ex.down.requires_grad:
+            add_to(grads, "experts.down", grouped_mm(d_down.t(), act, groups, wide))  # (E, h, f)
+        dact = grouped_mm(d_down, ex.down, groups)  # (T·k, f)
+        del d_down, act
+        dup = dact * F.silu(gate)
+        dgate = aten.silu_backward(dact * up, gate)
+        del dact, gate, up
+        for name, grad in (("gate", dgate), ("up", dup)):
+            if getattr(ex, name).requires_grad:
+                add_to(grads, "experts." + name, grouped_mm(grad.t(), xs, groups, wide))  # (E, f, h)
+        dxs = grouped_mm(dgate, ex.gate, groups).add_(grouped_mm(dup, ex.up, groups))  # (T·k, h)
+        del dgate, dup, xs
+        dn2 = torch.zeros_like(n2).index_add_(0, groups.token, dxs)
+        logits = F.linear(n2, self.router.weight)  # the continuous values again; the choice stays the forward's
+        dlogits = route_backward(dweights.view(idx.shape), logits, idx, c.norm_topk_prob, v.get("router_grad"))
+        if self.router.weight.requires_grad:
+            add_mm(grads, "router.weight", dlogits.t(), n2)
+        return dn2.addmm_(dlogits, self.router.weight).view(v["n2"].shape)
 
     def projection_backward(self, dx1: torch.Tensor, v: dict, grads: dict, dattn: torch.Tensor) -> None:
         """Writes dattn (b, r, a, d) of x1 = x + attn·W_oᵀ (its post norm's with sandwich norms) for the rows of
@@ -552,7 +646,12 @@ class DecoderLayer(nn.Module):
             return forward_phase(self, t, FreshTiles.of(specs, tile, heads))[0]
         if store is None:
             raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
-        return LayerFunction.apply(x, self, store, documents, *self.parameters())
+        if self.experts is None or not self.config.router_aux_loss:
+            return LayerFunction.apply(x, self, store, documents, None, *self.parameters())
+        totals = RouterTotals.zeros(self.config.n_experts, x.device)
+        y, prob_sum = LayerFunction.apply(x, self, store, documents, totals, *self.parameters())
+        self.router_totals = RouterTotals(prob_sum, totals.counts)  # the load-balancing loss's (model.py)
+        return y
 
 
 def _with_positions(layer: DecoderLayer, t: dict, documents: Documents | None) -> dict:
@@ -561,6 +660,24 @@ def _with_positions(layer: DecoderLayer, t: dict, documents: Documents | None) -
     pos = layer.positions(t["x"].shape[1], t["x"].device)
     t = t if pos is None else {**t, "pos": pos}
     return t if documents is None else {**t, "documents": documents}
+
+
+def _expert_major(t: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Returns the routed rows of a token-major (b, r, k, f) tensor in the groups' expert-major order (T·k, f)."""
+    return t.reshape(-1, t.shape[-1])[groups.order]
+
+
+def _token_major(out: torch.Tensor, value: torch.Tensor, groups: Groups) -> None:
+    """Writes expert-major rows `value` (T·k, f) into the token-major (b, r, k, f) `out`."""
+    flat = out.view(-1, out.shape[-1]) if out.is_contiguous() else torch.empty_like(value)
+    flat.index_copy_(0, groups.order, value)
+    if flat.data_ptr() != out.data_ptr():
+        out.copy_(flat.view(out.shape))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Returns the row-wise dot products of a and b (R, h) in float32."""
+    return torch.linalg.vecdot(a.float(), b.float())
 
 
 def _sum_part(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
@@ -612,7 +729,7 @@ def backward_phase(layer: DecoderLayer, t: dict, dy: torch.Tensor, aux: tuple, t
         v, start = tiles.restore(t, rows, "mlp")
         v = {**rows_of(t, rows), **v}
         if start < rows.stop - rows.start:
-            layer.fill_mlp(_tail(v, start))  # the (1 - α) rows: recomputed, token-wise
+            layer.fill_mlp(_tail(v, start), route=False)  # the (1 - α) rows: recomputed, token-wise
         layer.mlp_backward(dy[:, rows], v, grads, dx[:, rows])
         layer.projection_backward(dx[:, rows], v, grads, dattn[:, rows])
     dq, dk, dv = layer.attention_backward(dattn, t, aux, tiles.heads)  # (b, s, heads, d), all tokens; dq is dattn
@@ -629,19 +746,22 @@ def backward_phase(layer: DecoderLayer, t: dict, dy: torch.Tensor, aux: tuple, t
 
 
 class LayerFunction(torch.autograd.Function):
-    """One layer's forward and backward; the store decides where skeletal tensors live in between."""
+    """One layer's forward and backward; the store decides where skeletal tensors live in between. Given a mixture
+    of experts' `totals` (experts.RouterTotals), it sums the routing probabilities into them and returns that sum
+    as a second output, whose gradient (the load-balancing loss's) the backward adds to every token's."""
 
     @staticmethod
-    def forward(ctx, x, layer: DecoderLayer, store: Store, documents, *params):
+    def forward(ctx, x, layer: DecoderLayer, store: Store, documents, totals, *params):
         t, tiles = store.slots(layer.index, x)
-        y, aux = layer.run(forward_phase, _with_positions(layer, t, documents), tiles)
+        t = _with_positions(layer, t, documents)
+        y, aux = layer.run(forward_phase, t if totals is None else {**t, "router": totals}, tiles)
         store.after_forward(layer.index, aux)
         ctx.layer, ctx.store, ctx.step, ctx.documents, ctx.source = layer, store, store.step, documents, layer.source
         ctx.keys = dropout_keys(layer)  # LoRA dropout's masks, as this forward drew them
-        return y
+        return y if totals is None else (y, totals.prob_sum)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dprob=None):
         """The gradient of a layer's output belongs to the layer stack (its only consumer is the next layer, or
         the loss, which made it): the backward writes dx over it rather than holding both whole."""
         if getattr(ctx, "ran", False):
@@ -651,6 +771,7 @@ class LayerFunction(torch.autograd.Function):
         with nullcontext() if ctx.source is None else ctx.source.bound(layer), keys_of(layer, ctx.keys):
             t, aux, tiles, recompute = store.before_backward(layer.index, ctx.step)
             t = _with_positions(layer, t, ctx.documents)
+            t = t if dprob is None else {**t, "router_grad": dprob}
             dx, grads = layer.run(backward_phase, t, dy.contiguous(), aux, tiles, recompute)
             names = [name for name, _ in layer.named_parameters()]
-        return (dx, None, None, None, *(grads.get(name) for name in names))  # frozen: None
+        return (dx, None, None, None, None, *(grads.get(name) for name in names))  # frozen: None

@@ -11,6 +11,7 @@ from torch import nn
 from .attention import refusals
 from .config import ModelConfig
 from .documents import Documents
+from .experts import router_aux_loss
 from .layer import DecoderLayer
 from .lora import set_dropout_keys
 from .loss import TokenReduction, shift_labels, target_cross_entropy
@@ -53,7 +54,7 @@ class Transformer(nn.Module):
             if p.dim() == 1:
                 nn.init.constant_(p, one) if name.endswith("norm.weight") else nn.init.zeros_(p)
             else:
-                nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02)
+                nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight", "experts.down")) else 0.02)
 
     def forward(
         self,
@@ -62,7 +63,8 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Returns the mean next-token loss when `labels` are given, else logits (b, s, V) for short inputs.
+        """Returns the mean next-token loss when `labels` are given (with grad, plus a mixture of experts' load-
+        balancing loss where the config asks for it, as transformers adds it), else logits (b, s, V) for short inputs.
 
         `targets` replaces `labels` with labels already shifted (position t predicts targets[t]): what a
         sequence-parallel rank holds, its last token predicting the next rank's first (parallel.shard_batch).
@@ -74,9 +76,14 @@ class Transformer(nn.Module):
         if labels is None and targets is None:
             return norm_forward(self.norm, x)[0] @ self.head_weight.t()
         targets = shift_labels(labels) if targets is None else targets
-        return target_cross_entropy(
+        loss = target_cross_entropy(
             x, self.head_weight, targets, self.loss_chunk_tokens, self.token_reduction, norm=self.norm
         )
+        totals = [layer.router_totals for layer in self.layers if layer.router_totals is not None]
+        if not totals:
+            return loss
+        coef = self.config.router_aux_loss_coef  # transformers adds it to the loss of the labels: so does memo
+        return loss + router_aux_loss(totals, input_ids.numel(), coef, self.token_reduction)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the final-norm hidden states (b, s, h): what the LM head reads (decode from a few rows of
@@ -97,6 +104,8 @@ class Transformer(nn.Module):
         if self.config.scale_embeddings:  # Gemma: √h, in the embedding's dtype
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         set_dropout_keys(self, self.dropout_key if torch.is_grad_enabled() else None)  # LoRA dropout: training only
+        for layer in self.layers:  # a mixture of experts' routing totals: those of this forward, if it trains
+            layer.router_totals = None
         if torch.is_grad_enabled():
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)
         for layer in self.layers:

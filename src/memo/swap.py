@@ -101,13 +101,18 @@ class LayerSwap:
     def host_specs(self, specs: dict[str, SkeletalSpec]) -> dict[str, SkeletalSpec]:
         """Returns what the layer keeps in its host slot: memo sends x, attn, lse and the first `split` rows of the
         other tensors (of its whole-length ones only when `sent`; of its token-local ones unless they survive in
-        its tile slot), checkpoint sends x."""
+        its tile slot), checkpoint sends x (and a mixture of experts' routing: every tensor of role "input")."""
         if self.mode == "memo":
             kept = {n: (sp.rows(self.split) if sp.role == "other" else sp) for n, sp in specs.items()}
             return {n: sp for n, sp in kept.items() if (self.sent if sp.group == "whole" else not self.survives)}
         if self.mode == "checkpoint" and self.sent:
-            return {"x": specs["x"]}
+            return inputs(specs)
         return {}
+
+
+def inputs(specs: dict[str, SkeletalSpec]) -> dict[str, SkeletalSpec]:
+    """Returns what no mode recomputes: the layer input x and a mixture of experts' routing (role "input")."""
+    return {n: sp for n, sp in specs.items() if sp.role == "input"}
 
 
 def layer_swaps(
@@ -136,7 +141,7 @@ class StoreLayout:
     n_buffers: int
     keep_bytes: int  # one keep layer's slot
     n_keep: int
-    kept_input_bytes: int  # the inputs `recompute` layers hold
+    kept_input_bytes: int  # the inputs (and routing) `recompute` layers hold
     host_bytes: tuple[int, ...]  # per layer
 
     @property
@@ -166,7 +171,7 @@ def store_layout(specs: dict[str, SkeletalSpec], swaps: tuple[LayerSwap, ...], t
         n_buffers=buffers,
         keep_bytes=pack_layout(specs)[1],
         n_keep=modes.count("keep"),
-        kept_input_bytes=modes.count("recompute") * specs["x"].nbytes,
+        kept_input_bytes=modes.count("recompute") * pack_layout(inputs(specs))[1],
         host_bytes=tuple(pack_layout(swap.host_specs(specs))[1] for swap in swaps),
     )
 
@@ -363,6 +368,7 @@ class ActivationStore:
         self._buffers: list[dict[str, torch.Tensor]] = []  # whole-length views per rounding buffer
         self._slots: list[tuple] = []  # two tile slots per rounding buffer
         self._keep: dict[int, dict[str, torch.Tensor]] = {}
+        self._routing: dict[int, dict[str, torch.Tensor]] = {}  # a recompute layer's kept routing (mixture of experts)
         self._host: dict[int, dict[str, torch.Tensor]] = {}
         self._inputs: dict[int, torch.Tensor] = {}
         self._aux: dict[int, tuple] = {}
@@ -460,6 +466,13 @@ class ActivationStore:
             for i, swap in enumerate(self.swaps)
             if swap.mode == "keep"
         }
+        routing = {n: sp for n, sp in inputs(self.specs).items() if n != "x"}  # what a recompute layer keeps beside x
+        offsets, size = pack_layout(routing)
+        self._routing = {
+            i: carve(self._bytes(("routing", i), size, device), offsets, routing)
+            for i, swap in enumerate(self.swaps)
+            if swap.mode == "recompute" and routing
+        }
 
     def _bytes(self, key: tuple, nbytes: int, device: torch.device) -> torch.Tensor:
         """Returns `nbytes` of the raw buffer `key`, allocated anew only when the one kept is shorter."""
@@ -523,7 +536,7 @@ class ActivationStore:
             return t, self._kept_tiles()
         if mode == "recompute":
             self._inputs[index] = x
-            return {**self._buffers[0], "x": x}, self._slot_tiles(index)
+            return {**self._buffers[0], "x": x, **self._routing.get(index, {})}, self._slot_tiles(index)
         j = index % 2
         for event in self._busy.pop(j, ()):  # a layer before, of the same parity, may still be copying out
             dev.wait_event(event, device=self._device)
@@ -604,7 +617,7 @@ class ActivationStore:
             return self._keep[index], self._aux.pop(index), self._kept_tiles(), None
         if mode == "recompute":
             self._count_recompute(b, s, attention=True, qkv=True)
-            t = {**self._buffers[0], "x": self._inputs.pop(index)}
+            t = {**self._buffers[0], "x": self._inputs.pop(index), **self._routing.get(index, {})}
             return t, None, self._slot_tiles(index), Recompute(0, attention=True)
         j = index % 2
         for event in self._busy.pop(j, ()):  # this layer's own copies out of the buffer
