@@ -60,6 +60,40 @@ class RotaryEmbedding(nn.Module):
         return x * cos + half * sin
 
 
+class ReferenceExperts(nn.Module):
+    """A mixture of SwiGLU experts computed densely, every expert over every token, masked by the top-k routing
+    (slow and simple: transformers' Qwen3-MoE / Mixtral arithmetic); keeps its router logits for the aux loss."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        e, h, f = c.n_experts, c.hidden_size, c.expert_ffn
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate, self.up, self.down = (nn.Parameter(torch.zeros(e, *shape)) for shape in ((f, h), (f, h), (h, f)))
+        self.logits = None
+
+    def forward(self, n: torch.Tensor) -> torch.Tensor:
+        self.logits = self.router(n)  # (b, s, E)
+        probs = torch.softmax(self.logits.float(), dim=-1)
+        top, idx = probs.topk(self.c.experts_per_token, dim=-1)
+        if self.c.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        top = top.to(n.dtype)
+        out = torch.zeros_like(n)
+        for e in range(self.c.n_experts):
+            weight = (top * (idx == e)).sum(-1, keepdim=True)  # (b, s, 1): 0 where e is not routed
+            out = out + weight * F.linear(F.silu(F.linear(n, self.gate[e])) * F.linear(n, self.up[e]), self.down[e])
+        return out
+
+
+def load_balancing_loss(logits: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Returns E·Σ_e F_e·P_e over every layer's router logits (transformers' `load_balancing_loss_func`, without a
+    mask): F_e the share of the top-k choices that name e, P_e its mean probability."""
+    probs = torch.softmax(torch.cat([x.reshape(-1, x.shape[-1]) for x in logits]).float(), dim=-1)
+    chosen = F.one_hot(probs.topk(k, dim=-1).indices, probs.shape[-1]).float()  # (N, k, E)
+    return probs.shape[-1] * (chosen.mean(0) * probs.mean(0)).sum()
+
+
 class ReferenceBlock(nn.Module):
     def __init__(self, c: ModelConfig, attention: str, index: int = 0):
         super().__init__()
@@ -74,9 +108,12 @@ class ReferenceBlock(nn.Module):
         self.q_norm = _norm(c, c.head_dim) if c.qk_norm else nn.Identity()
         self.k_norm = _norm(c, c.head_dim) if c.qk_norm else nn.Identity()
         self.wo = nn.Linear(q, c.hidden_size, bias=c.out_bias)
-        self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
-        self.w_up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
-        self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias)
+        if c.moe:
+            self.router_experts = ReferenceExperts(c)
+        else:
+            self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
+            self.w_up = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
+            self.w_down = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.mlp_bias)
         self.attn_post_norm = _norm(c, c.hidden_size) if c.sandwich_norms else nn.Identity()
         self.mlp_post_norm = _norm(c, c.hidden_size) if c.sandwich_norms else nn.Identity()
         local = c.rope_local_theta is not None and c.slides(index)
@@ -112,6 +149,8 @@ class ReferenceBlock(nn.Module):
         o = self._attend(self.rope(q, positions), self.rope(k, positions), v, positions)
         x = x + self.attn_post_norm(self.wo(o.transpose(1, 2).reshape(b, s, -1)))
         n = self.mlp_norm(x)
+        if self.c.moe:
+            return x + self.router_experts(n)
         if self.w_gate is None:
             hidden = F.gelu(self.w_up(n))
         else:
@@ -143,4 +182,20 @@ class ReferenceTransformer(nn.Module):
         logits = self.norm(x) @ (self.embed.weight if self.head is None else self.head.weight).t()
         if labels is None:
             return logits
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+        if not self.config.router_aux_loss:
+            return loss
+        aux = load_balancing_loss([layer.router_experts.logits for layer in self.layers], self.config.experts_per_token)
+        return loss + self.config.router_aux_loss_coef * aux
+
+    def memo_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """Returns the state dict under memo.Transformer's names (a mixture of experts' live in one module)."""
+        rename = {".router_experts.router.": ".router.", ".router_experts.": ".experts."}
+        state = {}
+        for name, t in self.state_dict(keep_vars=keep_vars).items():
+            for ours, theirs in rename.items():
+                if ours in name:
+                    name = name.replace(ours, theirs)
+                    break
+            state[name] = t
+        return state
