@@ -42,19 +42,31 @@ class Experts(nn.Module):
 @dataclass(frozen=True)
 class Groups:
     """A tile's routed (token, slot) pairs in expert-major order: pair j of the sorted list is flat pair order[j]
-    of the token-major (T·k) list, of token `token[j]`; expert e's rows end at offs[e]."""
+    of the token-major (T·k) list, of token `token[j]`, at `pair[j]` (sequence, row, slot) of a (b, r, k, ...)
+    tensor; expert e's rows end at offs[e]."""
 
     order: torch.Tensor  # (T·k,) int64
     token: torch.Tensor  # (T·k,) int64
+    pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (T·k,) each
     offs: torch.Tensor  # (E,) int32, cumulative counts
 
     @classmethod
     def of(cls, idx: torch.Tensor, n_experts: int) -> "Groups":
-        """Returns the groups of the routing `idx` (T, k)."""
+        """Returns the groups of the routing `idx` (b, r, k)."""
+        _, r, k = idx.shape
         flat = idx.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
         offs = torch.cumsum(_counts(flat, n_experts), 0, dtype=torch.int32)
-        return cls(order, order // idx.shape[-1], offs)
+        token = order // k
+        return cls(order, token, (token // r, token % r, order % k), offs)
+
+    def expert_major(self, t: torch.Tensor) -> torch.Tensor:
+        """Returns the routed rows of a token-major (b, r, k, f) tensor in expert-major order (T·k, f)."""
+        return t[self.pair]
+
+    def token_major(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes expert-major `rows` (T·k, f) into the token-major (b, r, k, f) `out`, in place (a view or not)."""
+        out.index_put_(self.pair, rows)
 
 
 def _counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:

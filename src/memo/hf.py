@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3 `config.json` + safetensors, no
-`transformers` import.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2, Qwen3, Gemma 3 and the mixtures of experts
+Qwen3-MoE and Mixtral, `config.json` + safetensors, no `transformers` import.
 
 Each family's modeling file in transformers fixes what its config fields mean, and `config_from_hf` reads
 them the same way: Llama's `attention_bias` covers q/k/v and o_proj, Qwen2 has q/k/v biases and no other,
@@ -9,6 +9,11 @@ Mistral none at all; Qwen3 adds a per-head RMSNorm of q and k. Both config layou
 with the second half), the pairing of `layer.rotate`, so q/k weights map one to one with no permutation
 (tests/test_hf.py checks all of this against `transformers`). Weights are read with `safetensors` only: a
 checkpoint cannot run code.
+
+A mixture of experts' files hold each expert's gate, up and down projection as tensors of their own (what
+`save_pretrained` writes and released checkpoints hold; transformers fuses them in memory); memo stacks them
+on dim 0, one (E, f, h) or (E, h, f) tensor each (`hf_names`). memo runs MoE models whose every layer is sparse
+(tests/test_moe_hf.py checks both families against `transformers`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", 32768),
     "qwen3": ("Qwen3ForCausalLM", 32768),
     "gemma3_text": ("Gemma3ForCausalLM", 131072),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", 32768),
+    "mixtral": ("MixtralForCausalLM", 131072),
 }
 GEMMA = "gemma3_text"
 MULTIMODAL = {"gemma3": GEMMA}  # a vision-language folder whose text tower memo reads (`text_config`)
@@ -77,8 +84,20 @@ GEMMA_LAYER_NAMES = {
 }
 
 
+# a mixture-of-experts family -> (its router's module, its experts' module, memo's expert tensor -> the projection
+# of each expert `{experts' module}.{e}.{projection}.weight` that is its row e)
+MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate", "mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+EXPERTS = "experts"  # memo's module of a layer's stacked experts: one tensor holds E of the file's
+
+
 def layer_names(family: str) -> dict[str, str]:
-    """Returns memo's name -> the module of `family`'s decoder layer (`LAYER_NAMES`, Gemma's its own)."""
+    """Returns memo's name -> the module of `family`'s decoder layer (`LAYER_NAMES`, Gemma's its own; a mixture of
+    experts' adds its router)."""
+    if family in MOE_NAMES:
+        return {**LAYER_NAMES, "router": MOE_NAMES[family][0]}
     return GEMMA_LAYER_NAMES if family == GEMMA else LAYER_NAMES
 
 
@@ -99,7 +118,7 @@ _SPECIAL_TOKENS = {
 def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = PLAIN) -> str:
     """Returns the HF `*ForCausalLM` tensor name of a memo parameter name (`layers.3.wq.bias` ->
     `model.layers.3.self_attn.q_proj.bias`) in `family`, under a multimodal folder's text `tower` (its prefix and
-    its head's name) when given."""
+    its head's name) when given; an expert stack is several (`hf_names`)."""
     prefix, head = tower
     if name == "head.weight":
         return head
@@ -107,6 +126,23 @@ def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = PLAIN) ->
         return prefix + _TOP_NAMES[name]
     _, index, module, kind = name.split(".")
     return f"{prefix}layers.{index}.{layer_names(family)[module]}.{kind}"
+
+
+def hf_names(name: str, config: ModelConfig, tower: tuple[str, str] = PLAIN) -> list[str]:
+    """Returns the HF tensor names that hold memo parameter `name` of a model of `config`, in the order of its rows:
+    one name, or an expert stack's E (`layers.3.experts.gate` -> `model.layers.3.mlp.experts.{0..E-1}.gate_proj.weight`).
+    Reading and writing both go by it."""
+    family = hf_family(config)
+    if not stacked(name):
+        return [hf_name(name, family, tower)]
+    _, index, _, kind = name.split(".")
+    _, experts, projections = MOE_NAMES[family]
+    return [f"{tower[0]}layers.{index}.{experts}.{e}.{projections[kind]}.weight" for e in range(config.n_experts)]
+
+
+def stacked(name: str) -> bool:
+    """Returns whether memo parameter `name` stacks one HF tensor per expert on dim 0."""
+    return name.split(".")[2:3] == [EXPERTS]
 
 
 # ModelConfig field -> the config.json field it is read from: errors name the file's
@@ -120,6 +156,10 @@ _HF_FIELDS = {
     "tie_embeddings": "tie_word_embeddings",
     "qkv_bias": "attention_bias",
     "out_bias": "attention_bias",
+    "n_experts": "num_experts",
+    "experts_per_token": "num_experts_per_tok",
+    "expert_ffn_size": "moe_intermediate_size",
+    "router_aux_loss": "output_router_logits",
 }
 
 
@@ -131,8 +171,8 @@ def _unsupported(field: str, value, why: str) -> ValueError:
 
 
 def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = CONFIG_NAME) -> ModelConfig:
-    """Returns the ModelConfig of a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 `config.json` dict (either layout); raises a
-    one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks the shapes, as it does
+    """Returns the ModelConfig of a Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE or Mixtral `config.json` dict (either
+    layout); raises a one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks the shapes, as it does
     memo's own model files."""
     try:
         fields = _model_fields(text_config(cfg), name)
@@ -166,14 +206,16 @@ def _model_fields(cfg: dict, name: str) -> dict:
         raise _unsupported("model_type", family, f"memo reads {', '.join([*FAMILIES, *MULTIMODAL])} checkpoints")
     if family == GEMMA:
         return _gemma_fields({**GEMMA_DEFAULTS, **cfg}, name)
+    cfg = {**MOE_DEFAULTS.get(family, {}), **cfg}
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [f for f in required if f not in cfg]
+    missing = [f for f in (*required, *MOE_REQUIRED.get(family, ())) if f not in cfg]
     if missing:
         raise ValueError(f"lacks required field(s): {', '.join(missing)}")
     _check_runnable(cfg)
     heads = cfg["num_attention_heads"]
     max_positions = cfg.get("max_position_embeddings") or FAMILIES[family][1]
-    attention_bias = check_bool("attention_bias", cfg.get("attention_bias", False)) and family in ("llama", "qwen3")
+    qwen3 = family in ("qwen3", "qwen3_moe")  # q/k norm, and the attention bias on o_proj too
+    attention_bias = check_bool("attention_bias", cfg.get("attention_bias", False)) and (qwen3 or family == "llama")
     theta, scaling = _rope(cfg, max_positions)
     kv_heads = cfg.get("num_key_value_heads")
     return dict(
@@ -191,13 +233,72 @@ def _model_fields(cfg: dict, name: str) -> dict:
         qkv_bias=attention_bias or family == "qwen2",
         out_bias=attention_bias,
         mlp_bias=check_bool("mlp_bias", cfg.get("mlp_bias", False)) and family == "llama",
-        qk_norm=family == "qwen3",
+        qk_norm=qwen3,
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         max_position_embeddings=max_positions,
         rope_scaling=scaling,
         **_windows(cfg, family),
+        **(_moe_fields(cfg, family) if family in MOE_NAMES else {}),
         hf_model_type=family,
     )
+
+
+# Qwen3MoeConfig's and MixtralConfig's defaults (transformers 5.25) where they differ from the dense families' (Mixtral's
+# RoPE base, both classes' kv heads) or are their own; the experts' count, k and width are shapes, required
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        sliding_window=4096,
+        norm_topk_prob=False,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    ),
+    "mixtral": dict(
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        sliding_window=None,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    ),
+}
+MOE_REQUIRED = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"), "mixtral": ("num_experts_per_tok",)}
+SPARSE_ONLY = "memo runs MoE models whose every layer is sparse"
+
+
+def _moe_fields(cfg: dict, family: str) -> dict:
+    """Returns the mixture-of-experts fields of a Qwen3-MoE or Mixtral config (defaults filled); raises for a stack
+    with dense layers and for routing noise, which memo's recompute could not draw again."""
+    if cfg.get("mlp_only_layers"):
+        raise _unsupported("mlp_only_layers", cfg["mlp_only_layers"], SPARSE_ONLY)
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise _unsupported("decoder_sparse_step", cfg["decoder_sparse_step"], SPARSE_ONLY)
+    if cfg.get("router_jitter_noise"):
+        raise _unsupported("router_jitter_noise", cfg["router_jitter_noise"], "memo routes without training noise")
+    experts = _n_experts(cfg)
+    if experts == 0:
+        raise _unsupported("num_experts", 0, SPARSE_ONLY)
+    width = cfg["moe_intermediate_size"] if family == "qwen3_moe" else cfg["intermediate_size"]
+    return dict(
+        n_experts=experts,
+        experts_per_token=cfg["num_experts_per_tok"],
+        expert_ffn_size=None if width == cfg["intermediate_size"] else width,  # not a width of its own
+        norm_topk_prob=family == "mixtral" or cfg["norm_topk_prob"],  # Mixtral always renormalises
+        router_aux_loss=cfg["output_router_logits"],
+        router_aux_loss_coef=cfg["router_aux_loss_coef"],
+    )
+
+
+def _n_experts(cfg: dict):
+    """Returns the experts' count: `num_experts` and `num_local_experts` are one field to transformers (an alias),
+    Qwen3-MoE's released files spell it the first way, Mixtral's and transformers 5's `save_pretrained` the second."""
+    given = [cfg[k] for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None]
+    if not given:
+        raise ValueError("lacks required field(s): num_experts")
+    if given[0] != given[-1]:
+        raise _unsupported("num_experts", given[-1], f"it names one field with `num_local_experts` ({given[0]!r})")
+    return given[0]
 
 
 # Gemma3TextConfig's defaults (transformers 5.25), for the fields a saved text_config leaves out
@@ -365,6 +466,8 @@ def _windows(cfg: dict, family: str) -> dict:
         return {"sliding_window": None, "layer_types": None}
     if family == "mistral":
         return {"sliding_window": cfg.get("sliding_window", 4096), "layer_types": None}
+    if family in MOE_NAMES:
+        return _moe_window(cfg, family)
     gemma = family == GEMMA
     window = (
         cfg.get("sliding_window", 4096)
@@ -392,15 +495,30 @@ def _windows(cfg: dict, family: str) -> dict:
     return {"sliding_window": window, "layer_types": None if "full_attention" not in sliding else sliding}
 
 
+def _moe_window(cfg: dict, family: str) -> dict:
+    """Returns the window of a Qwen3-MoE or Mixtral config (defaults filled), which transformers 5 gives every layer:
+    Mixtral's when set, Qwen3-MoE's under `use_sliding_window`, where a `max_window_layers` that would leave the
+    first layers full (as Qwen2/3 read it) is refused: the versions disagree on it."""
+    slides = family == "mixtral" or check_bool("use_sliding_window", cfg.get("use_sliding_window", False))
+    window = cfg.get("sliding_window") if slides else None
+    if window is not None and family == "qwen3_moe" and cfg.get("max_window_layers", 0) != 0:
+        raise _unsupported(
+            "max_window_layers", cfg["max_window_layers"], "transformers 5 slides every Qwen3-MoE layer, ignoring it"
+        )
+    return {"sliding_window": window, "layer_types": None}
+
+
 # ---- ModelConfig -> config.json -------------------------------------------------------------------------
 
 
 def hf_family(config: ModelConfig) -> str:
     """Returns the HF model_type a config exports as: its `hf_model_type`, else the family whose layers it has
-    (Gemma 3 for its norms, Qwen3 for q/k norm, Qwen2 for q/k/v-only biases, Mistral for a sliding window, Llama
-    otherwise)."""
+    (of a mixture of experts Qwen3-MoE for q/k norm, else Mixtral; Gemma 3 for its norms, Qwen3 for q/k norm, Qwen2
+    for q/k/v-only biases, Mistral for a sliding window, Llama otherwise)."""
     if config.hf_model_type is not None:
         return config.hf_model_type
+    if config.moe:
+        return "qwen3_moe" if config.qk_norm else "mixtral"
     if config.norm_offset:
         return GEMMA
     if config.qk_norm:
@@ -425,13 +543,15 @@ def check_exportable(config: ModelConfig, family: str) -> None:
         "qwen2": {"qkv_bias": True, "out_bias": False, "mlp_bias": False, "qk_norm": False},
         "qwen3": {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": False, "qk_norm": True},
         GEMMA: {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": False, "qk_norm": True},
+        "qwen3_moe": {"qkv_bias": None, "out_bias": "qkv_bias", "mlp_bias": False, "qk_norm": True},
+        "mixtral": {"qkv_bias": False, "out_bias": False, "mlp_bias": False, "qk_norm": False},
     }[family]
     for field, want in holds.items():
         want = has[want] if isinstance(want, str) else want
         if want is not None and has[field] != want:
             raise ValueError(
                 f"Hugging Face {family} needs `{field}` {want}, the model has {has[field]}: "
-                "set `hf_model_type` to the family that has its layers (llama, mistral, qwen2, qwen3)"
+                "set `hf_model_type` to the family that has its layers (llama, mistral, qwen2, qwen3; qwen3_moe, mixtral)"
             )
     gemma = (config.norm_offset, config.sandwich_norms, config.mlp_activation, config.scale_embeddings)
     if (family == GEMMA) != (gemma == (1.0, True, "gelu_tanh", True)):
@@ -442,12 +562,25 @@ def check_exportable(config: ModelConfig, family: str) -> None:
         )
     if family == "llama" and config.sliding_window is not None:
         raise ValueError("Hugging Face llama has no `sliding_window`: set `hf_model_type` to mistral, qwen2 or qwen3")
-    if family == "mistral" and config.layer_types is not None and config.sliding_window is not None:
-        raise ValueError("Hugging Face mistral slides every layer: `layer_types` needs qwen2 or qwen3")
+    if family in ("mistral", *MOE_NAMES) and config.layer_types is not None and config.sliding_window is not None:
+        raise ValueError(f"Hugging Face {family} slides every layer: `layer_types` needs qwen2 or qwen3")
+    _check_moe_exportable(config, family)
     if family == "llama" and config.hidden_size % config.n_heads:  # LlamaConfig's own check
         raise ValueError(
             f"Hugging Face llama needs `n_heads` ({config.n_heads}) to divide `hidden_size` ({config.hidden_size})"
         )
+
+
+def _check_moe_exportable(config: ModelConfig, family: str) -> None:
+    """Raises unless `family` routes to experts exactly when `config` does, and renormalises as it does."""
+    if (family in MOE_NAMES) != config.moe:
+        raise ValueError(
+            f"Hugging Face {family} {'routes every layer to experts' if family in MOE_NAMES else 'has dense MLPs'}, "
+            f"the model {'has dense MLPs' if family in MOE_NAMES else 'routes to experts'}: set `hf_model_type` to "
+            f"{'a dense family (llama, mistral, qwen2, qwen3)' if family in MOE_NAMES else 'qwen3_moe or mixtral'}"
+        )
+    if family == "mixtral" and not config.norm_topk_prob:
+        raise ValueError("Hugging Face mixtral renormalises the top-k routing weights: `norm_topk_prob` off needs qwen3_moe")
 
 
 def _layer_types(config: ModelConfig) -> list[str]:
@@ -474,6 +607,29 @@ def _gemma_to_hf(config: ModelConfig, out: dict) -> None:
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
         use_bidirectional_attention=False,
+    )
+
+
+def _moe_to_hf(config: ModelConfig, out: dict) -> None:
+    """Writes a Qwen3-MoE or Mixtral config's experts into `out`: every layer sparse, Mixtral's expert width in
+    `intermediate_size`, the experts' count under the name each family's released files use (transformers reads
+    either)."""
+    out.update(
+        num_experts_per_tok=config.experts_per_token,
+        output_router_logits=config.router_aux_loss,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+    )
+    if out["model_type"] == "mixtral":
+        out.update(intermediate_size=config.expert_ffn, num_local_experts=config.n_experts, router_jitter_noise=0.0)
+        return
+    out.update(
+        num_experts=config.n_experts,
+        moe_intermediate_size=config.expert_ffn,
+        norm_topk_prob=config.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=config.sliding_window is not None,
+        sliding_window=config.sliding_window,
     )
 
 
@@ -536,12 +692,14 @@ def config_to_hf(
         "dtype": str(dtype).removeprefix("torch."),
         "torch_dtype": str(dtype).removeprefix("torch."),  # 4.x's name
     }
-    if family in ("llama", "qwen3"):
+    if family in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = config.qkv_bias
     if family == "llama":
         out["mlp_bias"] = config.mlp_bias
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         out["sliding_window"] = config.sliding_window
+    if family in MOE_NAMES:
+        _moe_to_hf(config, out)
     if family == GEMMA:
         _gemma_to_hf(config, out)
     if family in ("qwen2", "qwen3"):

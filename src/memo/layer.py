@@ -451,21 +451,21 @@ class DecoderLayer(nn.Module):
             if "router" in v:
                 v["router"].add(logits, idx)
             del logits
-        groups = v["groups"] = Groups.of(v["route_idx"].reshape(n2.shape[0], -1), c.n_experts)
+        groups = v["groups"] = Groups.of(v["route_idx"], c.n_experts)
         xs = n2[groups.token]  # (T·k, h), expert-major
         gate = grouped_mm(xs, self.experts.gate.transpose(1, 2), groups)  # (T·k, f)
         up = grouped_mm(xs, self.experts.up.transpose(1, 2), groups)
         del xs
         for name, value in (("e_gate", gate), ("e_up", up), ("e_act", F.silu(gate).mul_(up))):
-            _token_major(v[name], value, groups)
+            groups.token_major(v[name], value)
 
     def _experts_output(self, v: dict) -> torch.Tensor:
         """Returns the rows' routed experts' weighted sum (b, r, h) from their e_act and the kept routing."""
         groups, shape = v.get("groups"), v["x1"].shape
         if groups is None:
-            groups = Groups.of(v["route_idx"].reshape(-1, self.config.experts_per_token), self.config.n_experts)
-        down = grouped_mm(_expert_major(v["e_act"], groups), self.experts.down.transpose(1, 2), groups)
-        down *= v["route_w"].reshape(-1)[groups.order, None]  # (T·k, h)
+            groups = Groups.of(v["route_idx"], self.config.n_experts)
+        down = grouped_mm(groups.expert_major(v["e_act"]), self.experts.down.transpose(1, 2), groups)
+        down *= groups.expert_major(v["route_w"])[:, None]  # (T·k, h)
         return down.new_zeros(shape[0] * shape[1], shape[2]).index_add_(0, groups.token, down).view(shape)
 
     def _activation(self, gate: torch.Tensor) -> torch.Tensor:
@@ -532,14 +532,14 @@ class DecoderLayer(nn.Module):
         the routing kept from the forward; adds the experts' and the router's gradients."""
         c, ex = self.config, self.experts
         n2, dy = v["n2"].reshape(-1, c.hidden_size), dy.reshape(-1, c.hidden_size)  # (T, h)
-        idx = v["route_idx"].reshape(n2.shape[0], -1)  # (T, k)
+        idx = v["route_idx"]  # (b, r, k)
         groups = Groups.of(idx, c.n_experts)
         xs, dys = n2[groups.token], dy[groups.token]  # (T·k, h), expert-major
-        gate, up, act = (_expert_major(v[name], groups) for name in ("e_gate", "e_up", "e_act"))
+        gate, up, act = (groups.expert_major(v[name]) for name in ("e_gate", "e_up", "e_act"))
         out = grouped_mm(act, ex.down.transpose(1, 2), groups)  # (T·k, h): each expert's output, for dweights
         dweights = torch.empty(idx.numel(), device=dy.device).index_copy_(0, groups.order, _dot(dys, out))
         del out
-        d_down = dys * v["route_w"].reshape(-1)[groups.order, None]  # (T·k, h)
+        d_down = dys * groups.expert_major(v["route_w"])[:, None]  # (T·k, h)
         del dys
         wide = torch.float32 if d_down.dtype.itemsize < 4 else None
         if ex.down.requires_grad:
@@ -556,7 +556,9 @@ class DecoderLayer(nn.Module):
         del dgate, dup, xs
         dn2 = torch.zeros_like(n2).index_add_(0, groups.token, dxs)
         logits = F.linear(n2, self.router.weight)  # the continuous values again; the choice stays the forward's
-        dlogits = route_backward(dweights.view(idx.shape), logits, idx, c.norm_topk_prob, v.get("router_grad"))
+        dlogits = route_backward(
+            dweights.view(n2.shape[0], -1), logits, idx.reshape(n2.shape[0], -1), c.norm_topk_prob, v.get("router_grad")
+        )
         if self.router.weight.requires_grad:
             add_mm(grads, "router.weight", dlogits.t(), n2)
         return dn2.addmm_(dlogits, self.router.weight).view(v["n2"].shape)
@@ -660,19 +662,6 @@ def _with_positions(layer: DecoderLayer, t: dict, documents: Documents | None) -
     pos = layer.positions(t["x"].shape[1], t["x"].device)
     t = t if pos is None else {**t, "pos": pos}
     return t if documents is None else {**t, "documents": documents}
-
-
-def _expert_major(t: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """Returns the routed rows of a token-major (b, r, k, f) tensor in the groups' expert-major order (T·k, f)."""
-    return t.reshape(-1, t.shape[-1])[groups.order]
-
-
-def _token_major(out: torch.Tensor, value: torch.Tensor, groups: Groups) -> None:
-    """Writes expert-major rows `value` (T·k, f) into the token-major (b, r, k, f) `out`."""
-    flat = out.view(-1, out.shape[-1]) if out.is_contiguous() else torch.empty_like(value)
-    flat.index_copy_(0, groups.order, value)
-    if flat.data_ptr() != out.data_ptr():
-        out.copy_(flat.view(out.shape))
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,9 @@ class PhasePlanner:
 
     def _plan(self, key, layer, phase, args, device) -> None:
         """Plans the phase from its trace on `meta`, or marks it unplanned when it cannot be traced there."""
+        if layer.experts is not None and key[1] != torch.bfloat16:
+            self._unplan(key, "the grouped GEMM of its experts has a meta kernel in bf16 only")
+            return
         try:
             twin = self._twin(layer, kernel=key[2])
             meta_args = tree_map(_meta_twin, args)
