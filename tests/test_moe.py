@@ -184,3 +184,22 @@ def test_the_phase_planner_serves_the_experts_bit_identically(dtype):
         assert not unplanned
     else:  # said at plan time, not found astray at run time
         assert {u["why"] for u in unplanned} == {"the grouped GEMM of its experts has a meta kernel in bf16 only"}
+
+
+def test_lora_adapts_attention_of_an_expert_model_and_refuses_the_experts():
+    from memo.lora import LoraConfig, apply_lora, check_targets
+
+    config = _config()
+    with pytest.raises(ValueError, match="`--lora-targets` names gate,down: adapters on .* experts are not built"):
+        check_targets(LoraConfig(4, targets=("q", "gate", "down")), config)
+    ref, model = _models(config, POLICIES["memo-a0.5-tile11"])
+    apply_lora(model, LoraConfig(4))
+    with torch.no_grad():  # B away from 0: A's gradient is then not 0 either
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(8))
+    model(ids, labels=ids).backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained == {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert {n.split(".")[2] for n in trained} == {"wq", "wk", "wv", "wo"}

@@ -130,7 +130,7 @@ def hf_name(name: str, family: str = "llama", tower: tuple[str, str] = PLAIN) ->
 
 def hf_names(name: str, config: ModelConfig, tower: tuple[str, str] = PLAIN) -> list[str]:
     """Returns the HF tensor names that hold memo parameter `name` of a model of `config`, in the order of its rows:
-    one name, or an expert stack's E (`layers.3.experts.gate` -> `model.layers.3.mlp.experts.{0..E-1}.gate_proj.weight`).
+    one, or an expert stack's E (`layers.3.experts.gate` -> `model.layers.3.mlp.experts.{0..E-1}.gate_proj.weight`).
     Reading and writing both go by it."""
     family = hf_family(config)
     if not stacked(name):
@@ -171,9 +171,9 @@ def _unsupported(field: str, value, why: str) -> ValueError:
 
 
 def config_from_hf(cfg: dict, name: str = "custom", source: str | os.PathLike = CONFIG_NAME) -> ModelConfig:
-    """Returns the ModelConfig of a Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE or Mixtral `config.json` dict (either
-    layout); raises a one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks the shapes, as it does
-    memo's own model files."""
+    """Returns the ModelConfig of a Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE or Mixtral `config.json` dict
+    (either layout); raises a one-line ValueError naming `source` and any field memo cannot run. ModelConfig checks
+    the shapes, as it does memo's own model files."""
     try:
         fields = _model_fields(text_config(cfg), name)
     except ValueError as err:
@@ -243,8 +243,8 @@ def _model_fields(cfg: dict, name: str) -> dict:
     )
 
 
-# Qwen3MoeConfig's and MixtralConfig's defaults (transformers 5.25) where they differ from the dense families' (Mixtral's
-# RoPE base, both classes' kv heads) or are their own; the experts' count, k and width are shapes, required
+# Qwen3MoeConfig's and MixtralConfig's defaults (transformers 5.25) where they differ from the dense families'
+# (Mixtral's RoPE base, both classes' kv heads) or are their own; the experts' count, k and width are shapes, required
 MOE_DEFAULTS = {
     "qwen3_moe": dict(
         num_key_value_heads=4,
@@ -551,7 +551,8 @@ def check_exportable(config: ModelConfig, family: str) -> None:
         if want is not None and has[field] != want:
             raise ValueError(
                 f"Hugging Face {family} needs `{field}` {want}, the model has {has[field]}: "
-                "set `hf_model_type` to the family that has its layers (llama, mistral, qwen2, qwen3; qwen3_moe, mixtral)"
+                "set `hf_model_type` to the family that has its layers (llama, mistral, qwen2, qwen3, qwen3_moe, "
+                "mixtral)"
             )
     gemma = (config.norm_offset, config.sandwich_norms, config.mlp_activation, config.scale_embeddings)
     if (family == GEMMA) != (gemma == (1.0, True, "gelu_tanh", True)):
@@ -580,7 +581,9 @@ def _check_moe_exportable(config: ModelConfig, family: str) -> None:
             f"{'a dense family (llama, mistral, qwen2, qwen3)' if family in MOE_NAMES else 'qwen3_moe or mixtral'}"
         )
     if family == "mixtral" and not config.norm_topk_prob:
-        raise ValueError("Hugging Face mixtral renormalises the top-k routing weights: `norm_topk_prob` off needs qwen3_moe")
+        raise ValueError(
+            "Hugging Face mixtral renormalises the top-k routing weights: `norm_topk_prob` off needs qwen3_moe"
+        )
 
 
 def _layer_types(config: ModelConfig) -> list[str]:
@@ -803,32 +806,47 @@ def _opened(file: Path) -> Iterator:
 
 
 def _read_state_dict(
-    path: Path, files: dict[str, Path], names: dict[str, str], shapes: dict, tied: bool, tower: tuple[str, str] | None
+    path: Path,
+    files: dict[str, Path],
+    names: dict[str, list[str]],
+    shapes: dict,
+    tied: bool,
+    tower: tuple[str, str] | None,
 ) -> dict[str, torch.Tensor]:
-    """Returns memo name -> tensor read from the checkpoint's `files` (`_weight_files`), checking that the tensor
-    names match exactly (those of a multimodal folder's text `tower` only) and that each tensor has the shape
-    `shapes` says and a floating-point dtype."""
+    """Returns memo name -> tensor read from the checkpoint's `files` (`_weight_files`), one shard at a time, each
+    the stack of its HF tensors `names` (`hf_names`) once all are read; checks that the tensor names match exactly
+    (those of a multimodal folder's text `tower` only) and that each tensor has the shape `shapes` says and a
+    floating-point dtype."""
     if tower is not None:
         files = {n: f for n, f in files.items() if n.startswith(tower[0]) or n == tower[1]}
     head = (tower or PLAIN)[1]
     # Old checkpoints stored RoPE's inv_freq buffer; it is recomputed from the config. A tied head is the
     # embedding, whether or not the file also holds a copy.
     present = {n for n in files if not n.endswith("rotary_emb.inv_freq") and not (tied and n == head)}
-    missing, unexpected = sorted(set(names.values()) - present), sorted(present - set(names.values()))
+    wanted = {theirs for group in names.values() for theirs in group}
+    missing, unexpected = sorted(wanted - present), sorted(present - wanted)
     if missing or unexpected:
         raise ValueError(
             f"{path}: the tensors do not match {CONFIG_NAME}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    by_file: dict[Path, list[str]] = {}
-    for ours, theirs in names.items():
-        by_file.setdefault(files[theirs], []).append(ours)
-    state = {}
-    for file, ours_names in by_file.items():
+    by_file: dict[Path, list[tuple[str, int]]] = {}  # shard -> (memo name, row) of each HF tensor it holds
+    for ours, group in names.items():
+        for row, theirs in enumerate(group):
+            by_file.setdefault(files[theirs], []).append((ours, row))
+    state, rows = {}, {}
+    for file, parts in by_file.items():
         with _opened(file) as f:
-            state.update(
-                {ours: _checked(f.get_tensor(names[ours]), file, names[ours], shapes[ours]) for ours in ours_names}
-            )
+            for ours, row in parts:
+                theirs, shape = names[ours][row], shapes[ours][1:] if stacked(ours) else shapes[ours]
+                rows.setdefault(ours, {})[row] = _checked(f.get_tensor(theirs), file, theirs, shape)
+                if len(rows[ours]) == len(names[ours]):  # whole: held once, not as pieces too
+                    state[ours] = _joined(ours, rows.pop(ours))
     return state
+
+
+def _joined(name: str, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Returns memo's tensor `name` of its HF tensors by row: an expert stack's stacked on dim 0, else the one."""
+    return torch.stack([rows[i] for i in range(len(rows))]) if stacked(name) else rows[0]
 
 
 def _checked(tensor: torch.Tensor, file: Path, name: str, shape: torch.Size) -> torch.Tensor:
@@ -846,8 +864,8 @@ def from_hf(
     dtype: torch.dtype | None = None,
     config: ModelConfig | None = None,
 ) -> Transformer:
-    """Returns a memo.Transformer holding a local HF Llama, Mistral, Qwen2, Qwen3 or Gemma 3 (text) checkpoint
-    (`save_pretrained` layout, one or several safetensors files).
+    """Returns a memo.Transformer holding a local HF Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Qwen3-MoE or Mixtral
+    checkpoint (`save_pretrained` layout, one or several safetensors files).
 
     `dtype` None keeps the stored dtype (the embedding's, if the file mixes them). Tied embeddings stay tied:
     one parameter, the embedding, is also the LM head. `config` replaces the folder's own (the same shapes
@@ -864,7 +882,7 @@ def from_hf(
     shapes = {name: p.shape for name, p in model.state_dict().items()}
     files = _weight_files(path)
     tower = _text_tower(path, files) if text_config(raw) is not raw else None
-    names = {name: hf_name(name, hf_family(config), tower or PLAIN) for name in shapes}
+    names = {name: hf_names(name, config, tower or PLAIN) for name in shapes}
     state = _read_state_dict(path, files, names, shapes, config.tie_embeddings, tower)
     dtype = dtype or state["embed.weight"].dtype  # one dtype throughout, even if the file mixes them
     model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, assign=True)
@@ -917,7 +935,7 @@ def save_hf(
     hf_config = config_to_hf(config, dtype, seq_len, token_ids)
     tokens = ("bos_token_id", "eos_token_id", "pad_token_id")
     generation = {"_from_model_config": True, **{k: hf_config[k] for k in tokens}}
-    state = {hf_name(n, hf_config["model_type"]): t.detach().to("cpu").contiguous() for n, t in weights.items()}
+    state = {theirs: part for n, t in weights.items() for theirs, part in zip(hf_names(n, config), _parts(n, t))}
     with atomic_folder(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
@@ -930,6 +948,13 @@ def save_hf(
                 if (trained.parent / name).is_file():
                     shutil.copyfile(trained.parent / name, tmp / name)
     return path
+
+
+def _parts(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Returns the tensors memo's `name` is written as, on the CPU: an expert stack's rows (views, which safetensors
+    writes as they are), else itself."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    return list(tensor.unbind(0)) if stacked(name) else [tensor]
 
 
 def to_hf(

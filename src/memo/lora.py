@@ -96,6 +96,11 @@ def check_targets(lora: LoraConfig, config: ModelConfig) -> None:
         return
     shapes = module_shapes(config)
     absent = [t for t in lora.targets if TARGETS[t][0] not in shapes]
+    if absent and config.moe:
+        raise ValueError(
+            f"`--lora-targets` names {','.join(absent)}: adapters on {config.name}'s experts are not built (they "
+            "would need PEFT's `target_parameters` arithmetic); adapt its attention projections q,k,v,o"
+        )
     if absent:
         has = ",".join(t for t in TARGETS if TARGETS[t][0] in shapes)
         raise ValueError(
@@ -109,13 +114,16 @@ def targets_value(text: str) -> tuple[str, ...]:
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Returns (in, out) features of each projection a decoder layer has (SwiGLU's gate: Llama only)."""
+    """Returns (in, out) features of each projection a decoder layer has (SwiGLU's gate: Llama only; a mixture of
+    experts' layer has attention's alone: its experts are stacked tensors, not projections)."""
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     qd, kvd = config.n_heads * d, config.n_kv_heads * d
-    shapes = {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h), "w_gate": (h, f), "w_up": (h, f)}
-    if config.arch == "gpt":
-        del shapes["w_gate"]
-    return {**shapes, "w_down": (f, h)}
+    shapes = {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h)}
+    if config.moe:
+        return shapes
+    if config.arch == "llama":
+        shapes["w_gate"] = (h, f)
+    return {**shapes, "w_up": (h, f), "w_down": (f, h)}
 
 
 def adapter_parameters(config: ModelConfig, lora: LoraConfig) -> int:

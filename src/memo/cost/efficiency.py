@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
+from .flops import linear_params_per_layer
 from .hardware import GPUSpec, is_gpu
 
 
@@ -241,7 +242,8 @@ def published_band(
 ) -> Band:
     """Returns the efficiency band of `spec`'s kernels at one GPU's shape: attention over `tokens` tokens for
     `heads` query heads (all sequences of a micro-batch), `c`'s head dimension, and GEMMs of its hidden size
-    over `rows` token rows at a time (a tile; default as many as the hidden size). A GPU without published
+    over `rows` token rows at a time (a tile; default as many as the hidden size; a mixture of experts' grouped
+    GEMMs as `_matmul_speed` times them). A GPU without published
     speeds gets `GENERIC`, wide. `kernel` names the attention kernel: one of memo's (`TIMED_AS`) or a published
     one of the tables (what older published runs used).
 
@@ -263,8 +265,7 @@ def published_band(
     fill = min(1.0, -(-tokens // 128) * heads / speeds.sms)
     peak = spec.peak_flops / 1e12
     published = Efficiency(
-        # the GEMM tables are of square shapes: a tile of fewer rows than the hidden size runs as the smaller one
-        matmul=_interpolate(speeds.matmul, min(c.hidden_size, rows or c.hidden_size)) / peak,
+        matmul=_matmul_speed(speeds, c, rows or c.hidden_size) / peak,
         attention_forward=fill * _interpolate(forward, length or tokens) / peak,
         attention_backward=fill * _interpolate(backward, length or tokens) / peak,
         hbm=speeds.hbm,
@@ -286,6 +287,23 @@ def published_band(
         attention=kernel,
         note=beyond,
     )
+
+
+def _matmul_speed(speeds: KernelSpeeds, c: ModelConfig, rows: int) -> float:
+    """Returns the TFLOP/s of one layer's GEMMs over `rows` token rows at a time. The GEMM tables are of square
+    shapes: a GEMM runs as the square of its smallest side, the hidden size or fewer rows (a tile). A mixture of
+    experts' routed experts run as grouped GEMMs (`F.grouped_mm`), each expert's group of rows·k/E rows on average
+    (routing balanced, as the load-balancing loss aims for) against its (h, f) weights: timed as the per-expert GEMMs
+    they group, the square of the smallest of those rows, h and f (an assumption: no table of grouped GEMM speeds
+    by shape is published for these GPUs; docs/estimate.md), and the layer's speed is the one that takes the time
+    of both parts, its FLOPs split as `flops.linear_params_per_layer` counts them."""
+    dense = _interpolate(speeds.matmul, min(c.hidden_size, rows))
+    if not c.moe:
+        return dense
+    k, f = c.experts_per_token, c.expert_ffn
+    grouped = _interpolate(speeds.matmul, min(c.hidden_size, f, max(1, rows * k // c.n_experts)))
+    experts = k * 3 * c.hidden_size * f / linear_params_per_layer(c, active=True)  # of the layer's matmul FLOPs
+    return 1 / ((1 - experts) / dense + experts / grouped)
 
 
 def _in_training(eff: Efficiency, fraction: float) -> Efficiency:

@@ -72,6 +72,7 @@ from .flops import (
     MFU_PACKED,
     MFU_PACKED_FULL,
     adapter_work,
+    experts_backward_flops,
     layer_forward_flops,
     linear_params_per_layer,
     model_flops_per_token,
@@ -244,6 +245,9 @@ def _check(job: Job, system: str) -> None:
             f"not for {system} "
             "(estimated as it ships)"
         )
+    if job.lora and job.model.moe:
+        raise ValueError(f"`--lora-rank` is not estimated for a mixture of experts ({job.model.name}): memo's LoRA has no "
+                         "adapters for experts")
 
 
 def layouts(job: Job, gpu: GPUSpec, system: str) -> list[Layout]:
@@ -443,6 +447,7 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
     offload = layout.recompute == "offload"
     attended = job.attended
     again = recompute_flops(c, attended, modes, alphas, offload, tokens=seq, causal=True, tile=layout.tile)
+    again += c.n_layers * experts_backward_flops(c, seq)
     attention = c.n_layers * layer_forward_flops(c, attended, seq, causal=True)[1]  # one sequence's, forward
     if layout.recompute == "selective":
         again = attention
@@ -598,7 +603,9 @@ def _compute_seconds(job: Job, tokens: int, gpu: GPUSpec, eff: Efficiency) -> di
     matrix a causal kernel computes), each phase at its own efficiency, and the token-local matmuls a recompute
     runs again (`qkv` before attention, `mlp` after it). With LoRA the frozen projections' backward computes the
     input gradient alone (1 × forward, not 2 ×), and the adapters' rank-r GEMMs run at the slower of their FLOPs
-    at GEMM speed and their bytes at HBM speed."""
+    at GEMM speed and their bytes at HBM speed. A mixture of experts' matmuls are those of its active weights
+    (`flops.layer_forward_flops`), its backward runs the experts' down projections and the router again
+    (`flops.experts_backward_flops`)."""
     c, lora = job.model, job.lora
     matmul, attention = layer_forward_flops(c, job.attended, tokens, causal=True)
     gemm = gpu.peak_flops * eff.matmul
@@ -608,7 +615,7 @@ def _compute_seconds(job: Job, tokens: int, gpu: GPUSpec, eff: Efficiency) -> di
     qkv, mlp = (f / gemm for f in token_local_flops(c, tokens))
     hbm = gpu.hbm_bytes_per_s * eff.hbm
     low_fwd, low_bwd = (max(f / gemm, b / hbm) for f, b in adapter_work(c, lora, tokens).values())
-    fwd, bwd = mm + low_fwd, (1 if lora else 2) * mm + low_bwd
+    fwd, bwd = mm + low_fwd, (1 if lora else 2) * mm + low_bwd + experts_backward_flops(c, tokens) / gemm
     return {
         "matmul": fwd,
         "matmul_backward": bwd,

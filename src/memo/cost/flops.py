@@ -14,6 +14,13 @@ Memory does not change: activations are per token.
 
 Sliding windows (`ModelConfig.attended`): a layer of window w computes Σ_{i<s} min(i + 1, w) of the s(s + 1)/2 pairs
 of causal attention, s·w rather than s²/2 at length; both conventions count that share of their matrix.
+
+Mixtures of experts (`ModelConfig.moe`): a token multiplies by its layer's router (E × h) and the k experts it is
+routed to, not by all E, so model FLOPs count the active weights (`linear_params_per_layer(c, active=True)`): 6 ×
+active parameters per token plus attention, as torchtitan counts an MoE (`get_nparams_and_active_nparams`, routed
+experts weighted by k/E); states, gathers and shards count every expert (`ModelConfig.num_parameters`). The
+router's softmax and top-k and the tokens' gather into expert-major order and scatter back are not matmuls: no model
+FLOPs (a few per token against 6·h·k·3·f), their bytes timed with the other memory-bound ops of the traced step.
 """
 
 from __future__ import annotations
@@ -25,9 +32,16 @@ from ..lora import LoraConfig, module_shapes
 from ..policy import PlanProblem, plan_costs, split_row
 
 
-def linear_params_per_layer(c: ModelConfig) -> int:
-    """Returns the weight count of one layer's matmuls (q, k, v, o, and the MLP)."""
-    return sum(i * o for i, o in module_shapes(c).values())
+def linear_params_per_layer(c: ModelConfig, active: bool = False) -> int:
+    """Returns the weight count of one layer's matmuls (q, k, v, o, and the MLP). Of a mixture of experts: the router
+    and every expert (what FSDP and ZeRO-3 gather and shard), or with `active` the router and the k experts one
+    token is routed to (what its FLOPs multiply by)."""
+    shapes = module_shapes(c)
+    if not c.moe:
+        return sum(i * o for i, o in shapes.values())
+    attention = sum(i * o for m, (i, o) in shapes.items() if m in ("wq", "wk", "wv", "wo"))
+    experts = c.experts_per_token if active else c.n_experts
+    return attention + c.n_experts * c.hidden_size + experts * 3 * c.hidden_size * c.expert_ffn
 
 
 LORA_FLOPS = (
@@ -44,6 +58,12 @@ MFU_PACKED = (
 MFU_PACKED_FULL = "packed documents: model FLOPs, each document's whole d x d matrix counted (sum of d_i^2), not s x s"
 
 
+MFU_EXPERTS = (
+    "mixture of experts: model FLOPs count the active weights, 6 x (attention projections + router + the k routed "
+    "experts) per token + attention (torchtitan's active parameters); HFU adds what its backward runs again (each "
+    "routed expert's down projection and the router's logits); the experts' grouped GEMMs timed as the per-expert "
+    "GEMMs they group, tokens x k / E rows each (balanced routing assumed)"
+)
 MFU_WINDOWED = (
     "sliding window: each windowed layer's attention counted as the sum over tokens of min(position + 1, w) pairs "
     "of the causal count, averaged over the layers; packed documents take the smaller of the two (an upper bound); "
@@ -58,7 +78,7 @@ def layer_forward_flops(
     """Returns (matmul, attention) forward FLOPs of one layer for `tokens` tokens attending to `seq` tokens."""
     tokens = seq if tokens is None else tokens
     attention = 4.0 * seq * c.n_heads * c.head_dim * tokens
-    return 2.0 * linear_params_per_layer(c) * tokens, attention / 2 if causal else attention
+    return 2.0 * linear_params_per_layer(c, active=True) * tokens, attention / 2 if causal else attention
 
 
 def model_flops_per_token(c: ModelConfig, seq: int, causal: bool = True, lora: LoraConfig | None = None) -> float:
@@ -93,11 +113,25 @@ def adapter_work(c: ModelConfig, lora: LoraConfig | None, tokens: int) -> dict[s
 
 def token_local_flops(c: ModelConfig, tokens: int) -> tuple[float, float]:
     """Returns the forward FLOPs of one layer's token-local matmuls a recompute runs again for `tokens` tokens:
-    (the q, k, v projections; the output projection and the MLP's input projections). The MLP's last
-    projection is not rerun: its output is the layer's, not a skeletal tensor."""
+    (the q, k, v projections; the output projection and the MLP's input projections: of a mixture of experts the
+    gate and up of the k routed experts, not the router, whose routing is kept). The MLP's last projection is not
+    rerun: its output is the layer's, not a skeletal tensor."""
     h, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    mlp_in = (1 if c.arch == "gpt" else 2) * h * c.ffn_hidden_size
+    if c.moe:
+        mlp_in = c.experts_per_token * 2 * h * c.expert_ffn
+    else:
+        mlp_in = (1 if c.arch == "gpt" else 2) * h * c.ffn_hidden_size
     return 2.0 * h * (q + 2 * kv) * tokens, 2.0 * (q * h + mlp_in) * tokens
+
+
+def experts_backward_flops(c: ModelConfig, tokens: int) -> float:
+    """Returns the forward FLOPs a mixture of experts' backward runs again for `tokens` tokens, whatever the plan
+    (`layer.DecoderLayer._experts_backward`): each routed expert's output (its down projection, for the routing
+    weights' gradient) and the router's logits (for their gradient; the routing itself is the forward's). 0 for a
+    dense MLP."""
+    if not c.moe:
+        return 0.0
+    return 2.0 * c.hidden_size * (c.experts_per_token * c.expert_ffn + c.n_experts) * tokens
 
 
 def recompute_flops(
@@ -140,8 +174,9 @@ def recompute_flops(
 PUBLISHED_CONVENTIONS = {  # how published runs count the FLOPs their utilisation divides by the peak
     "causal": MFU_CAUSAL,
     "full": MFU_FULL + "; Korthikanti et al. 2022's MFU, 72·n·h²·(1 + s/6h + V/12nh) per token",
-    "6N": "6 x parameters (embeddings included) + 12·n·heads·head_dim·s per token (PaLM, app. B): torchtitan, "
-    "llm-foundry, FlashAttention-2's Table 1",
+    "6N": "6 x parameters (embeddings included; of a mixture of experts the active ones, the k routed experts, as "
+    "torchtitan counts them) + 12·n·heads·head_dim·s per token (PaLM, app. B): torchtitan, llm-foundry, "
+    "FlashAttention-2's Table 1",
     "megatron-eq3": "Megatron-LM's equation 3, 96·n·h²·(1 + s/6h + V/16nh) per token: full recomputation counted "
     "(four passes), the full s x s matrix",
 }
@@ -156,7 +191,7 @@ def counted_flops_per_token(c: ModelConfig, seq: int, convention: str) -> float:
     if convention == "full":
         return model_flops_per_token(c, seq, causal=False)
     if convention == "6N":
-        return 6.0 * c.num_parameters() + 3.0 * c.n_layers * attention
+        return 6.0 * c.active_parameters() + 3.0 * c.n_layers * attention
     if convention == "megatron-eq3":
         return 4.0 * c.n_layers * (matmul + attention) + head
     raise ValueError(f"unknown FLOP convention {convention!r}; choose one of {', '.join(PUBLISHED_CONVENTIONS)}")
