@@ -172,7 +172,9 @@ class ModelConfig:
             check_int("expert_ffn_size", self.expert_ffn_size, most=MAX_SIZE)
         check_bool("norm_topk_prob", self.norm_topk_prob)
         check_bool("router_aux_loss", self.router_aux_loss)
-        check_number("router_aux_loss_coef", self.router_aux_loss_coef)
+        coef = self.router_aux_loss_coef
+        if not (_is_number(coef) and math.isfinite(coef) and coef >= 0):
+            raise ValueError(f"`router_aux_loss_coef` must be a finite number >= 0, got {coef!r}")
         if self.n_experts:
             check_int("experts_per_token", self.experts_per_token, most=self.n_experts)
             if self.arch == "gpt" or self.mlp_activation != "silu" or self.mlp_bias or self.sandwich_norms:

@@ -290,7 +290,7 @@ def _moe_fields(cfg: dict, family: str) -> dict:
     )
 
 
-def _n_experts(cfg: dict):
+def _n_experts(cfg: dict) -> int:
     """Returns the experts' count: `num_experts` and `num_local_experts` are one field to transformers (an alias),
     Qwen3-MoE's released files spell it the first way, Mixtral's and transformers 5's `save_pretrained` the second."""
     given = [cfg[k] for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None]

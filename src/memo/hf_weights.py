@@ -21,11 +21,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .experts import Experts
 from .lora import LoraLinear, adapter_key
 from .norms import rms_norm_module
 
 _LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")
+# a mixture of experts' modules as transformers 5 holds them in memory (Qwen3-MoE and Mixtral alike)
+MOE_MODULES = {"router": "mlp.gate", "experts": "mlp.experts"}
 
 
 class LayerWeights:
@@ -60,7 +63,9 @@ class LayerWeights:
         try:
             with torch.enable_grad():  # in the backward too: a view trains where the tensors it is made of do
                 for name in own:
-                    if name in _LINEARS or (name in _NORMS and own[name] is not None):
+                    if name in _LINEARS and own[name] is None:  # a mixture of experts' layer has no dense MLP
+                        continue
+                    if name in (*_LINEARS, *MOE_MODULES) or (name in _NORMS and own[name] is not None):
                         twin._modules[name] = self._view(name)
             with torch.autocast(next(self.hf_layer.parameters()).device.type, enabled=False):
                 yield [p for _, p in twin.named_parameters()]
@@ -71,7 +76,43 @@ class LayerWeights:
         module = active_module(self.hf_layer.get_submodule(self.names[name]))
         if name in _NORMS:
             return self._norm(module, name)
+        if name == "router":
+            return self._router(module)
+        if name == "experts":
+            return self._experts(module)
         return self._linear(module, name)
+
+    def _router(self, module: nn.Module) -> nn.Linear:
+        """Returns an nn.Linear view of transformers' top-k router (its weight (E, h); it routes as memo does)."""
+        self._check_expert_module(module, "router")
+        view = nn.Linear(module.weight.shape[1], module.weight.shape[0], bias=False, device="meta")
+        view._parameters["weight"] = self._cast(module.weight)
+        return view
+
+    def _experts(self, module: nn.Module) -> Experts:
+        """Returns memo's Experts over transformers' fused `gate_up_proj` (E, 2f, h), gate rows first, and
+        `down_proj` (E, h, f): the gate and up are views of its halves, so their gradients reach it."""
+        self._check_expert_module(module, "experts")
+        gate_up, down = self._cast(module.gate_up_proj), self._cast(module.down_proj)
+        f = down.shape[-1]
+        view = Experts(0, 0, 0).to("meta")
+        view._parameters.update(gate=gate_up[:, :f], up=gate_up[:, f:], down=down)
+        return view
+
+    def _check_expert_module(self, module: nn.Module, name: str) -> None:
+        """Raises for a router or experts module memo would not compute as transformers does: adapters on it
+        (PEFT's `target_parameters`), hooks, a patched forward, or a sharded weight."""
+        where = self.where(name)
+        if type(module).__module__.startswith("peft."):
+            raise ValueError(
+                f"{where} carries PEFT adapters: LoRA on a mixture of experts' router or experts is not built in memo; "
+                "target the attention projections"
+            )
+        if not type(module).__module__.startswith("transformers.models."):
+            raise ValueError(f"{where} is a {type(module).__module__}.{type(module).__name__}: memo runs transformers'")
+        _check_hooks(module, where)
+        if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
+            raise ValueError(f"{where} is sharded below the decoder layer: under FSDP2 shard each decoder layer as a unit")
 
     def _cast(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(self.dtype)  # differentiable under grad: the gradient reaches t

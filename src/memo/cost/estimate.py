@@ -245,9 +245,6 @@ def _check(job: Job, system: str) -> None:
             f"not for {system} "
             "(estimated as it ships)"
         )
-    if job.lora and job.model.moe:
-        raise ValueError(f"`--lora-rank` is not estimated for a mixture of experts ({job.model.name}): memo's LoRA has no "
-                         "adapters for experts")
 
 
 def layouts(job: Job, gpu: GPUSpec, system: str) -> list[Layout]:

@@ -36,12 +36,11 @@ def linear_params_per_layer(c: ModelConfig, active: bool = False) -> int:
     """Returns the weight count of one layer's matmuls (q, k, v, o, and the MLP). Of a mixture of experts: the router
     and every expert (what FSDP and ZeRO-3 gather and shard), or with `active` the router and the k experts one
     token is routed to (what its FLOPs multiply by)."""
-    shapes = module_shapes(c)
+    projections = sum(i * o for i, o in module_shapes(c).values())  # of a mixture of experts: attention's alone
     if not c.moe:
-        return sum(i * o for i, o in shapes.values())
-    attention = sum(i * o for m, (i, o) in shapes.items() if m in ("wq", "wk", "wv", "wo"))
+        return projections
     experts = c.experts_per_token if active else c.n_experts
-    return attention + c.n_experts * c.hidden_size + experts * 3 * c.hidden_size * c.expert_ffn
+    return projections + c.n_experts * c.hidden_size + experts * 3 * c.hidden_size * c.expert_ffn
 
 
 LORA_FLOPS = (

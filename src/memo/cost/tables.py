@@ -8,7 +8,7 @@ from ..policy import plan_runs
 from ..units import format_bytes, format_count
 from .efficiency import LENGTHS
 from .estimate import CONVENTIONS, MAX_SEQ_RANGE, PACKED_CONVENTIONS, Estimate
-from .flops import LORA_FLOPS, MFU_WINDOWED
+from .flops import LORA_FLOPS, MFU_EXPERTS, MFU_WINDOWED
 from .hardware import GPUSpec, pinning
 
 
@@ -55,6 +55,8 @@ def estimate_table(job: Job, spec: GPUSpec, results: list[Estimate], whole: list
     lines += sorted({f"speeds: {e.speeds_note}" for e in results if e.speeds_note})
     if job.model.sliding_window is not None:
         lines.append(MFU_WINDOWED)
+    if job.model.moe:
+        lines.append(MFU_EXPERTS)
     return "\n".join(lines)
 
 
