@@ -188,7 +188,7 @@ def test_memo_patch_trains_gemma_packed_as_transformers_does():
 
 
 def test_memo_patch_refuses_a_multimodal_gemma_naming_the_families_it_runs(tmp_path):
-    with pytest.raises(ValueError, match="qwen3, gemma3_text causal LMs, got Gemma3ForConditionalGeneration"):
+    with pytest.raises(ValueError, match="gemma3_text, qwen3_moe, mixtral causal LMs, got Gemma3ForConditionalGeneration"):
         patch(_multimodal(tmp_path))
 
 

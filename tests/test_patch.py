@@ -36,15 +36,30 @@ FAMILIES = {
         "Gemma3ForCausalLM",
         dict(head_dim=8, query_pre_attn_scalar=12, sliding_window=SEQ // 4, layer_types=GEMMA_TYPES),
     ),
+    # experts of width 16, the eager experts as the reference; routers drawn wide (`model`): clear top-k choices
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, head_dim=8),
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+MOE = ("qwen3_moe", "mixtral")
 TILED = ActivationPolicy("memo", alpha=0.5, tile_tokens=5)  # 5 does not divide 24
 
 
 def model(family: str = "llama", seed: int = 0, **overrides):
     config_name, model_name, extra = FAMILIES[family]
     config = getattr(transformers, config_name)(vocab_size=VOCAB, **SMALL, **{**extra, **overrides})
+    if family in MOE:
+        config._experts_implementation = "eager"  # transformers' own loop over experts: the reference
     torch.manual_seed(seed)
-    return getattr(transformers, model_name)(config)
+    m = getattr(transformers, model_name)(config)
+    if family in MOE:
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.mlp.gate.weight.normal_(0, 0.5)
+    return m
 
 
 def batch(seed: int = 1, b: int = 2):
@@ -391,3 +406,26 @@ def test_batches_of_varying_length_reuse_the_bytes_and_the_plan_of_the_longest(m
         pointers.append((store._raw[("buffer", 0)].data_ptr(), store.pool.buffer.data_ptr()))
         assert set(store._raw) == store._used  # nothing the plan no longer carves stays allocated
     assert pointers[0] == pointers[1] == pointers[2] and len(measured) == 2  # solved at 24, again at 30
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_experts_route_with_a_clear_margin_and_train_under_lora_on_attention(family):
+    """The family test's inputs leave no near-tie to route apart; adapters on attention train as PEFT's do; the
+    load-balancing loss's router logits and adapters on the experts are refused in one line."""
+    reference = model(family)
+    with torch.no_grad():
+        logits = reference(**batch(), output_router_logits=True).router_logits
+    for layer_logits in logits:  # the k-th and (k+1)-th logits apart by far more than the two paths' rounding
+        top = layer_logits.float().topk(3, dim=-1).values
+        assert (top[:, 1] - top[:, 2]).min() > 1e-3
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    reference = peft.get_peft_model(model(family), lora)
+    assert_same_step(patch(copy.deepcopy(reference), TILED), reference, batch())
+    with pytest.raises(ValueError, match="`output_router_logits=True`: transformers' load-balancing loss"):
+        patch(model(family, output_router_logits=True))
+    patched = patch(model(family), TILED)
+    with pytest.raises(ValueError, match="`output_router_logits=True`"):
+        patched(**batch(), output_router_logits=True)
+    on_experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(ValueError, match="LoRA on a mixture of experts' router or experts is not built"):
+        train_step(patch(peft.get_peft_model(model(family), on_experts), TILED), batch())

@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .documents import Documents
 from .hf import GEMMA, config_from_hf, layer_names
 from .hf_batch import documents_of, num_items, targets_of
-from .hf_weights import LayerWeights, active_module
+from .hf_weights import MOE_MODULES, LayerWeights, active_module
 from .layer import DecoderLayer, LayerFunction
 from .loss import ChunkedCrossEntropy
 from .policy import ActivationPolicy
@@ -37,7 +37,11 @@ from .swap import ActivationStore, SwapStats, make_store
 
 log = logging.getLogger(__name__)
 RECORD = "_memo_patch"  # the causal LM's and backbone's __dict__ entry: a plain object, no state_dict key
-PATCHED = ("llama", "mistral", "qwen2", "qwen3", GEMMA)  # the families whose layers LayerWeights binds
+PATCHED = ("llama", "mistral", "qwen2", "qwen3", GEMMA, "qwen3_moe", "mixtral")  # the families LayerWeights binds
+ROUTER_LOGITS = (
+    "`output_router_logits=True`: transformers' load-balancing loss needs every layer's router logits, which memo's "
+    "layers do not return; under memo.patch set it False (memo train adds the loss itself)"
+)
 
 
 @dataclass(eq=False)
@@ -120,6 +124,8 @@ def patch(model: nn.Module, policy: ActivationPolicy | None = None, loss_chunk_t
         unpatch(model)
     backbone = lm.model
     config = config_from_hf(lm.config.to_dict(), name=type(lm).__name__, source="model.config")
+    if config.router_aux_loss:
+        raise ValueError(ROUTER_LOGITS)
     _check_model(lm, config, policy)
     record = Patch(policy, config, loss_chunk_tokens)
     for module in (lm, backbone):
@@ -231,6 +237,8 @@ def _run_layer(call: Call, hf_layer: nn.Module, x: torch.Tensor) -> torch.Tensor
     """Returns memo's layer over `hf_layer`'s weights on x (b, s, h), inside the layer's own call."""
     record, index = call.record, hf_layer.self_attn.layer_idx
     names = layer_names(record.config.hf_model_type)
+    if record.config.moe:  # transformers 5 holds both families' router and experts under `mlp` in memory
+        names = {**names, **MOE_MODULES}
     weights = LayerWeights(hf_layer, index, call.dtype, call.key, names, record.config.norm_offset)
     twin = record.twins[index]
     twin.source = weights
@@ -337,6 +345,8 @@ def _check_call(backbone: nn.Module, record: Patch, kwargs: dict) -> None:
             "saved-tensor hooks are active (TRL's activation_offloading, save_on_cpu, checkpoint): memo manages "
             "the activations itself, turn them off"
         )
+    if kwargs.get("output_router_logits"):
+        raise ValueError(ROUTER_LOGITS)
     for name in ("output_attentions", "output_hidden_states"):
         if kwargs.get(name):
             raise ValueError(f"`{name}` is not returned by memo's layers: ask for it under torch.no_grad()")
@@ -381,6 +391,9 @@ def _dropout_key(backbone: nn.Module) -> int | None:
 
 def _lm_forward(self, *args, **kwargs):
     record = self.__dict__.get(RECORD)
+    if record is not None and record.active and torch.is_grad_enabled() and record.config.moe:
+        if _arguments(self, args, kwargs).get("output_router_logits"):
+            raise ValueError(ROUTER_LOGITS)
     if record is None or not record.active or not record.loss_chunk_tokens or not torch.is_grad_enabled():
         return type(self).forward(self, *args, **kwargs)  # generate: no binding per token
     inputs = _arguments(self, args, kwargs)

@@ -112,7 +112,9 @@ class LayerWeights:
             raise ValueError(f"{where} is a {type(module).__module__}.{type(module).__name__}: memo runs transformers'")
         _check_hooks(module, where)
         if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
-            raise ValueError(f"{where} is sharded below the decoder layer: under FSDP2 shard each decoder layer as a unit")
+            raise ValueError(
+                f"{where} is sharded below the decoder layer: under FSDP2 shard each decoder layer as a unit"
+            )
 
     def _cast(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(self.dtype)  # differentiable under grad: the gradient reaches t
