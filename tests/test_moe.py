@@ -6,13 +6,12 @@ gloo ranks. Parity with transformers' Qwen3-MoE and Mixtral: tests/test_moe_hf.p
 from __future__ import annotations
 
 import pytest
+import ranks
 import torch
 
 import memo.layer
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.reference import ReferenceTransformer
-
-import ranks
 
 MARGIN = 1e-4  # the least gap between a token's k-th and (k+1)-th router probability the inputs must have
 

@@ -23,6 +23,7 @@ from memo.cost.hardware import GPUS
 from memo.cost.memory import Traced, store_bytes, traced_transient_peak
 from memo.cost.states import BYTES_PER_PARAM, FSDP_BYTES_PER_PARAM, device_terms, root_parameters, trained
 from memo.device import meta_kernels
+from memo.hf import config_from_hf
 from memo.job import Job
 from memo.plan.trace import trace
 
@@ -71,6 +72,63 @@ def test_moe_states_count_every_expert():
     assert device_terms(eight)["states"] == int(c.num_parameters() * FSDP_BYTES_PER_PARAM / 8)
     layer = (c.num_parameters() - root_parameters(c)) // c.n_layers  # FSDP2 gathers a layer with all its experts
     assert device_terms(eight)["gathered"] == 2 * 2 * layer + 2 * root_parameters(c)
+
+
+# the published config.json of each (the fields transformers reads; tokenizer ids and dtype left out)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+}
+
+
+@pytest.mark.parametrize("name, published", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("mixtral-8x7b", MIXTRAL_8X7B)])
+def test_moe_presets_are_their_published_configs_as_memo_imports_them(name, published):
+    assert ModelConfig.preset(name) == config_from_hf(published, name)
 
 
 @pytest.mark.parametrize(

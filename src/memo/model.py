@@ -54,7 +54,9 @@ class Transformer(nn.Module):
             if p.dim() == 1:
                 nn.init.constant_(p, one) if name.endswith("norm.weight") else nn.init.zeros_(p)
             else:
-                nn.init.normal_(p, std=out_std if name.endswith(("wo.weight", "w_down.weight", "experts.down")) else 0.02)
+                nn.init.normal_(
+                    p, std=out_std if name.endswith(("wo.weight", "w_down.weight", "experts.down")) else 0.02
+                )
 
     def forward(
         self,
