@@ -61,6 +61,15 @@ def test_moe_flops_are_those_of_a_dense_model_of_the_active_width_plus_the_route
     assert experts_backward_flops(MOE, 10) == 2.0 * 10 * 64 * (2 * 32 + 8) and experts_backward_flops(dense, 10) == 0
 
 
+def test_a_dense_layer_among_experts_counts_its_own_mlp():
+    mixed = dataclasses.replace(MOE, dense_layers=(0,))  # layer 0 a SwiGLU of width 176, as Qwen3-MoE's mlp_only_layers
+    sparse_layer = MOE.n_experts * 64 + 2 * 3 * 64 * 32  # the router and two experts, per token
+    more = 3.0 * 2 * (3 * 64 * 176 - sparse_layer)  # forward + backward, one layer
+    assert model_flops_per_token(mixed, 4096) == pytest.approx(model_flops_per_token(MOE, 4096) + more)
+    assert mixed.num_parameters() == mixed.n_layers * (linear_params_per_layer(mixed) + 2 * 64) + root_parameters(mixed)
+    assert experts_backward_flops(mixed, 8) == 3 / 4 * experts_backward_flops(MOE, 8)
+
+
 def test_moe_states_count_every_expert():
     c = MOE
     layer_norms = 2 * c.hidden_size

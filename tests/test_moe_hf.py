@@ -194,6 +194,12 @@ CASES = {
     "qwen3_moe-aux": ("qwen3_moe", dict(norm_topk_prob=False, output_router_logits=True, router_aux_loss_coef=0.5)),
     "mixtral-aux": ("mixtral", dict(output_router_logits=True, router_aux_loss_coef=0.5)),
     "qwen3_moe": ("qwen3_moe", {}),
+    # a dense layer (its own width, 24) after a sparse one, the aux loss over the sparse one alone
+    "qwen3_moe-dense-layer": (
+        "qwen3_moe",
+        dict(mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.5),
+    ),
+    "qwen3_moe-sparse-step": ("qwen3_moe", dict(decoder_sparse_step=2)),  # layer 0 dense, layer 1 sparse
 }
 
 
@@ -204,6 +210,7 @@ def test_loss_and_gradients_match_transformers(tmp_path, case, policy):
     hf = _saved(tmp_path, family, **overrides)
     model = from_hf(tmp_path, policy=POLICIES[policy], dtype=torch.float32)
     assert model.config.router_aux_loss == overrides.get("output_router_logits", False)
+    assert [layer.experts is None for layer in model.layers] == [not hasattr(m.mlp, "experts") for m in hf.model.layers]
     ids, labels = _batch(hf)
     want = hf(ids, labels=labels).loss  # + coef · aux where the config outputs router logits
     want.backward()
@@ -235,8 +242,8 @@ def configs(tmp_path_factory):
 @pytest.mark.parametrize(
     "family, changes, named",
     [
-        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
-        ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ("qwen3_moe", {"mlp_only_layers": [0, 1]}, "mlp_only_layers"),  # no sparse layer left: a dense model
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
         ("qwen3_moe", {"num_local_experts": 0}, "num_experts"),
         ("qwen3_moe", {"num_experts": 8}, "num_experts"),  # disagrees with the num_local_experts saved
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "max_window_layers"),
@@ -276,7 +283,7 @@ def test_an_expert_tensor_missing_or_fused_is_named(tmp_path):
 @pytest.mark.parametrize(
     "fields, family, match",
     [
-        ({"qk_norm": True}, "qwen3_moe", "Hugging Face qwen3_moe routes every layer to experts"),
+        ({"qk_norm": True}, "qwen3_moe", "Hugging Face qwen3_moe routes to experts"),
         ({"n_experts": E, "experts_per_token": K}, "llama", "Hugging Face llama has dense MLPs"),
         ({"n_experts": E, "experts_per_token": K, "norm_topk_prob": False}, "mixtral", "`norm_topk_prob`"),
         (
@@ -324,3 +331,13 @@ def test_memo_train_export_reload_and_eval_a_qwen3_moe_folder(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(run), "--trials", "0", "--ppl-file", str(text), "--lengths", "48", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["perplexity"]["buckets"]
+
+
+def test_a_dense_layer_among_sparse_ones_round_trips(tmp_path):
+    hf = _saved(tmp_path / "theirs", "qwen3_moe", mlp_only_layers=[0])
+    model = from_hf(tmp_path / "theirs", dtype=torch.float32)
+    assert model.config.dense_layers == (0,) and model.layers[0].w_gate.weight.shape == (24, 32)
+    back = _load_hf(to_hf(model, tmp_path / "ours"))
+    assert back.config.mlp_only_layers == [0]
+    theirs, ours = hf.state_dict(), back.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(ours[n], t) for n, t in theirs.items())

@@ -76,8 +76,9 @@ class ModelConfig:
     casts), `sandwich_norms` (a norm after attention and after the MLP, before each residual add), a tanh-GELU
     gated MLP (`mlp_activation`), embeddings scaled by √h (`scale_embeddings`), attention scaled by
     `query_pre_attn_scalar`^-½, and `rope_local_theta` the RoPE base of its sliding layers (unscaled).
-    A mixture-of-experts model (`n_experts` > 0) routes each token of every layer's MLP to `experts_per_token` of
-    `n_experts` SwiGLU experts of width `expert_ffn_size`, weighted by the router's softmax (top-k, renormalised
+    A mixture-of-experts model (`n_experts` > 0) routes each token of every layer's MLP (but `dense_layers`', dense
+    SwiGLU MLPs of width `ffn_hidden_size`) to `experts_per_token` of `n_experts` SwiGLU experts of width
+    `expert_ffn_size`, weighted by the router's softmax (top-k, renormalised
     with `norm_topk_prob`); `router_aux_loss` adds transformers' load-balancing loss times `router_aux_loss_coef`.
     Both use rotary position embeddings: a learned table of 1M positions would cost more than the model.
     Bias flags left None take the arch's default.
@@ -115,6 +116,7 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1 (Mixtral always; Qwen3-MoE's flag)
     router_aux_loss: bool = False  # add transformers' load-balancing loss (its `output_router_logits`)
     router_aux_loss_coef: float = 0.001  # its weight in the loss
+    dense_layers: tuple[int, ...] = ()  # of a mixture of experts: the layers whose MLP is dense (ffn_hidden_size wide)
     hf_model_type: str | None = None  # the Hugging Face family it came from / exports as (llama, mistral, qwen2, qwen3)
 
     def __post_init__(self) -> None:
@@ -125,8 +127,9 @@ class ModelConfig:
         for flag in ("qkv_bias", "out_bias", "mlp_bias"):
             if getattr(self, flag) is None:
                 object.__setattr__(self, flag, self.arch == "gpt")
-        if isinstance(self.layer_types, list):  # from a config file
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for field in ("layer_types", "dense_layers"):
+            if isinstance(getattr(self, field), list):  # from a config file
+                object.__setattr__(self, field, tuple(getattr(self, field)))
         if isinstance(self.rope_scaling, dict):  # from a config file
             object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         self._check_fields()
@@ -179,8 +182,13 @@ class ModelConfig:
             check_int("experts_per_token", self.experts_per_token, most=self.n_experts)
             if self.arch == "gpt" or self.mlp_activation != "silu" or self.mlp_bias or self.sandwich_norms:
                 raise ValueError("memo's experts are SwiGLU MLPs without biases of the llama arch (Qwen3-MoE, Mixtral)")
-        elif self.experts_per_token:
-            raise ValueError(f"`experts_per_token` is {self.experts_per_token} but the model has no experts")
+        elif self.experts_per_token or self.dense_layers:
+            raise ValueError("`experts_per_token` and `dense_layers` are of a mixture of experts: set `n_experts` too")
+        dense = self.dense_layers
+        if not isinstance(dense, tuple) or len(set(dense)) != len(dense):
+            raise ValueError(f"`dense_layers` must list distinct layer indices, got {dense!r}")
+        for i in dense:
+            check_int("dense_layers", i, least=0, most=self.n_layers - 1)
 
     def _check_shapes(self) -> None:
         """Raises unless the heads split the hidden size and each other as attention and RoPE need."""
@@ -202,8 +210,12 @@ class ModelConfig:
 
     @property
     def moe(self) -> bool:
-        """Whether every layer's MLP is a mixture of experts."""
+        """Whether the model's MLPs are a mixture of experts (all but `dense_layers`)."""
         return self.n_experts > 0
+
+    def sparse(self, layer: int) -> bool:
+        """Returns whether layer `layer`'s MLP is a mixture of experts."""
+        return self.moe and layer not in self.dense_layers
 
     @property
     def expert_ffn(self) -> int:
@@ -217,7 +229,7 @@ class ModelConfig:
         if not self.moe:
             return n
         idle = (self.n_experts - self.experts_per_token) * 3 * self.hidden_size * self.expert_ffn
-        return n - self.n_layers * idle
+        return n - (self.n_layers - len(self.dense_layers)) * idle
 
     @property
     def head_dim(self) -> int:
@@ -328,11 +340,11 @@ def _param_shapes_numel(c: ModelConfig) -> list[int]:
     q, kv = c.n_heads * d, c.n_kv_heads * d
     attention = h * (q + 2 * kv) + q * h + c.qkv_bias * (q + 2 * kv) + c.out_bias * h + c.qk_norm * 2 * d
     mlp = (2 if c.arch == "gpt" else 3) * h * f + c.mlp_bias * (f + h)
-    if c.moe:  # the router and every expert's gate, up and down
-        mlp = c.n_experts * h + c.n_experts * 3 * h * c.expert_ffn
+    experts = c.n_experts * h + c.n_experts * 3 * h * c.expert_ffn  # the router and every expert's gate, up, down
     norm = (2 if c.arch == "gpt" else 1) * h
-    layer = attention + mlp + (4 if c.sandwich_norms else 2) * norm
-    return [c.vocab_size * h, c.n_layers * layer, norm, 0 if c.tie_embeddings else c.vocab_size * h]
+    layer = attention + (4 if c.sandwich_norms else 2) * norm
+    layers = c.n_layers * layer + sum(experts if c.sparse(i) else mlp for i in range(c.n_layers))
+    return [c.vocab_size * h, layers, norm, 0 if c.tie_embeddings else c.vocab_size * h]
 
 
 def _gpt(name: str, n_layers: int, hidden: int, heads: int) -> ModelConfig:

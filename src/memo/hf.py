@@ -264,21 +264,21 @@ MOE_DEFAULTS = {
     ),
 }
 MOE_REQUIRED = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"), "mixtral": ("num_experts_per_tok",)}
-SPARSE_ONLY = "memo runs MoE models whose every layer is sparse"
+SPARSE_ONLY = "memo runs a mixture of experts with at least one sparse layer"
 
 
 def _moe_fields(cfg: dict, family: str) -> dict:
-    """Returns the mixture-of-experts fields of a Qwen3-MoE or Mixtral config (defaults filled); raises for a stack
-    with dense layers and for routing noise, which memo's recompute could not draw again."""
-    if cfg.get("mlp_only_layers"):
-        raise _unsupported("mlp_only_layers", cfg["mlp_only_layers"], SPARSE_ONLY)
-    if cfg.get("decoder_sparse_step", 1) != 1:
-        raise _unsupported("decoder_sparse_step", cfg["decoder_sparse_step"], SPARSE_ONLY)
+    """Returns the mixture-of-experts fields of a Qwen3-MoE or Mixtral config (defaults filled), Qwen3-MoE's dense
+    layers where `mlp_only_layers` and `decoder_sparse_step` put them; raises for routing noise, which memo's
+    recompute could not draw again."""
+    dense = _dense_layers(cfg) if family == "qwen3_moe" else ()
     if cfg.get("router_jitter_noise"):
         raise _unsupported("router_jitter_noise", cfg["router_jitter_noise"], "memo routes without training noise")
     experts = _n_experts(cfg)
     if experts == 0:
         raise _unsupported("num_experts", 0, SPARSE_ONLY)
+    if len(dense) == cfg["num_hidden_layers"]:
+        raise _unsupported("mlp_only_layers", cfg.get("mlp_only_layers"), SPARSE_ONLY)
     width = cfg["moe_intermediate_size"] if family == "qwen3_moe" else cfg["intermediate_size"]
     return dict(
         n_experts=experts,
@@ -287,7 +287,18 @@ def _moe_fields(cfg: dict, family: str) -> dict:
         norm_topk_prob=family == "mixtral" or cfg["norm_topk_prob"],  # Mixtral always renormalises
         router_aux_loss=cfg["output_router_logits"],
         router_aux_loss_coef=cfg["router_aux_loss_coef"],
+        dense_layers=dense,
     )
+
+
+def _dense_layers(cfg: dict) -> tuple[int, ...]:
+    """Returns Qwen3-MoE's dense layers as transformers places them: those in `mlp_only_layers`, and those whose
+    number (index + 1) `decoder_sparse_step` does not divide."""
+    only, step = cfg.get("mlp_only_layers") or [], cfg.get("decoder_sparse_step", 1)
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise _unsupported("mlp_only_layers", only, "it must list layer indices")
+    check_int("decoder_sparse_step", step)
+    return tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
 
 
 def _n_experts(cfg: dict) -> int:
@@ -576,7 +587,7 @@ def _check_moe_exportable(config: ModelConfig, family: str) -> None:
     """Raises unless `family` routes to experts exactly when `config` does, and renormalises as it does."""
     if (family in MOE_NAMES) != config.moe:
         raise ValueError(
-            f"Hugging Face {family} {'routes every layer to experts' if family in MOE_NAMES else 'has dense MLPs'}, "
+            f"Hugging Face {family} {'routes to experts' if family in MOE_NAMES else 'has dense MLPs'}, "
             f"the model {'has dense MLPs' if family in MOE_NAMES else 'routes to experts'}: set `hf_model_type` to "
             f"{'a dense family (llama, mistral, qwen2, qwen3)' if family in MOE_NAMES else 'qwen3_moe or mixtral'}"
         )
@@ -584,6 +595,8 @@ def _check_moe_exportable(config: ModelConfig, family: str) -> None:
         raise ValueError(
             "Hugging Face mixtral renormalises the top-k routing weights: `norm_topk_prob` off needs qwen3_moe"
         )
+    if family == "mixtral" and config.dense_layers:
+        raise ValueError("Hugging Face mixtral routes every layer to experts: `dense_layers` needs qwen3_moe")
 
 
 def _layer_types(config: ModelConfig) -> list[str]:
@@ -630,7 +643,7 @@ def _moe_to_hf(config: ModelConfig, out: dict) -> None:
         moe_intermediate_size=config.expert_ffn,
         norm_topk_prob=config.norm_topk_prob,
         decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=list(config.dense_layers),
         use_sliding_window=config.sliding_window is not None,
         sliding_window=config.sliding_window,
     )

@@ -253,7 +253,7 @@ class DecoderLayer(nn.Module):
         self.k_norm = norm_module(c, d) if c.qk_norm else None
         self.wo = nn.Linear(c.n_heads * d, h, bias=c.out_bias)
         self.mlp_norm = norm_module(c, h)
-        dense = not c.moe
+        dense = not c.sparse(index)
         self.w_gate = nn.Linear(h, f, bias=c.mlp_bias) if dense and not self.gpt else None
         self.w_up = nn.Linear(h, f, bias=c.mlp_bias) if dense else None
         self.w_down = nn.Linear(f, h, bias=c.mlp_bias) if dense else None
@@ -304,7 +304,7 @@ class DecoderLayer(nn.Module):
         }
         if self.gpt:
             del specs["gate"]
-        if c.moe:  # the routing, kept whole, and each routed expert's tensors in place of the dense MLP's
+        if self.experts is not None:  # the routing, kept whole, and each routed expert's tensors in place of the MLP's
             k, fe = c.experts_per_token, c.expert_ffn
             for name in ("gate", "up", "act"):
                 specs["e_" + name] = spec("other", "mlp", k, fe)

@@ -108,7 +108,8 @@ class ReferenceBlock(nn.Module):
         self.q_norm = _norm(c, c.head_dim) if c.qk_norm else nn.Identity()
         self.k_norm = _norm(c, c.head_dim) if c.qk_norm else nn.Identity()
         self.wo = nn.Linear(q, c.hidden_size, bias=c.out_bias)
-        if c.moe:
+        self.sparse = c.sparse(index)
+        if self.sparse:
             self.router_experts = ReferenceExperts(c)
         else:
             self.w_gate = None if gpt else nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=c.mlp_bias)
@@ -149,7 +150,7 @@ class ReferenceBlock(nn.Module):
         o = self._attend(self.rope(q, positions), self.rope(k, positions), v, positions)
         x = x + self.attn_post_norm(self.wo(o.transpose(1, 2).reshape(b, s, -1)))
         n = self.mlp_norm(x)
-        if self.c.moe:
+        if self.sparse:
             return x + self.router_experts(n)
         if self.w_gate is None:
             hidden = F.gelu(self.w_up(n))
@@ -185,7 +186,8 @@ class ReferenceTransformer(nn.Module):
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
         if not self.config.router_aux_loss:
             return loss
-        aux = load_balancing_loss([layer.router_experts.logits for layer in self.layers], self.config.experts_per_token)
+        logits = [layer.router_experts.logits for layer in self.layers if layer.sparse]
+        aux = load_balancing_loss(logits, self.config.experts_per_token)
         return loss + self.config.router_aux_loss_coef * aux
 
     def memo_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:

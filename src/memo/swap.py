@@ -139,7 +139,7 @@ class StoreLayout:
     slot_bytes: int  # one tile slot (the larger tile group)
     n_slots: int  # per buffer: two, used in turn, or one when a single tile covers the sequence
     n_buffers: int
-    keep_bytes: int  # one keep layer's slot
+    keep_bytes: int  # the keep layers' slots, summed
     n_keep: int
     kept_input_bytes: int  # the inputs (and routing) `recompute` layers hold
     host_bytes: tuple[int, ...]  # per layer
@@ -150,30 +150,58 @@ class StoreLayout:
 
     @property
     def device_bytes(self) -> int:
-        return self.n_buffers * self.buffer_bytes + self.n_keep * self.keep_bytes + self.kept_input_bytes
+        return self.n_buffers * self.buffer_bytes + self.keep_bytes + self.kept_input_bytes
 
     @property
     def host_total(self) -> int:
         return sum(self.host_bytes)
 
 
-def store_layout(specs: dict[str, SkeletalSpec], swaps: tuple[LayerSwap, ...], tile: int) -> StoreLayout:
-    """Returns the device and host bytes of the layers' `swaps` for a layer's `specs` (whole-length) and `tile`
-    rows."""
-    seq = specs["x"].shape[1]
+def store_layout(
+    specs: dict[str, SkeletalSpec] | list[dict[str, SkeletalSpec]], swaps: tuple[LayerSwap, ...], tile: int
+) -> StoreLayout:
+    """Returns the device and host bytes of the layers' `swaps` for their skeletal `specs` (whole-length; one dict
+    when every layer has the same, else one per layer: a mixture of experts' dense and sparse layers) and `tile`
+    rows. The rounding buffers and tile slots fit the largest kind of layer."""
+    per_layer = specs if isinstance(specs, list) else [specs] * len(swaps)
+    kinds = layer_kinds(per_layer)[0]
+    seq = per_layer[0]["x"].shape[1]
     modes = [swap.mode for swap in swaps]
-    slot = max(pack_layout({n: sp.rows(tile) for n, sp in in_group(specs, g).items()})[1] for g in TILE_GROUPS)
     buffers = 2 if any(m in BUFFERED for m in modes) else 1 if "recompute" in modes else 0
     return StoreLayout(
-        whole_bytes=pack_layout(in_group(specs, "whole"))[1],
-        slot_bytes=slot,
+        whole_bytes=max(pack_layout(in_group(k, "whole"))[1] for k in kinds),
+        slot_bytes=max(pack_layout(tile_specs(k, g, tile))[1] for k in kinds for g in TILE_GROUPS),
         n_slots=1 if tile >= seq else 2,
         n_buffers=buffers,
-        keep_bytes=pack_layout(specs)[1],
+        keep_bytes=sum(pack_layout(sp)[1] for sp, m in zip(per_layer, modes) if m == "keep"),
         n_keep=modes.count("keep"),
-        kept_input_bytes=modes.count("recompute") * pack_layout(inputs(specs))[1],
-        host_bytes=tuple(pack_layout(swap.host_specs(specs))[1] for swap in swaps),
+        kept_input_bytes=sum(
+            sp["x"].nbytes + pack_layout(routing(sp))[1] for sp, m in zip(per_layer, modes) if m == "recompute"
+        ),
+        host_bytes=tuple(pack_layout(swap.host_specs(sp))[1] for sp, swap in zip(per_layer, swaps)),
     )
+
+
+def layer_kinds(per_layer: list[dict[str, SkeletalSpec]]) -> tuple[list[dict[str, SkeletalSpec]], list[int]]:
+    """Returns (the distinct skeletal tables among the layers', the index of each layer's)."""
+    kinds, keys, which = [], {}, []
+    for specs in per_layer:
+        key = tuple(specs.items())
+        if key not in keys:
+            keys[key] = len(kinds)
+            kinds.append(specs)
+        which.append(keys[key])
+    return kinds, which
+
+
+def tile_specs(specs: dict[str, SkeletalSpec], group: str, tile: int) -> dict[str, SkeletalSpec]:
+    """Returns the specs of one tile of `tile` rows of the group's tensors."""
+    return {n: sp.rows(tile) for n, sp in in_group(specs, group).items()}
+
+
+def routing(specs: dict[str, SkeletalSpec]) -> dict[str, SkeletalSpec]:
+    """Returns what a `recompute` layer keeps beside its input: a mixture of experts' routing."""
+    return {n: sp for n, sp in inputs(specs).items() if n != "x"}
 
 
 def plan_problem(
@@ -359,7 +387,10 @@ class ActivationStore:
         self.policy, self.n_layers = policy, n_layers
         self.step = 0
         self.stats = SwapStats()
-        self.specs: dict[str, SkeletalSpec] = {}
+        self.specs: dict[str, SkeletalSpec] = {}  # the largest layer's: the one the plan problem stands on
+        self.layer_specs: list[dict[str, SkeletalSpec]] = []  # each layer's (a dense and a sparse kind may mix)
+        self._kind: list[int] = []  # each layer's index into its distinct kinds (rounding buffers' views)
+        self.kinds: list[dict[str, SkeletalSpec]] = []  # the distinct skeletal tables among the layers'
         self.swaps: tuple[LayerSwap, ...] = ()
         self.layout: StoreLayout | None = None
         self.pool: HostPool | None = None
@@ -411,12 +442,15 @@ class ActivationStore:
         dev.synchronize(self._device)
         self._buffers, self._slots, self._keep, self._host, self._used = [], [], {}, {}, set()
         self._device = device
-        self.specs = layers[0].skeletal_specs(batch, seq, dtype, device)
+        self.layer_specs = [layer.skeletal_specs(batch, seq, dtype, device) for layer in layers]
+        self.kinds, self._kind = layer_kinds(self.layer_specs)
+        largest = max(range(len(layers)), key=lambda i: pack_layout(self.layer_specs[i])[1])
+        self.specs = self.layer_specs[largest]
         self._tile, self._heads = self.tiling(layers[0], seq, device)
         budget = self.policy.host_budget_bytes or int(dev.HOST_USABLE * dev.available_host_bytes())
-        modes, alphas = self._plan(layers[0], batch, seq, budget)
+        modes, alphas = self._plan(layers[largest], batch, seq, budget)
         self.swaps = layer_swaps(modes, alphas, seq, self._tile, self.policy.offload_last_layers)
-        self.layout = store_layout(self.specs, self.swaps, self._tile)
+        self.layout = store_layout(self.layer_specs, self.swaps, self._tile)
         self._allocate_device(device)
         for key in set(self._raw) - self._used:  # what the last plan had and this one does not (a layer kept)
             del self._raw[key]
@@ -426,7 +460,7 @@ class ActivationStore:
             self.pool = HostPool(self.layout.host_total, budget, device)
         self._host, base = {}, 0
         for i, swap in enumerate(self.swaps):
-            specs = swap.host_specs(self.specs)
+            specs = swap.host_specs(self.layer_specs[i])
             offsets, size = pack_layout(specs)
             if size:
                 self._host[i] = carve(self.pool.buffer[base : base + size], offsets, specs)
@@ -446,33 +480,29 @@ class ActivationStore:
         )
 
     def _allocate_device(self, device: torch.device) -> None:
-        """Allocates the rounding buffers (whole-length tensors, then two tile slots) and the keep slots."""
-        whole = in_group(self.specs, "whole")
-        offsets, size = pack_layout(whole)
-        tiles = {g: {n: sp.rows(self._tile) for n, sp in in_group(self.specs, g).items()} for g in TILE_GROUPS}
-        self._buffers, self._slots = [], []
-        for _ in range(self.layout.n_buffers):
-            buffer = self._bytes(("buffer", len(self._buffers)), self.layout.buffer_bytes, device)
-            self._buffers.append(carve(buffer, offsets, whole))
-            slots = []
-            for j in range(self.layout.n_slots):
-                at = size + j * self.layout.slot_bytes
-                slot = buffer[at : at + self.layout.slot_bytes]
-                slots.append({g: carve(slot, pack_layout(specs)[0], specs) for g, specs in tiles.items()})
-            self._slots.append(tuple(slots))
-        offsets, size = pack_layout(self.specs)
-        self._keep = {
-            i: carve(self._bytes(("keep", i), size, device), offsets, self.specs)
-            for i, swap in enumerate(self.swaps)
-            if swap.mode == "keep"
-        }
-        routing = {n: sp for n, sp in inputs(self.specs).items() if n != "x"}  # what a recompute layer keeps beside x
-        offsets, size = pack_layout(routing)
-        self._routing = {
-            i: carve(self._bytes(("routing", i), size, device), offsets, routing)
-            for i, swap in enumerate(self.swaps)
-            if swap.mode == "recompute" and routing
-        }
+        """Allocates the rounding buffers (whole-length tensors, then two tile slots; views for each kind of layer
+        over the same bytes), the keep slots and a recompute layer's routing."""
+        layout = self.layout
+        self._buffers, self._slots = [], []  # per buffer: per kind, its views
+        for _ in range(layout.n_buffers):
+            buffer = self._bytes(("buffer", len(self._buffers)), layout.buffer_bytes, device)
+            at = [layout.whole_bytes + j * layout.slot_bytes for j in range(layout.n_slots)]
+            slots = [buffer[a : a + layout.slot_bytes] for a in at]
+            self._buffers.append([_carved(buffer, in_group(specs, "whole")) for specs in self.kinds])
+            self._slots.append(
+                [
+                    tuple({g: _carved(slot, tile_specs(specs, g, self._tile)) for g in TILE_GROUPS} for slot in slots)
+                    for specs in self.kinds
+                ]
+            )
+        self._keep, self._routing = {}, {}
+        for i, swap in enumerate(self.swaps):
+            specs = self.layer_specs[i]
+            if swap.mode == "keep":
+                self._keep[i] = _carved(self._bytes(("keep", i), pack_layout(specs)[1], device), specs)
+            if swap.mode == "recompute" and routing(specs):
+                kept = routing(specs)
+                self._routing[i] = _carved(self._bytes(("routing", i), pack_layout(kept)[1], device), kept)
 
     def _bytes(self, key: tuple, nbytes: int, device: torch.device) -> torch.Tensor:
         """Returns `nbytes` of the raw buffer `key`, allocated anew only when the one kept is shorter."""
@@ -533,27 +563,32 @@ class ActivationStore:
         if mode == "keep":
             t = self._keep[index]
             t["x"].copy_(x)
-            return t, self._kept_tiles()
+            return t, self._kept_tiles(index)
+        kind = self._kind[index]
         if mode == "recompute":
             self._inputs[index] = x
-            return {**self._buffers[0], "x": x, **self._routing.get(index, {})}, self._slot_tiles(index)
+            return {**self._buffers[0][kind], "x": x, **self._routing.get(index, {})}, self._slot_tiles(index)
         j = index % 2
         for event in self._busy.pop(j, ()):  # a layer before, of the same parity, may still be copying out
             dev.wait_event(event, device=self._device)
-        t = self._buffers[j]
+        t = self._buffers[j][kind]
         t["x"].copy_(x)
         return t, self._slot_tiles(index)
 
-    def _kept_tiles(self) -> KeptTiles:
-        names = tuple((n, sp.group) for n, sp in self.specs.items() if sp.group != "whole")
-        return KeptTiles(names, self.specs["x"].shape[1], self._tile, self._heads)
+    def _kept_tiles(self, index: int) -> KeptTiles:
+        specs = self.layer_specs[index]
+        names = tuple((n, sp.group) for n, sp in specs.items() if sp.group != "whole")
+        return KeptTiles(names, specs["x"].shape[1], self._tile, self._heads)
 
     def _slot_tiles(self, index: int) -> SlotTiles:
         swap = self.swaps[index]
         j = 0 if swap.mode == "recompute" else index % 2
-        host = {n: h for n, h in self._host.get(index, {}).items() if self.specs[n].group != "whole"}
-        seq, stream = self.specs["x"].shape[1], self._streams[2]
-        return SlotTiles(self._slots[j], host, swap.split, seq, self._tile, self._heads, stream, swap.survives)
+        specs = self.layer_specs[index]
+        host = {n: h for n, h in self._host.get(index, {}).items() if specs[n].group != "whole"}
+        seq, stream = specs["x"].shape[1], self._streams[2]
+        return SlotTiles(
+            self._slots[j][self._kind[index]], host, swap.split, seq, self._tile, self._heads, stream, swap.survives
+        )
 
     def after_forward(self, index: int, aux: tuple) -> None:
         """Starts the copy of the layer's whole-length host part; notes the tile copies still running."""
@@ -579,9 +614,9 @@ class ActivationStore:
     def _copy_whole(self, index: int, to_host: bool) -> int:
         """Copies the whole-length part of layer `index`'s host slot from/to its rounding buffer (kept rows
         only); returns the bytes."""
-        buf, moved = self._buffers[index % 2], 0
+        buf, moved = self._buffers[index % 2][self._kind[index]], 0
         for name, h in self._host[index].items():
-            spec = self.specs[name]
+            spec = self.layer_specs[index][name]
             if spec.group != "whole":
                 continue
             d = buf[name]
@@ -611,13 +646,13 @@ class ActivationStore:
         prefetch of the layer below."""
         self._check_step(index, step)
         swap = self.swaps[index]
-        mode = swap.mode
-        b, s = self.specs["x"].shape[:2]
+        mode, specs, kind = swap.mode, self.layer_specs[index], self._kind[index]
+        b, s = specs["x"].shape[:2]
         if mode == "keep":
-            return self._keep[index], self._aux.pop(index), self._kept_tiles(), None
+            return self._keep[index], self._aux.pop(index), self._kept_tiles(index), None
         if mode == "recompute":
-            self._count_recompute(b, s, attention=True, qkv=True)
-            t = {**self._buffers[0], "x": self._inputs.pop(index), **self._routing.get(index, {})}
+            self._count_recompute(specs, b, s, attention=True, qkv=True)
+            t = {**self._buffers[0][kind], "x": self._inputs.pop(index), **self._routing.get(index, {})}
             return t, None, self._slot_tiles(index), Recompute(0, attention=True)
         j = index % 2
         for event in self._busy.pop(j, ()):  # this layer's own copies out of the buffer
@@ -626,28 +661,28 @@ class ActivationStore:
         self._prefetch(index - 1)
         host = self._host.get(index, {})
         self.pool.release(_nbytes(host))
-        self.stats.bytes_prefetched += _nbytes({n: h for n, h in host.items() if self.specs[n].group != "whole"})
+        self.stats.bytes_prefetched += _nbytes({n: h for n, h in host.items() if specs[n].group != "whole"})
         back, split = swap.reloaded, swap.split
         if back:
             dev.wait_event(self._prefetch_done.pop(index), device=self._device)
         attention = back and mode == "checkpoint"
         if swap.survives:  # its MLP tensors are still in the tile slot: only n1 runs again
-            self.stats.bytes_recomputed += sum(sp.nbytes for sp in in_group(self.specs, "qkv").values())
+            self.stats.bytes_recomputed += sum(sp.nbytes for sp in in_group(specs, "qkv").values())
             self.stats.tokens_recomputed += b * s
         else:
-            self._count_recompute(b, s - split, attention, qkv=back)
+            self._count_recompute(specs, b, s - split, attention, qkv=back)
         recompute = Recompute(split, attention) if back and split < s else None
-        return self._buffers[j], self._aux.pop(index), self._slot_tiles(index), recompute
+        return self._buffers[j][kind], self._aux.pop(index), self._slot_tiles(index), recompute
 
-    def _count_recompute(self, b: int, rows: int, attention: bool, qkv: bool) -> None:
-        """Adds the last `rows` token rows of the recomputed tensors to the stats: the token-local ones, q, k, v
-        too when `qkv`, and the attention output when `attention`."""
+    def _count_recompute(self, specs: dict, b: int, rows: int, attention: bool, qkv: bool) -> None:
+        """Adds the last `rows` token rows of the layer's (`specs`) recomputed tensors to the stats: the token-local
+        ones, q, k, v too when `qkv`, and the attention output when `attention`."""
         if rows <= 0:
             return
-        names = [n for n, sp in self.specs.items() if sp.role == "other" and (qkv or sp.group != "whole")]
-        self.stats.bytes_recomputed += sum(self.specs[n].rows(rows).nbytes for n in names)
+        names = [n for n, sp in specs.items() if sp.role == "other" and (qkv or sp.group != "whole")]
+        self.stats.bytes_recomputed += sum(specs[n].rows(rows).nbytes for n in names)
         if attention:
-            self.stats.bytes_recomputed += sum(sp.nbytes for sp in self.specs.values() if sp.role == "attention")
+            self.stats.bytes_recomputed += sum(sp.nbytes for sp in specs.values() if sp.role == "attention")
         self.stats.tokens_recomputed += b * rows
 
     def _check_step(self, index: int, step: int) -> None:
@@ -675,6 +710,11 @@ class ActivationStore:
         self._prefetch_done.clear()
         if self.pool is not None:
             self.pool.in_use = 0
+
+
+def _carved(buffer: torch.Tensor, specs: dict[str, SkeletalSpec]) -> dict[str, torch.Tensor]:
+    """Returns views of `specs` laid out back to back from the start of the byte `buffer`."""
+    return carve(buffer, pack_layout(specs)[0], specs)
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig
-from .flops import linear_params_per_layer
+from .flops import linear_params_per_layer, sparse_share
 from .hardware import GPUSpec, is_gpu
 
 
@@ -302,7 +302,7 @@ def _matmul_speed(speeds: KernelSpeeds, c: ModelConfig, rows: int) -> float:
         return dense
     k, f = c.experts_per_token, c.expert_ffn
     grouped = _interpolate(speeds.matmul, min(c.hidden_size, f, max(1, rows * k // c.n_experts)))
-    experts = k * 3 * c.hidden_size * f / linear_params_per_layer(c, active=True)  # of the layer's matmul FLOPs
+    experts = sparse_share(c) * k * 3 * c.hidden_size * f / linear_params_per_layer(c, active=True)  # of the FLOPs
     return 1 / ((1 - experts) / dense + experts / grouped)
 
 

@@ -32,15 +32,22 @@ from ..lora import LoraConfig, module_shapes
 from ..policy import PlanProblem, plan_costs, split_row
 
 
-def linear_params_per_layer(c: ModelConfig, active: bool = False) -> int:
-    """Returns the weight count of one layer's matmuls (q, k, v, o, and the MLP). Of a mixture of experts: the router
-    and every expert (what FSDP and ZeRO-3 gather and shard), or with `active` the router and the k experts one
-    token is routed to (what its FLOPs multiply by)."""
+def sparse_share(c: ModelConfig) -> float:
+    """Returns the share of the layers whose MLP is a mixture of experts (0 for a dense model)."""
+    return sum(c.sparse(i) for i in range(c.n_layers)) / c.n_layers
+
+
+def linear_params_per_layer(c: ModelConfig, active: bool = False) -> float:
+    """Returns the weight count of a layer's matmuls (q, k, v, o, and the MLP), the mean over the layers. A mixture
+    of experts' sparse layers have the router and every expert (what FSDP and ZeRO-3 gather and shard), or with
+    `active` the router and the k experts one token is routed to (what its FLOPs multiply by); its dense layers
+    (`ModelConfig.dense_layers`) a SwiGLU MLP of `ffn_hidden_size`."""
     projections = sum(i * o for i, o in module_shapes(c).values())  # of a mixture of experts: attention's alone
     if not c.moe:
         return projections
-    experts = c.experts_per_token if active else c.n_experts
-    return projections + c.n_experts * c.hidden_size + experts * 3 * c.hidden_size * c.expert_ffn
+    h, share = c.hidden_size, sparse_share(c)
+    experts = c.n_experts * h + (c.experts_per_token if active else c.n_experts) * 3 * h * c.expert_ffn
+    return projections + share * experts + (1 - share) * 3 * h * c.ffn_hidden_size
 
 
 LORA_FLOPS = (
@@ -59,9 +66,10 @@ MFU_PACKED_FULL = "packed documents: model FLOPs, each document's whole d x d ma
 
 MFU_EXPERTS = (
     "mixture of experts: model FLOPs count the active weights, 6 x (attention projections + router + the k routed "
-    "experts) per token + attention (torchtitan's active parameters); HFU adds what its backward runs again (each "
-    "routed expert's down projection and the router's logits); the experts' grouped GEMMs timed as the per-expert "
-    "GEMMs they group, tokens x k / E rows each (balanced routing assumed)"
+    "experts) per token and layer, the head and attention as for a dense model (torchtitan's active parameters); "
+    "HFU adds what its backward runs again (each routed expert's down projection and the router's logits); the "
+    "experts' grouped GEMMs timed as the per-expert GEMMs they group, tokens x k / E rows each (balanced routing "
+    "assumed)"
 )
 MFU_WINDOWED = (
     "sliding window: each windowed layer's attention counted as the sum over tokens of min(position + 1, w) pairs "
@@ -114,23 +122,20 @@ def token_local_flops(c: ModelConfig, tokens: int) -> tuple[float, float]:
     """Returns the forward FLOPs of one layer's token-local matmuls a recompute runs again for `tokens` tokens:
     (the q, k, v projections; the output projection and the MLP's input projections: of a mixture of experts the
     gate and up of the k routed experts, not the router, whose routing is kept). The MLP's last projection is not
-    rerun: its output is the layer's, not a skeletal tensor."""
+    rerun: its output is the layer's, not a skeletal tensor. The mean over the layers."""
     h, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    if c.moe:
-        mlp_in = c.experts_per_token * 2 * h * c.expert_ffn
-    else:
-        mlp_in = (1 if c.arch == "gpt" else 2) * h * c.ffn_hidden_size
+    share = sparse_share(c)  # of the layers: a mixture of experts' sparse ones (its dense ones are gated MLPs)
+    dense = (1 if c.arch == "gpt" else 2) * h * c.ffn_hidden_size
+    mlp_in = share * c.experts_per_token * 2 * h * c.expert_ffn + (1 - share) * dense
     return 2.0 * h * (q + 2 * kv) * tokens, 2.0 * (q * h + mlp_in) * tokens
 
 
 def experts_backward_flops(c: ModelConfig, tokens: int) -> float:
     """Returns the forward FLOPs a mixture of experts' backward runs again for `tokens` tokens, whatever the plan
     (`layer.DecoderLayer._experts_backward`): each routed expert's output (its down projection, for the routing
-    weights' gradient) and the router's logits (for their gradient; the routing itself is the forward's). 0 for a
-    dense MLP."""
-    if not c.moe:
-        return 0.0
-    return 2.0 * c.hidden_size * (c.experts_per_token * c.expert_ffn + c.n_experts) * tokens
+    weights' gradient) and the router's logits (for their gradient; the routing itself is the forward's). The mean
+    over the layers: 0 for a dense MLP."""
+    return sparse_share(c) * 2.0 * c.hidden_size * (c.experts_per_token * c.expert_ffn + c.n_experts) * tokens
 
 
 def recompute_flops(

@@ -175,7 +175,8 @@ class PhasePlanner:
         allocation where the phase cannot be planned)."""
         device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
         kernel = layer.attention_ran or choose(layer.attention_kernel, device, dtype)  # the trace runs the same
-        key = (phase.__name__, dtype, kernel, layer.window, _signature(args))  # a windowed layer runs other ops
+        kind = (layer.window, layer.experts is not None)  # a windowed layer, a mixture of experts run other ops
+        key = (phase.__name__, dtype, kernel, kind, _signature(args))
         if key not in self.plans and key not in self.unplanned:
             self._plan(key, layer, phase, args, device)
         if key in self.unplanned:
@@ -220,7 +221,7 @@ class PhasePlanner:
     def _twin(self, layer, kernel: str):
         """Returns a parameter-free copy of `layer` on `meta` (same code, same shapes, same window, no memory) that
         runs the attention kernel `kernel`."""
-        key = (next(layer.parameters()).dtype, kernel, layer.window)
+        key = (next(layer.parameters()).dtype, kernel, layer.window, layer.experts is not None)
         if key not in self._twins:
             with torch.device("meta"):
                 self._twins[key] = type(layer)(layer.config, layer.index).to(key[0])
