@@ -22,7 +22,8 @@ def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) ->
     """Returns the host bytes one rank's activation store needs for a local batch (batch, seq): its plan and α,
     or, where they are solved, the least a solved plan can take (`ActivationPolicy.least_host_plan`)."""
     policy, n = model.policy, len(model.layers)
-    specs = model.layers[0].skeletal_specs(batch, seq, dtype, next(model.parameters()).device)
+    device = next(model.parameters()).device
+    specs = [layer.skeletal_specs(batch, seq, dtype, device) for layer in model.layers]  # dense and sparse may mix
     modes, alphas = policy.least_host_plan(n)
     tile = policy.tile_for(seq)
     return store_layout(specs, layer_swaps(modes, alphas, seq, tile, policy.offload_last_layers), tile).host_total
