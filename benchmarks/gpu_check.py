@@ -396,6 +396,64 @@ def _mm_op(device: torch.device) -> dict:
     return _compare(("product",), got, meta, (a.double() @ b.double(),), 1e-2)
 
 
+MARGIN = {torch.bfloat16: 0.5, torch.float32: 1e-3}  # logits this far apart route alike in the dtype's rounding
+
+
+def _experts_op(device: torch.device, dtype: torch.dtype) -> dict:
+    """Checks a mixture of experts' layers (kept routing, the experts' grouped GEMMs forward and backward, α = 0.5
+    in tiles, the load-balancing loss) against the reference model (every expert over every token, masked) in
+    float64 on the CPU: loss and every parameter gradient. Routers are drawn wide and the first seed whose every
+    token's k-th and (k+1)-th logits are `MARGIN` apart is taken, so the dtype's rounding cannot route the two
+    apart."""
+    from memo import ActivationPolicy, ModelConfig, Transformer
+    from memo.reference import ReferenceTransformer
+
+    config = ModelConfig(
+        "llama", 2, 64, 4, 128, 256, n_kv_heads=2, n_experts=8, experts_per_token=2, expert_ffn_size=64,
+        router_aux_loss=True, router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    for seed in range(64):  # deterministic: the reference runs in float64 on the CPU
+        torch.manual_seed(seed)
+        ref = ReferenceTransformer(config).double()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if "router_experts" in name:
+                    p.normal_(0, 10.0 if "router." in name else 0.1)
+        ids = torch.randint(0, config.vocab_size, (1, 96))
+        want = ref(ids, labels=ids)
+        top = [layer.router_experts.logits.detach().topk(3, dim=-1).values for layer in ref.layers]
+        margin = min(float((t[..., 1] - t[..., 2]).min()) for t in top)
+        if margin >= MARGIN[dtype]:
+            break
+    else:
+        return {"passed": False, "error": f"no seed gave a top-k margin of {MARGIN[dtype]}"}
+    want.backward()
+    exact = ref.memo_state_dict(keep_vars=True)
+    model = Transformer(config, ActivationPolicy("memo", alpha=0.5, tile_tokens=40)).to(device, dtype)
+    model.load_state_dict(ref.memo_state_dict())
+    same = ReferenceTransformer(config).to(device, dtype)  # the reference in the dtype: the rounding it cannot help
+    same.load_state_dict(ref.state_dict())
+    errors = {}
+    for name, m in (("memo", model), ("reference", same)):
+        m.zero_grad()
+        loss = m(ids.to(device), labels=ids.to(device))
+        loss.backward()
+        grads = m.memo_state_dict(keep_vars=True) if m is same else dict(m.named_parameters())
+        errors[name] = {
+            "loss": _max_error(loss, want),
+            **{n: _relative(grads[n].grad, g.grad) for n, g in exact.items()},
+        }
+    # within 1.5x the dtype's own reference error (docs/testing.md's bf16 rule), or 1e-3 of the float64 values
+    bad = [n for n, e in errors["memo"].items() if e > max(1.5 * errors["reference"][n], 1e-3)]
+    worst = max(errors["memo"], key=errors["memo"].get)
+    result = {"passed": not bad, "worst": worst, "max_error": errors["memo"][worst], "margin": margin}
+    if bad:
+        result["error"] = (
+            f"{bad[0]} off by {errors['memo'][bad[0]]:.2e}, the {dtype} reference by {errors['reference'][bad[0]]:.2e}"
+        )
+    return result
+
+
 def op_smoke(ctx: Context) -> dict:
     """Returns pass/fail (and the error line) of each private op memo calls, run once at toy size."""
     from memo.attention import KERNELS, available
@@ -416,6 +474,7 @@ def op_smoke(ctx: Context) -> dict:
             window = functools.partial(_attention_op, ctx.device, dtype, "flash", WINDOW)
             ops[f"attention flash window {WINDOW} {name}"] = _checked(window)
         ops[f"rms_norm {name}"] = _checked(functools.partial(_rms_norm_op, ctx.device, dtype))
+        ops[f"experts (grouped GEMM) {name}"] = _checked(functools.partial(_experts_op, ctx.device, dtype))
         ctx.put("ops", ops)
     ops["mm out_dtype=float32 bfloat16"] = _checked(functools.partial(_mm_op, ctx.device))
     ctx.put("ops", ops)
