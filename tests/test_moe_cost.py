@@ -164,23 +164,33 @@ def test_expert_gemms_are_timed_at_their_rows_per_expert():
     gemm = H100.peak_flops * band.high.matmul
     assert t["matmul"] == pytest.approx(2 * linear_params_per_layer(c, active=True) * rows / gemm)
     assert t["matmul_backward"] == pytest.approx(2 * t["matmul"] + experts_backward_flops(c, rows) / gemm)
+    autograd = _compute_seconds(Job(model=c, seq=rows, gpus=1), rows, H100, band.high, memo_layer=False)
+    assert autograd["matmul_backward"] == pytest.approx(2 * t["matmul"])  # the baselines keep what memo reruns
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_moe_memory_model_matches_a_traced_first_step_on_meta(dtype):
+@pytest.mark.parametrize(
+    "config, dtype",
+    [
+        (MOE, torch.float32),
+        (MOE, torch.bfloat16),
+        (dataclasses.replace(MOE, dense_layers=(1,)), torch.float32),
+    ],
+    ids=["fp32", "bf16", "a-dense-layer"],
+)
+def test_moe_memory_model_matches_a_traced_first_step_on_meta(config, dtype):
     tokens = 2048
     policy = ActivationPolicy("memo", alpha=0.5, host_budget_bytes=1 << 60)
     with torch.device("meta"):
-        model = Transformer(MOE, policy).to(dtype)
+        model = Transformer(config, policy).to(dtype)
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     with meta_kernels("cuda"):
         first, _ = trace(lambda: model(ids, labels=ids).backward())  # sizes buffers, host pool (meta), grads
     grads = sum(p.numel() * dtype.itemsize for p in model.parameters())
-    n = MOE.n_layers
+    n = config.n_layers
+    stored = store_bytes(config, tokens, ["memo"] * n, [0.5] * n, tokens, dtype=dtype)
+    assert stored == model.store.layout  # the store's own layout, dense and sparse layers each with their tensors
     predicted = (
-        store_bytes(MOE, tokens, ["memo"] * n, [0.5] * n, tokens, dtype=dtype).device_bytes
-        + traced_transient_peak(MOE, tokens, Traced("memo", dtype=dtype))
-        + model.swap_stats().host_pool_bytes
+        stored.device_bytes + traced_transient_peak(config, tokens, Traced("memo", dtype=dtype)) + stored.host_total
     )
     # the first step creates the gradients as it goes: all of them exist at its peak only if that is late
     assert predicted <= first.peak <= predicted + grads

@@ -247,10 +247,11 @@ class ModelConfig:
         return sum(_param_shapes_numel(self))
 
     def with_layers(self, n: int) -> "ModelConfig":
-        """Returns the same model with `n` layers, of the attention types of its last `n` (its deepest: in Gemma 3's
-        pattern of five sliding layers and one global they hold a global one)."""
+        """Returns the same model with `n` layers, of the attention types and MLP kinds of its last `n` (its deepest:
+        in Gemma 3's pattern of five sliding layers and one global they hold a global one)."""
         types = None if self.layer_types is None else self.layer_types[-n:]
-        return dataclasses.replace(self, n_layers=n, layer_types=types)
+        dense = tuple(i - (self.n_layers - n) for i in self.dense_layers if i >= self.n_layers - n)
+        return dataclasses.replace(self, n_layers=n, layer_types=types, dense_layers=dense)
 
     def attended(self, seq: int, attended: float) -> float:
         """Returns the mean over layers of the length that stands for s in attention FLOPs (`attended`: s, or packed

@@ -74,26 +74,23 @@ def _counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Returns the grouped product of `a` and the stacked `b` over the experts' row groups: a (R, m) by b (E, m, n)
     gives (R, n), row group e times b[e]; a (m, R) by b (R, n) gives (E, m, n), each expert's rows summed (the
     weight gradient). PyTorch's grouped kernel runs on CPU in every float dtype and on CUDA (Hopper) in bf16;
     elsewhere (fp32 on CUDA) one product per expert."""
-    dtype = out_dtype or a.dtype
     if a.is_meta and a.dtype != torch.bfloat16:  # the meta kernel takes bf16 alone; a trace needs only the shape
         shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (groups.offs.shape[0], a.shape[0], b.shape[-1])
-        return a.new_empty(shape, dtype=dtype)
+        return a.new_empty(shape)
     if a.dtype == torch.bfloat16 or kernel_device_type(a.device) == "cpu":
-        if out_dtype is not None and kernel_device_type(a.device) == "cpu" and a.dtype != out_dtype:
-            return F.grouped_mm(a, b, offs=groups.offs).to(out_dtype)  # the CPU kernel writes its inputs' dtype
-        return F.grouped_mm(a, b, offs=groups.offs, out_dtype=out_dtype)
+        return F.grouped_mm(a, b, offs=groups.offs)
     ends = [0, *groups.offs.tolist()]
     if b.dim() == 3:
-        out = a.new_empty(a.shape[0], b.shape[-1], dtype=dtype)
+        out = a.new_empty(a.shape[0], b.shape[-1])
         for e, (lo, hi) in enumerate(zip(ends, ends[1:])):
-            torch.mm(a[lo:hi], b[e], out=out[lo:hi]) if dtype == a.dtype else out[lo:hi].copy_(a[lo:hi] @ b[e])
+            torch.mm(a[lo:hi], b[e], out=out[lo:hi])
         return out
-    return torch.stack([(a[:, lo:hi] @ b[lo:hi]).to(dtype) for lo, hi in zip(ends, ends[1:])])
+    return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(ends, ends[1:])])
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -541,9 +541,10 @@ class DecoderLayer(nn.Module):
         del out
         d_down = dys * groups.expert_major(v["route_w"])[:, None]  # (T·k, h)
         del dys
-        wide = torch.float32 if d_down.dtype.itemsize < 4 else None
+        # a tile's weight gradients in the compute dtype (the grouped kernel's fast path writes bf16; it accumulates
+        # in fp32 within the tile), summed over tiles in fp32 by add_to
         if ex.down.requires_grad:
-            add_to(grads, "experts.down", grouped_mm(d_down.t(), act, groups, wide))  # (E, h, f)
+            add_to(grads, "experts.down", grouped_mm(d_down.t(), act, groups))  # (E, h, f)
         dact = grouped_mm(d_down, ex.down, groups)  # (T·k, f)
         del d_down, act
         dup = dact * F.silu(gate)
@@ -551,7 +552,7 @@ class DecoderLayer(nn.Module):
         del dact, gate, up
         for name, grad in (("gate", dgate), ("up", dup)):
             if getattr(ex, name).requires_grad:
-                add_to(grads, "experts." + name, grouped_mm(grad.t(), xs, groups, wide))  # (E, f, h)
+                add_to(grads, "experts." + name, grouped_mm(grad.t(), xs, groups))  # (E, f, h)
         dxs = grouped_mm(dgate, ex.gate, groups).add_(grouped_mm(dup, ex.up, groups))  # (T·k, h)
         del dgate, dup, xs
         dn2 = torch.zeros_like(n2).index_add_(0, groups.token, dxs)

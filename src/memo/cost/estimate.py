@@ -113,6 +113,7 @@ TRACED = {
     "none": "none",
 }
 OFFLOADS = ("memo", "offload", "host-checkpoint")  # the recomputations that keep skeletal tensors in host memory
+MEMO_LAYER = ("memo", "offload-all")  # the systems that run memo's explicit layer (the others: autograd's)
 STATES = ("memo", "offload-all", "alst")  # the systems estimated with LoRA or offloaded states (`Job.full_states`)
 MEMO_TILES = (None, 16384, 4096)  # memo's token tiles searched (None: the whole sequence shard)
 # the caching allocator's mode each system runs: `memo train` turns on expandable segments on CUDA (as
@@ -444,10 +445,11 @@ def _evaluate(job: Job, layout: Layout, gpu: GPUSpec, priced: Priced) -> Estimat
     offload = layout.recompute == "offload"
     attended = job.attended
     again = recompute_flops(c, attended, modes, alphas, offload, tokens=seq, causal=True, tile=layout.tile)
-    again += c.n_layers * experts_backward_flops(c, seq)
     attention = c.n_layers * layer_forward_flops(c, attended, seq, causal=True)[1]  # one sequence's, forward
     if layout.recompute == "selective":
         again = attention
+    if layout.system in MEMO_LAYER:
+        again += c.n_layers * experts_backward_flops(c, seq)
     model = model_flops_per_token(c, attended, lora=job.lora) * seq
     slow, fast = (sum(timed[p].values()) for p in ("low", "high"))
     use = {"device memory": (need, gpu.hbm_bytes), "host memory": (host, host_capacity)}
@@ -560,7 +562,7 @@ def _plan_problem(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, budge
     share the host link: a layer's activation copies hide behind what is left of its forward and backward once
     its weights' copies (`states.layer_traffic`) have had the link."""
     c, tokens = job.model, job.tokens(layout.sp)
-    t = _compute_seconds(job, tokens, gpu, eff)
+    t = _compute_seconds(job, tokens, gpu, eff, layout.system in MEMO_LAYER)
     bandwidth = _host_bandwidth(gpu, eff)
     forward, backward = (b / bandwidth for b in layer_traffic(job))
     seconds = {**t, "forward": max(0.0, t["forward"] - forward), "backward": max(0.0, t["backward"] - backward)}
@@ -594,15 +596,15 @@ def dominant(seconds: dict[str, float]) -> str:
     return f"{seconds[name] / sum(seconds.values()):.0%} {name.replace('_', ' ')}"
 
 
-def _compute_seconds(job: Job, tokens: int, gpu: GPUSpec, eff: Efficiency) -> dict[str, float]:
+def _compute_seconds(job: Job, tokens: int, gpu: GPUSpec, eff: Efficiency, memo_layer: bool = True) -> dict[str, float]:
     """Returns one layer's seconds on one GPU: forward and backward matmuls and causal attention of `tokens` tokens
     attending to `job.attended` each (the sequence length; packed documents' E[Σ d_i²] / s; the half of the
     matrix a causal kernel computes), each phase at its own efficiency, and the token-local matmuls a recompute
     runs again (`qkv` before attention, `mlp` after it). With LoRA the frozen projections' backward computes the
     input gradient alone (1 × forward, not 2 ×), and the adapters' rank-r GEMMs run at the slower of their FLOPs
     at GEMM speed and their bytes at HBM speed. A mixture of experts' matmuls are those of its active weights
-    (`flops.layer_forward_flops`), its backward runs the experts' down projections and the router again
-    (`flops.experts_backward_flops`)."""
+    (`flops.layer_forward_flops`); memo's layer (`memo_layer`) runs the experts' down projections and the router
+    again in its backward (`flops.experts_backward_flops`), where autograd keeps what they give."""
     c, lora = job.model, job.lora
     matmul, attention = layer_forward_flops(c, job.attended, tokens, causal=True)
     gemm = gpu.peak_flops * eff.matmul
@@ -612,7 +614,8 @@ def _compute_seconds(job: Job, tokens: int, gpu: GPUSpec, eff: Efficiency) -> di
     qkv, mlp = (f / gemm for f in token_local_flops(c, tokens))
     hbm = gpu.hbm_bytes_per_s * eff.hbm
     low_fwd, low_bwd = (max(f / gemm, b / hbm) for f, b in adapter_work(c, lora, tokens).values())
-    fwd, bwd = mm + low_fwd, (1 if lora else 2) * mm + low_bwd + experts_backward_flops(c, tokens) / gemm
+    rerun = experts_backward_flops(c, tokens) / gemm if memo_layer else 0.0
+    fwd, bwd = mm + low_fwd, (1 if lora else 2) * mm + low_bwd + rerun
     return {
         "matmul": fwd,
         "matmul_backward": bwd,
@@ -737,7 +740,7 @@ def _step_seconds(job: Job, layout: Layout, gpu: GPUSpec, eff: Efficiency, plan)
     optimizer step of offloaded states."""
     c, gpus, tokens = job.model, job.gpus, job.tokens(layout.sp)
     n = c.n_layers
-    t = _compute_seconds(job, tokens, gpu, eff)
+    t = _compute_seconds(job, tokens, gpu, eff, layout.system in MEMO_LAYER)
     fwd, bwd = t["forward"], t["backward"]
     costs = {"recompute": 0.0, "exposed_copy": 0.0}
     if layout.recompute == "full":

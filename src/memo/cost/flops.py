@@ -67,9 +67,9 @@ MFU_PACKED_FULL = "packed documents: model FLOPs, each document's whole d x d ma
 MFU_EXPERTS = (
     "mixture of experts: model FLOPs count the active weights, 6 x (attention projections + router + the k routed "
     "experts) per token and layer, the head and attention as for a dense model (torchtitan's active parameters); "
-    "HFU adds what its backward runs again (each routed expert's down projection and the router's logits); the "
-    "experts' grouped GEMMs timed as the per-expert GEMMs they group, tokens x k / E rows each (balanced routing "
-    "assumed)"
+    "HFU adds what memo's layer runs again in its backward (each routed expert's down projection and the router's "
+    "logits; memo and offload-all); the experts' grouped GEMMs timed as the per-expert GEMMs they group, tokens x k "
+    "/ E rows each (balanced routing assumed)"
 )
 MFU_WINDOWED = (
     "sliding window: each windowed layer's attention counted as the sum over tokens of min(position + 1, w) pairs "

@@ -31,7 +31,7 @@ from ..plan.problem import max_load, peak
 from ..plan.trace import SCRATCH, Trace, no_cycle_collection, trace_iteration
 from ..plan.worker import both
 from ..policy import ActivationPolicy
-from ..swap import StoreLayout, layer_swaps, store_layout
+from ..swap import StoreLayout, layer_swaps, pack_layout, store_layout
 from ..units import format_bytes, format_count
 from .hardware import GPUS
 from .states import trained
@@ -98,11 +98,25 @@ class Traced:
 
 
 @lru_cache(maxsize=1024)
-def layer_specs(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, SkeletalSpec]:
-    """Returns one layer's skeletal tensors for `tokens` tokens (whole-length), as the store sizes them."""
+def _kind_specs(c: ModelConfig, tokens: int, dtype, sparse: bool) -> dict[str, SkeletalSpec]:
+    """Returns the skeletal tensors of the first layer whose MLP is (`sparse`) or is not a mixture of experts."""
     with torch.device("meta"):
-        layer = DecoderLayer(c, 0)
+        layer = DecoderLayer(c, next(i for i in range(c.n_layers) if c.sparse(i) == sparse))
     return layer.skeletal_specs(1, tokens, dtype, "meta")
+
+
+@lru_cache(maxsize=1024)
+def each_layer_specs(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> list[dict[str, SkeletalSpec]]:
+    """Returns every layer's skeletal tensors for `tokens` tokens (whole-length): a mixture of experts' dense layers
+    (`ModelConfig.dense_layers`) have the dense MLP's, its sparse layers the routing's and the experts'."""
+    return [_kind_specs(c, tokens, dtype, c.sparse(i)) for i in range(c.n_layers)]
+
+
+@lru_cache(maxsize=1024)
+def layer_specs(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, SkeletalSpec]:
+    """Returns one layer's skeletal tensors for `tokens` tokens (whole-length), as the store sizes them: where a
+    mixture of experts mixes dense and sparse layers, the larger kind's (the store's buffers fit it)."""
+    return max(each_layer_specs(c, tokens, dtype), key=lambda specs: pack_layout(specs)[1])
 
 
 def skeletal_bytes(c: ModelConfig, tokens: int, dtype=torch.bfloat16) -> dict[str, int]:
@@ -121,7 +135,8 @@ def store_bytes(
 ) -> StoreLayout:
     """Returns the device and host bytes the activation store allocates for a plan (`swap.store_layout`)."""
     tile = min(tile, tokens)
-    return store_layout(layer_specs(c, tokens, dtype), layer_swaps(modes, alphas, tokens, tile, offload_last), tile)
+    specs = each_layer_specs(c, tokens, dtype)
+    return store_layout(specs, layer_swaps(modes, alphas, tokens, tile, offload_last), tile)
 
 
 def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
