@@ -10,6 +10,7 @@ import json
 import pytest
 import ranks
 import torch
+from cli_runs import evaluates, train_and_export
 from safetensors.torch import load_file, save_file
 
 from memo import ActivationPolicy, from_hf, patch, to_hf
@@ -188,7 +189,9 @@ def test_memo_patch_trains_gemma_packed_as_transformers_does():
 
 
 def test_memo_patch_refuses_a_multimodal_gemma_naming_the_families_it_runs(tmp_path):
-    with pytest.raises(ValueError, match="gemma3_text, qwen3_moe, mixtral causal LMs, got Gemma3ForConditionalGeneration"):
+    with pytest.raises(
+        ValueError, match="gemma3_text, qwen3_moe, mixtral causal LMs, got Gemma3ForConditionalGeneration"
+    ):
         patch(_multimodal(tmp_path))
 
 
@@ -228,24 +231,16 @@ def test_sequence_parallel_sp2_matches_transformers(tmp_path, free_port):
 
 
 def test_memo_train_export_reload_and_eval_a_gemma_folder(tmp_path, capsys):
-    from memo.cli import main
     from memo.eval import load
 
     _gemma(vocab_size=256, max_position_embeddings=128).save_pretrained(tmp_path / "gemma")  # byte tokens
-    text = tmp_path / "text.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    run, out = tmp_path / "run", tmp_path / "hf"
-    train = ["train", "--model", str(tmp_path / "gemma"), "--data", str(text), "--seq-len", "48", "--batch-size", "2"]
-    assert main([*train, "--steps", "2", "--alpha", "0.5", "--eval-every", "1000", "--out", str(run)]) == 0
-    assert main(["export", str(run), "--hf", str(out)]) == 0
+    run, out, text = train_and_export(tmp_path / "gemma", tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     trained = load(run, torch.device("cpu"), torch.float32).model
     ids = torch.randint(0, 256, (2, 40))  # past the window of 6 on every sliding layer
     with torch.no_grad():
         torch.testing.assert_close(trained(ids), back(ids).logits, **LOGITS_TOL)
-    capsys.readouterr()
-    assert main(["eval", str(run), "--trials", "0", "--ppl-file", str(text), "--lengths", "48", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["perplexity"]["buckets"]
+    evaluates(run, text, capsys)
 
 
 def test_the_12b_preset_has_the_published_text_models_parameters():

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from cli_runs import evaluates, train_and_export
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_hf import _load_hf, _randomize
@@ -304,17 +305,11 @@ def test_export_refuses_a_family_without_the_models_layers_in_one_line(tmp_path,
 def test_memo_train_export_reload_and_eval_a_qwen3_moe_folder(tmp_path, capsys):
     """A tiny Qwen3-MoE folder through the CLI, the load-balancing loss on: train, export, transformers reads the
     export back with memo's logits, eval runs."""
-    from memo.cli import main
     from memo.eval import load
 
     hf = _hf_model("qwen3_moe", vocab_size=256, max_position_embeddings=128, output_router_logits=True)  # byte tokens
     hf.save_pretrained(tmp_path / "moe")
-    text = tmp_path / "text.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    run, out = tmp_path / "run", tmp_path / "hf"
-    train = ["train", "--model", str(tmp_path / "moe"), "--data", str(text), "--seq-len", "48", "--batch-size", "2"]
-    assert main([*train, "--steps", "2", "--alpha", "0.5", "--eval-every", "1000", "--out", str(run)]) == 0
-    assert main(["export", str(run), "--hf", str(out)]) == 0
+    run, out, text = train_and_export(tmp_path / "moe", tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(
         out, attn_implementation="eager", experts_implementation="eager"
     ).eval()
@@ -328,9 +323,7 @@ def test_memo_train_export_reload_and_eval_a_qwen3_moe_folder(tmp_path, capsys):
             top = layer_logits.float().topk(K + 1, dim=-1).values
             assert (top[:, K - 1] - top[:, K]).min() > 1e-3
         torch.testing.assert_close(trained(ids), theirs.logits, rtol=1e-5, atol=1e-5)
-    capsys.readouterr()
-    assert main(["eval", str(run), "--trials", "0", "--ppl-file", str(text), "--lengths", "48", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["perplexity"]["buckets"]
+    evaluates(run, text, capsys)
 
 
 def test_a_dense_layer_among_sparse_ones_round_trips(tmp_path):
