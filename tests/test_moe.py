@@ -120,7 +120,7 @@ def test_config_refuses_what_memo_cannot_route():
         _config(mlp_bias=True)
 
 
-def _sp_rank(rank: int, port: int) -> None:
+def _sp_rank(rank: int, port: int, sp: int) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -129,7 +129,7 @@ def _sp_rank(rank: int, port: int) -> None:
 
     ranks.join(rank, 2, port)
     try:
-        mesh = init_mesh(2, timeout=timedelta(seconds=60))
+        mesh = init_mesh(sp, timeout=timedelta(seconds=60))
         config = _config(router_aux_loss=True, router_aux_loss_coef=0.5)
         ref, model = _models(config, POLICIES["memo-a0.5-tile11"])
         model = parallelize(model, mesh)
@@ -152,10 +152,13 @@ def _sp_rank(rank: int, port: int) -> None:
 
 
 @pytest.mark.slow
-def test_sequence_parallel_sp2_matches_the_reference_aux_loss_included(free_port):
+@pytest.mark.parametrize("sp", [2, 1], ids=["sp2", "dp2"])
+def test_two_ranks_match_the_reference_aux_loss_included(free_port, sp):
+    """Sequence parallel (each rank half of every sequence) or data parallel (half of the batch): the aux loss's
+    counts are all-reduced, each rank's probability sums carry its own gradient."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_sp_rank, args=(free_port(),), nprocs=2)
+    mp.spawn(_sp_rank, args=(free_port(), sp), nprocs=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
