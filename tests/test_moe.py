@@ -228,3 +228,25 @@ def test_dense_layers_are_checked():
         _config(dense_layers=(3,))
     with pytest.raises(ValueError, match="`dense_layers` must list distinct layer indices"):
         _config(dense_layers=(1, 1))
+
+
+def test_the_store_allocates_what_its_layout_says_for_mixed_kinds_of_layer():
+    """Dense and sparse layers share the rounding buffers (sized for the larger kind); keep and recompute layers get
+    slots of their own kind; the layout the cost model reads is what the store allocates."""
+    from memo.swap import store_layout
+
+    config = _config(n_layers=4, dense_layers=(1,))
+    policy = ActivationPolicy("memo", alpha=0.3, plan=("memo", "keep", "checkpoint", "keep"), tile_tokens=7)
+    model = _models(config, policy)[1]
+    ids = torch.randint(0, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(10))
+    model(ids, labels=ids).backward()
+    store = model.store
+    assert len(store.kinds) == 2 and store._kind == [0, 1, 0, 0]
+    assert store_layout(store.layer_specs, store.swaps, 7) == store.layout
+    buffers = [views for kinds in store._buffers for views in kinds]
+    views = [t for slot in (*buffers, *store._keep.values()) for t in slot.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in views}
+    assert sum(storages.values()) == store.layout.device_bytes
+    assert store.layout.keep_bytes == sum(
+        sum(-(-sp.nbytes // 512) * 512 for sp in store.layer_specs[i].values()) for i in (1, 3)
+    )  # a dense keep layer and a sparse one, each its own size

@@ -227,8 +227,8 @@ class RaceDetector(TorchDispatchMode):
     def track(self, engine: ActivationStore) -> None:
         """Shadows the rounding buffers and host pool (anew after a resize); names the engine's streams."""
         storages = {
-            f"rounding buffer {i}": next(iter(views.values())).untyped_storage()
-            for i, views in enumerate(engine._buffers)
+            f"rounding buffer {i}": next(iter(kinds[0].values())).untyped_storage()  # every kind's views: one storage
+            for i, kinds in enumerate(engine._buffers)
         }
         storages["host pool"] = engine.pool.buffer.untyped_storage()
         if {s.data_ptr() for s in storages.values()} != set(self.shadows):

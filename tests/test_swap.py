@@ -242,7 +242,8 @@ def test_store_layout_is_what_the_store_allocates():
     assert swaps == store.swaps
     layout = store_layout(store.specs, swaps, 7)
     assert layout == store.layout
-    views = [t for slot in (*store._buffers, *store._keep.values()) for t in slot.values()]
+    buffers = [views for kinds in store._buffers for views in kinds]  # per rounding buffer, each kind of layer's views
+    views = [t for slot in (*buffers, *store._keep.values()) for t in slot.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in views}
     assert sum(storages.values()) == layout.device_bytes
     assert store.pool.nbytes == layout.host_total
