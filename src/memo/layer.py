@@ -636,17 +636,23 @@ class DecoderLayer(nn.Module):
             return phase(self, t, *args)
         return self.phases.run(self, phase, t, *args)
 
+    def infer(self, x: torch.Tensor, store: Store | None = None, documents: Documents | None = None):
+        """Returns (the output, the whole-length tensors: x, q, k, v, attn, ...) of a forward without autograd, tile
+        by tile (the store's tiles when given): inference keeps nothing but what a caller reads of them (a decoder,
+        its rotated keys and values)."""
+        b, s = x.shape[:2]
+        specs = self.skeletal_specs(b, s, x.dtype, x.device)
+        t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
+        tile, heads = (s, self.attention_shape(s)[0]) if store is None else store.tiling(self, s, x.device)
+        t = _with_positions(self, {**t, "x": x}, documents)
+        return forward_phase(self, t, FreshTiles.of(specs, tile, heads))[0], t
+
     def forward(self, x: torch.Tensor, store: Store | None = None, documents: Documents | None = None) -> torch.Tensor:
         """Returns the layer output: without grad, straight (tile by tile); with grad, through the explicit
         autograd function and `store`, which keeps the skeletal tensors for the backward. `documents`: the packed
         documents of the batch (attention within each, RoPE from each start)."""
         if not torch.is_grad_enabled():
-            b, s = x.shape[:2]
-            specs = self.skeletal_specs(b, s, x.dtype, x.device)
-            t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
-            tile, heads = (s, self.attention_shape(s)[0]) if store is None else store.tiling(self, s, x.device)
-            t = _with_positions(self, {**t, "x": x}, documents)
-            return forward_phase(self, t, FreshTiles.of(specs, tile, heads))[0]
+            return self.infer(x, store, documents)[0]
         if store is None:
             raise ValueError("a DecoderLayer trains through an activation store: run it inside memo.Transformer")
         if self.experts is None or not self.config.router_aux_loss:

@@ -102,9 +102,7 @@ class Transformer(nn.Module):
         if documents is not None and self.layers[0].phases is not None and not self._told_unplanned:
             log.warning("the phase planner serves one document per sequence: packed batches use the allocator")
             self._told_unplanned = True
-        x = self.embed(input_ids)  # (b, s, h)
-        if self.config.scale_embeddings:  # Gemma: √h, in the embedding's dtype
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        x = self.embeddings(input_ids)  # (b, s, h)
         set_dropout_keys(self, self.dropout_key if torch.is_grad_enabled() else None)  # LoRA dropout: training only
         for layer in self.layers:  # a mixture of experts' routing totals: those of this forward, if it trains
             layer.router_totals = None
@@ -112,6 +110,13 @@ class Transformer(nn.Module):
             self.store.begin_step(self.layers, b, s, x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, self.store, documents)
+        return x
+
+    def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Returns the token embeddings (b, s, h) the first layer reads (Gemma's scaled by √h in their dtype)."""
+        x = self.embed(input_ids)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x
 
     @property
