@@ -44,6 +44,8 @@ from .parallel import faults
 from .parallel.mesh import launched, rank
 from .plan.request import DsaRequest, PlanRequest, plan_lines, plan_report, plan_title
 from .policy import STRATEGIES
+from .ruler import TASKS, Ruler
+from .ruler_eval import ruler_cells
 from .train import checkpoint
 from .train.config import (
     TrainConfig,
@@ -516,6 +518,10 @@ def _run_eval(args) -> int:
     loaded = load(args.path, device, DTYPES[args.dtype], args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
     batch, pack = (args.batch_size, args.passkey_pack) if request.trials else (1, 1)
+    ruler = None
+    if request.ruler_tasks:  # the haystack read and every prompt's length checked before any decoding
+        haystack = Path(args.haystack).read_text() if args.haystack else None
+        ruler = Ruler(tokenizer, haystack)
     evaluation.check_lengths(loaded, request.lengths, batch, pack)  # before any work
     limit = model.config.max_position_embeddings
     if limit and max(request.lengths) > limit:
@@ -523,7 +529,7 @@ def _run_eval(args) -> int:
             f"note: lengths past the model's max_position_embeddings ({format_count(limit)}) run as asked",
             file=sys.stderr,
         )
-    if request.trials:  # bad arguments fail at once, before any progress bar or long run
+    if request.passkey:  # bad arguments fail at once, before any progress bar or long run
         PasskeyTask(tokenizer).check(model, request.lengths, request.depths, request.trials, args.seed)
     data = None
     if args.ppl_file:
@@ -533,7 +539,7 @@ def _run_eval(args) -> int:
             packing, loaded.document_separator, loaded.max_documents, request.long_conversations,
         )  # fmt: skip
     report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
-    cells = _measure_eval(request, loaded, data, report, args.json)
+    cells = _measure_eval(request, loaded, data, report, args.json, ruler)
     if args.plot and cells:
         plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {request.trials} trials per cell")
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -543,12 +549,25 @@ def _run_eval(args) -> int:
     return 0
 
 
-def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool) -> list:
-    """Scores the pass key and the loss by position into `report`; returns the pass-key cells. On Ctrl-C the
+def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool, ruler=None) -> list:
+    """Scores the pass key, RULER and the loss by position into `report`; returns the pass-key cells. On Ctrl-C the
     report keeps what was finished (whole cells, the sequences scored) and says `interrupted`."""
-    cells = []
+    cells, stage = [], "passkey"
     try:
-        if request.trials:
+        if ruler is not None:
+            stage = "ruler"
+            tasks = request.ruler_tasks
+            per_length = sum(len(request.depths) if TASKS[t].has_depth else 1 for t in tasks)
+            total = len(request.lengths) * per_length * request.trials
+            eos = _end_of_text(loaded.tokenizer)
+            with tqdm(total=total, desc="RULER", unit="prompt", file=sys.stderr, disable=quiet) as bar:
+                scored = ruler_cells(
+                    loaded.model, ruler, tasks, request.lengths, request.depths, request.trials, request.seed,
+                    request.batch_size, eos, bar.update,
+                )  # fmt: skip
+            report["ruler"] = [c.as_dict() for c in scored]
+        stage = "passkey"
+        if request.passkey:
             total = len(request.lengths) * len(request.depths) * request.trials
             with tqdm(total=total, desc="pass key", unit="trial", file=sys.stderr, disable=quiet) as bar:
                 cells = passkey_accuracy(
@@ -568,10 +587,20 @@ def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool)
         report["interrupted"] = True
         if "perplexity" in report:
             report["perplexity"].update(sequences=stop.done, buckets=[b.as_dict() for b in stop.results])
+        elif stage == "ruler":
+            report["ruler"] = [c.as_dict() for c in stop.results]
         else:
             cells = stop.results
             report["passkey"] = [c.as_dict() for c in cells]
     return cells
+
+
+def _end_of_text(tokenizer) -> tuple[int, ...]:
+    """Returns the ids that end a generated answer: the tokenizer's end of text, none for bytes."""
+    try:
+        return tokenizer.separator("eos").ids
+    except ValueError:
+        return ()
 
 
 class _Parser(argparse.ArgumentParser):

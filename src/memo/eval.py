@@ -48,6 +48,8 @@ from .hf import CONFIG_NAME, from_hf
 from .lora import merge_adapters
 from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
+from .ruler_eval import RulerCell, task_names
+from .ruler_eval import table as ruler_table
 from .train import checkpoint
 from .train.config import BEFORE_PACKING, check_inputs
 from .train.data import (
@@ -160,8 +162,19 @@ class EvalRequest:
         f"(default: {_by_device('depths', '{:g}'.format)})",
         parse=numbers,
     )
+    tasks: tuple[str, ...] = flag(
+        ("passkey",),
+        "what to score, separated by commas: passkey, ruler (RULER's 11 offline tasks: memo.ruler) or RULER task "
+        "names (default: passkey)",
+        parse=lambda text: tuple(t.strip() for t in text.split(",")),
+    )
     trials: int | None = flag(
-        None, f"prompts per length and depth; 0: no pass key (default: {_by_device('trials')})", parse=int
+        None,
+        f"prompts per length and depth of each task; 0: no pass key (default: {_by_device('trials')})",
+        parse=int,
+    )
+    haystack: str | None = flag(
+        None, "a text file whose sentences replace RULER's essay haystack (its own variant of the tasks)", path=True
     )
     seed: int = flag(0, "seed of keys and filler (default: %(default)s)", parse=int)
     batch_size: int = flag(1, "prompts decoded together (default: %(default)s)", parse=int)
@@ -210,7 +223,7 @@ class EvalRequest:
             if getattr(self, name) is not None and not self.ppl_file:
                 raise ValueError(f"`--{name.replace('_', '-')}` applies to the loss by position: give `--ppl-file`")
         if self.depths is not None and self.trials == 0:
-            raise ValueError("`--depths` places the pass key: it needs `--trials` > 0")
+            raise ValueError("`--depths` places the needles: it needs `--trials` > 0")
         chosen = defaults(device)
         unset = ("lengths", "depths", "trials", "max_sequences")
         request = dataclasses.replace(
@@ -219,14 +232,28 @@ class EvalRequest:
         request.check()
         return request
 
+    @property
+    def passkey(self) -> bool:
+        """Whether the pass key is scored."""
+        return "passkey" in self.tasks and self.trials > 0
+
+    @property
+    def ruler_tasks(self) -> list[str]:
+        """Returns the RULER tasks `--tasks` names (none: RULER is not scored)."""
+        return task_names([t for t in self.tasks if t != "passkey"])
+
     def check(self) -> None:
-        if self.trials == 0 and not self.ppl_file:
-            raise ValueError("nothing to evaluate: `--trials 0` and no `--ppl-file`")
-        if self.plot and self.trials == 0:
-            raise ValueError("`--plot` draws the pass-key heatmap: it needs `--trials` > 0")
+        if self.ruler_tasks and self.trials == 0:
+            raise ValueError("`--tasks` names RULER tasks: they need `--trials` > 0 (prompts per cell)")
+        if self.haystack and not self.ruler_tasks:
+            raise ValueError("`--haystack` replaces RULER's essay haystack: give `--tasks ruler`")
+        if not (self.passkey or self.ruler_tasks or self.ppl_file):
+            raise ValueError("nothing to evaluate: no pass key (`--trials 0` or `--tasks` without it), no `--ppl-file`")
+        if self.plot and not self.passkey:
+            raise ValueError("`--plot` draws the pass-key heatmap: it needs the pass key (`--tasks passkey`)")
         if self.max_sequences < 1:
             raise ValueError(f"`--max-sequences` must be positive, got {self.max_sequences}")
-        if self.passkey_pack != 1 and self.trials == 0:
+        if self.passkey_pack != 1 and not self.passkey:
             raise ValueError("`--passkey-pack` packs pass-key prompts: it needs `--trials` > 0")
         if self.pack_documents and not self.ppl_file:
             raise ValueError("`--pack-documents` packs the documents of `--ppl-file`: give one")
@@ -746,8 +773,12 @@ def report_lines(report: dict, seed: int) -> str:
     position."""
     lines = [f"model {report['model']}  tokenizer {report['tokenizer']}  {report['device']} {report['dtype']}"]
     if report.get("interrupted"):
-        finished = report.get("passkey") or report.get("perplexity", {}).get("sequences")
+        finished = report.get("passkey") or report.get("ruler") or report.get("perplexity", {}).get("sequences")
         lines.append(f"interrupted: {'the results finished' if finished else 'nothing was finished'} before Ctrl-C")
+    if report.get("ruler"):
+        cells = [RulerCell(**c) for c in report["ruler"]]
+        lines.append(f"\nRULER score (%), {cells[0].samples or '-'} samples per cell, mean over depths (seed {seed})")
+        lines.append(ruler_table(cells))
     if report.get("passkey"):
         cells = report["passkey"]
         lengths = list(dict.fromkeys(c["length"] for c in cells))

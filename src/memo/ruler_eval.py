@@ -1,0 +1,124 @@
+"""RULER scores of a model by task, length and depth: prompts from `memo.ruler`, greedy decoding with a key/value
+cache (`memo.decode`) up to each task's answer length or the tokenizer's end-of-text, RULER's scoring.
+
+A cell is (task, length, depth): the needle tasks at every depth asked, variable tracking and the word-extraction
+tasks once per length (no depth). A length a task cannot fill (the byte tokenizer spells its few-shot example and
+lists in many tokens) is reported as such, not refused: the other tasks at that length still run. The average row
+of the table is the mean over the tasks it names, the offline subset; model cards quote RULER's 13-task average,
+which adds two QA tasks this evaluation cannot build offline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .decode import generate
+from .ruler import TASKS, Ruler, score
+
+OFFLINE = "the offline subset of RULER's 13 tasks (no QA), not the model-card average"
+
+
+@dataclass(frozen=True)
+class RulerCell:
+    """The mean score of one task at one length (and depth, for the needle tasks) over its samples; `skipped` says
+    why a cell has none."""
+
+    task: str  # the variant's name, e.g. niah_single_2/noise
+    length: int  # the prompt's tokens, as the model saw them
+    depth: float | None
+    samples: int
+    score: float | None
+    skipped: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def task_names(chosen: Sequence[str]) -> list[str]:
+    """Returns the RULER tasks `--tasks` names: `ruler` for all of them, or task names; raises for an unknown one."""
+    names = []
+    for name in chosen:
+        if name == "ruler":
+            names.extend(TASKS)
+        elif name in TASKS:
+            names.append(name)
+        else:
+            raise ValueError(f"`--tasks` names {name!r}: choose passkey, ruler or RULER tasks ({', '.join(TASKS)})")
+    return list(dict.fromkeys(names))
+
+
+def ruler_cells(
+    model,
+    ruler: Ruler,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    samples: int,
+    seed: int = 0,
+    batch_size: int = 1,
+    eos: Sequence[int] = (),
+    progress: Callable[[int], None] = lambda n: None,
+) -> list[RulerCell]:
+    """Returns every cell's score, lengths outer; `progress(n)` as each batch of n prompts is scored. Ctrl-C raises
+    `eval.Interrupted` with the cells finished before it."""
+    from .eval import Interrupted  # eval imports this module's cells for its report
+
+    cells: list[RulerCell] = []
+    try:
+        for length, task in itertools.product(lengths, tasks):
+            for depth in depths if TASKS[task].has_depth else (None,):
+                cells.append(_cell(model, ruler, task, length, depth, samples, seed, batch_size, eos, progress))
+    except KeyboardInterrupt:
+        raise Interrupted(cells, len(cells)) from None
+    return cells
+
+
+def _cell(model, ruler, task, length, depth, samples, seed, batch_size, eos, progress) -> RulerCell:
+    """Returns one cell scored over `samples` prompts decoded `batch_size` at a time."""
+    try:
+        prompts = [ruler.prompt(task, length, depth, seed, index) for index in range(samples)]
+    except ValueError as err:  # this task cannot fill this length with this tokenizer
+        progress(samples)
+        return RulerCell(task, length, depth, 0, None, skipped=str(err))
+    device = next(model.parameters()).device
+    scores = []
+    for first in range(0, samples, batch_size):
+        batch = prompts[first : first + batch_size]
+        ids = torch.from_numpy(np.stack([p.ids for p in batch])).to(device)
+        for prompt, answer in zip(batch, generate(model, ids, batch[0].tokens_to_generate, eos)):
+            known = [i for i in answer if i < ruler.tokenizer.vocab_size and i not in eos]
+            scores.append(score(prompt, ruler.tokenizer.decode(known)))
+        progress(len(batch))
+    return RulerCell(prompts[0].name, length, depth, samples, float(np.mean(scores)))
+
+
+def table(cells: Sequence[RulerCell]) -> str:
+    """Returns the task × length table (mean over depths, in percent) with the average row over the tasks every
+    length scored, named."""
+    lengths = sorted({c.length for c in cells})
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    mean = {(t, n): _mean([c.score for c in cells if (c.task, c.length) == (t, n)]) for t in tasks for n in lengths}
+    lines = ["| task | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---:|" * len(lengths)]
+    lines += [f"| {t} | " + " | ".join(_percent(mean[t, n]) for n in lengths) + " |" for t in tasks]
+    whole = [t for t in tasks if all(mean[t, n] is not None for n in lengths)]
+    average = [_mean([mean[t, n] for t in whole]) for n in lengths]
+    lines.append(f"| average of {len(whole)} | " + " | ".join(_percent(a) for a in average) + " |")
+    lines.append(f"average: {', '.join(whole) or 'no task scored at every length'}; {OFFLINE}")
+    skipped = [c for c in cells if c.skipped]
+    if skipped:
+        lines.append(f"not scored: {len(skipped)} cells, e.g. {skipped[0].skipped}")
+    return "\n".join(lines)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"

@@ -1,0 +1,126 @@
+"""`memo eval --tasks ruler`: prompts from memo.ruler decoded with memo's cache and scored as RULER scores. The
+wiring is checked with the decoder replaced by the reference solver (every cell 100%) and by a wrong answer (0%), so
+both ends can fail; then the CLI on a tiny run: cells by task, length and depth, the lengths a task cannot fill
+reported, bad flags refused in one line, Ctrl-C keeping the cells finished."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import memo.ruler_eval as ruler_eval
+from memo.cli import main
+from memo.ruler import TASKS, Ruler, solve
+from memo.ruler_eval import RulerCell, ruler_cells, table
+from memo.train.data import load_tokenizer
+
+BYTES = load_tokenizer(None)
+
+
+class _Solver:
+    """Stands for `generate`: answers each prompt with the reference solver's reading of its text (`right`), or a
+    wrong word."""
+
+    def __init__(self, right: bool):
+        self.right, self.calls = right, 0
+
+    def __call__(self, model, ids, n, eos=()):
+        self.calls += 1
+        texts = [BYTES.decode(row.tolist()) for row in ids]
+        answers = [solve(_task_of(text), text) if self.right else " nothing" for text in texts]
+        return [BYTES.encode(a)[:n] for a in answers]
+
+
+def _task_of(text: str) -> str:
+    """Returns the RULER family a prompt's text is of (the solver reads the same text either way)."""
+    for task in TASKS:
+        if TASKS[task].family == "niah" and "special magic" in text:
+            return task
+    return next(t for t in TASKS if TASKS[t].family != "niah" and _family_words(TASKS[t].family) in text)
+
+
+def _family_words(family: str) -> str:
+    return {"variable_tracking": "VAR", "common_words_extraction": "most often", "freq_words_extraction": "coded"}[
+        family
+    ]
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["solver", "wrong"])
+def test_every_cell_scores_what_its_answers_deserve(monkeypatch, right):
+    model = torch.nn.Linear(1, 1)  # only its device is read: `generate` is replaced
+    monkeypatch.setattr(ruler_eval, "generate", _Solver(right))
+    tasks = ["niah_single_1", "niah_multikey_2", "niah_multiquery", "fwe"]
+    cells = ruler_cells(model, Ruler(BYTES), tasks, [1500], [0.0, 1.0], samples=2, batch_size=2)
+    assert [(c.task.split("/")[0], c.depth) for c in cells] == [
+        ("niah_single_1", 0.0), ("niah_single_1", 1.0), ("niah_multikey_2", 0.0), ("niah_multikey_2", 1.0),
+        ("niah_multiquery", 0.0), ("niah_multiquery", 1.0), ("fwe", None),
+    ]  # fmt: skip
+    assert all(c.score == (1.0 if right else 0.0) and c.samples == 2 for c in cells)
+
+
+def test_a_length_a_task_cannot_fill_is_reported_not_refused(monkeypatch):
+    monkeypatch.setattr(ruler_eval, "generate", _Solver(True))
+    cells = ruler_cells(torch.nn.Linear(1, 1), Ruler(BYTES), ["vt", "niah_single_1"], [1024], [0.5], samples=1)
+    assert cells[0].skipped and "1024 is too short for vt" in cells[0].skipped and cells[1].score == 1.0
+    text = table(cells)
+    assert "| vt | - |" in text and "| average of 1 | 100.0 |" in text and "average: niah_single_1;" in text
+    assert "not the model-card average" in text and "not scored: 1 cells" in text
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ruler") / "run"
+    argv = ["train", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--out", str(out)]
+    assert main([*argv, "--json"]) == 0
+    return out
+
+
+def test_memo_eval_scores_ruler_by_task_length_and_depth(run_dir, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Long rivers run to the sea. Mountains stand in the north. " * 10)
+    capsys.readouterr()
+    argv = ["eval", str(run_dir), "--tasks", "niah_single_2,cwe", "--lengths", "600", "--depths", "0,1"]
+    assert main([*argv, "--trials", "1", "--haystack", str(corpus), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cells = [RulerCell(**c) for c in report["ruler"]]
+    assert [(c.task, c.length, c.depth) for c in cells] == [
+        ("niah_single_2/corpus", 600, 0.0), ("niah_single_2/corpus", 600, 1.0), ("cwe", 600, None),
+    ]  # fmt: skip
+    assert cells[2].skipped and all(0 <= c.score <= 1 for c in cells[:2]) and "passkey" not in report
+    assert main([*argv, "--trials", "1"]) == 0
+    assert "| niah_single_2/noise | " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tasks", "ruler,bogus"], "`--tasks` names 'bogus': choose passkey, ruler or RULER tasks"),
+        (["--tasks", "ruler", "--trials", "0"], "`--tasks` names RULER tasks: they need `--trials` > 0"),
+        (["--haystack", "corpus.txt"], "`--haystack` replaces RULER's essay haystack: give `--tasks ruler`"),
+        (["--tasks", "ruler", "--plot", "p.png"], "`--plot` draws the pass-key heatmap: it needs the pass key"),
+    ],
+)
+def test_bad_ruler_flags_are_one_line_before_any_work(run_dir, tmp_path, capsys, flags, message):
+    (tmp_path / "corpus.txt").write_text("A sentence. ")
+    flags = [str(tmp_path / f) if f.endswith((".txt", ".png")) else f for f in flags]
+    assert main(["eval", str(run_dir), "--lengths", "600", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_ctrl_c_keeps_the_ruler_cells_finished(run_dir, monkeypatch, capsys):
+    solver = _Solver(True)
+
+    def interrupted(*args, **kwargs):
+        if solver.calls == 2:
+            raise KeyboardInterrupt
+        return solver(*args, **kwargs)
+
+    monkeypatch.setattr(ruler_eval, "generate", interrupted)
+    capsys.readouterr()
+    argv = ["eval", str(run_dir), "--tasks", "niah_single_1", "--lengths", "600", "--depths", "0,0.5,1"]
+    assert main([*argv, "--trials", "1", "--json"]) == 130
+    report = json.loads(capsys.readouterr().out)
+    assert report["interrupted"] and [(c["depth"], c["score"]) for c in report["ruler"]] == [(0.0, 1.0), (0.5, 1.0)]
+    assert np.isclose(sum(c["score"] for c in report["ruler"]), 2.0)
