@@ -12,7 +12,7 @@ import torch
 import memo.ruler_eval as ruler_eval
 from memo.cli import main
 from memo.ruler import TASKS, Ruler, solve
-from memo.ruler_eval import RulerCell, ruler_cells, table
+from memo.ruler_eval import RulerCell, RulerGrid, ruler_cells, table
 from memo.train.data import load_tokenizer
 
 BYTES = load_tokenizer(None)
@@ -51,7 +51,8 @@ def test_every_cell_scores_what_its_answers_deserve(monkeypatch, right):
     model = torch.nn.Linear(1, 1)  # only its device is read: `generate` is replaced
     monkeypatch.setattr(ruler_eval, "generate", _Solver(right))
     tasks = ["niah_single_1", "niah_multikey_2", "niah_multiquery", "fwe"]
-    cells = ruler_cells(model, Ruler(BYTES), tasks, [1500], [0.0, 1.0], samples=2, batch_size=2)
+    grid = RulerGrid(tasks=tasks, lengths=[1500], depths=[0.0, 1.0], samples=2, batch_size=2)
+    cells = ruler_cells(model, Ruler(BYTES), grid)
     assert [(c.task.split("/")[0], c.depth) for c in cells] == [
         ("niah_single_1", 0.0), ("niah_single_1", 1.0), ("niah_multikey_2", 0.0), ("niah_multikey_2", 1.0),
         ("niah_multiquery", 0.0), ("niah_multiquery", 1.0), ("fwe", None),
@@ -61,7 +62,8 @@ def test_every_cell_scores_what_its_answers_deserve(monkeypatch, right):
 
 def test_a_length_a_task_cannot_fill_is_reported_not_refused(monkeypatch):
     monkeypatch.setattr(ruler_eval, "generate", _Solver(True))
-    cells = ruler_cells(torch.nn.Linear(1, 1), Ruler(BYTES), ["vt", "niah_single_1"], [1024], [0.5], samples=1)
+    grid = RulerGrid(tasks=["vt", "niah_single_1"], lengths=[1024], depths=[0.5], samples=1)
+    cells = ruler_cells(torch.nn.Linear(1, 1), Ruler(BYTES), grid)
     assert cells[0].skipped and "1024 is too short for vt" in cells[0].skipped and cells[1].score == 1.0
     text = table(cells)
     assert "| vt | - |" in text and "| average of 1 | 100.0 |" in text and "average: niah_single_1;" in text
@@ -88,8 +90,12 @@ def test_memo_eval_scores_ruler_by_task_length_and_depth(run_dir, tmp_path, caps
         ("niah_single_2/corpus", 600, 0.0), ("niah_single_2/corpus", 600, 1.0), ("cwe", 600, None),
     ]  # fmt: skip
     assert cells[2].skipped and all(0 <= c.score <= 1 for c in cells[:2]) and "passkey" not in report
-    assert main([*argv, "--trials", "1"]) == 0
-    assert "| niah_single_2/noise | " in capsys.readouterr().out
+    plot = tmp_path / "heat.png"
+    assert main([*argv, "--trials", "1", "--plot", str(plot)]) == 0
+    out, err = capsys.readouterr()
+    assert "| niah_single_2/noise | " in out and not plot.exists()  # no pass key asked: only the task's heatmap
+    drawn = tmp_path / "heat-niah_single_2.png"
+    assert f"wrote {drawn}" in err and drawn.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(
@@ -98,7 +104,7 @@ def test_memo_eval_scores_ruler_by_task_length_and_depth(run_dir, tmp_path, caps
         (["--tasks", "ruler,bogus"], "`--tasks` names 'bogus': choose passkey, ruler or RULER tasks"),
         (["--tasks", "ruler", "--trials", "0"], "`--tasks` names RULER tasks: they need `--trials` > 0"),
         (["--haystack", "corpus.txt"], "`--haystack` replaces RULER's essay haystack: give `--tasks ruler`"),
-        (["--tasks", "ruler", "--plot", "p.png"], "`--plot` draws the pass-key heatmap: it needs the pass key"),
+        (["--tasks", "vt,cwe", "--plot", "p.png"], "`--plot` draws needle heatmaps: it needs the pass key or a RULER"),
     ],
 )
 def test_bad_ruler_flags_are_one_line_before_any_work(run_dir, tmp_path, capsys, flags, message):

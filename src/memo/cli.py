@@ -44,8 +44,8 @@ from .parallel import faults
 from .parallel.mesh import launched, rank
 from .plan.request import DsaRequest, PlanRequest, plan_lines, plan_report, plan_title
 from .policy import STRATEGIES
-from .ruler import TASKS, Ruler
-from .ruler_eval import ruler_cells
+from .ruler import Ruler
+from .ruler_eval import RulerCell, RulerGrid, plot_cells, plot_paths, ruler_cells
 from .train import checkpoint
 from .train.config import (
     TrainConfig,
@@ -514,7 +514,10 @@ def _eval_parser(sub) -> None:
 def _run_eval(args) -> int:
     device = check_device(args.device)
     request = _flags(EvalRequest, args).with_defaults(device)
-    _claim_output(args.plot, "--plot", args, {"PATH": args.path, "`--ppl-file`": args.ppl_file})
+    inputs = {"PATH": args.path, "`--ppl-file`": args.ppl_file}
+    plots = plot_paths(args.plot, request.ruler_tasks) if args.plot else {}
+    for path in [*([args.plot] if request.passkey else []), *plots.values()]:
+        _claim_output(str(path), "--plot", args, inputs)
     loaded = load(args.path, device, DTYPES[args.dtype], args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
     batch, pack = (args.batch_size, args.passkey_pack) if request.trials else (1, 1)
@@ -543,6 +546,9 @@ def _run_eval(args) -> int:
     if args.plot and cells:
         plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {request.trials} trials per cell")
         print(f"wrote {args.plot}", file=sys.stderr)
+    if plots and report.get("ruler"):
+        for path in plot_cells([RulerCell(**c) for c in report["ruler"]], plots, loaded.source):
+            print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(report) if args.json else report_lines(report, args.seed))
     if report.get("interrupted"):
         raise KeyboardInterrupt  # `memo eval: interrupted`, exit 130, after what was measured
@@ -556,15 +562,13 @@ def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool,
     try:
         if ruler is not None:
             stage = "ruler"
-            tasks = request.ruler_tasks
-            per_length = sum(len(request.depths) if TASKS[t].has_depth else 1 for t in tasks)
-            total = len(request.lengths) * per_length * request.trials
-            eos = _end_of_text(loaded.tokenizer)
+            grid = RulerGrid(
+                tasks=request.ruler_tasks, lengths=request.lengths, depths=request.depths, samples=request.trials,
+                seed=request.seed, batch_size=request.batch_size, eos=_end_of_text(loaded.tokenizer),
+            )  # fmt: skip
+            total = len(grid.cells()) * grid.samples
             with tqdm(total=total, desc="RULER", unit="prompt", file=sys.stderr, disable=quiet) as bar:
-                scored = ruler_cells(
-                    loaded.model, ruler, tasks, request.lengths, request.depths, request.trials, request.seed,
-                    request.batch_size, eos, bar.update,
-                )  # fmt: skip
+                scored = ruler_cells(loaded.model, ruler, grid, bar.update)
             report["ruler"] = [c.as_dict() for c in scored]
         stage = "passkey"
         if request.passkey:

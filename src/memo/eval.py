@@ -48,6 +48,7 @@ from .hf import CONFIG_NAME, from_hf
 from .lora import merge_adapters
 from .loss import IGNORE_INDEX, shift_labels
 from .model import Transformer
+from .ruler import TASKS
 from .ruler_eval import RulerCell, task_names
 from .ruler_eval import table as ruler_table
 from .train import checkpoint
@@ -214,7 +215,12 @@ class EvalRequest:
     )
     device: str = flag("cuda" if torch.cuda.is_available() else "cpu", "(default: %(default)s)")
     dtype: str = flag("float32", "(default: %(default)s)", choices=tuple(dev.DTYPES))
-    plot: str | None = flag(None, "write the pass-key heatmap (length x depth) to this PNG", path=True)
+    plot: str | None = flag(
+        None,
+        "write the pass-key heatmap (length x depth) to this PNG, and each RULER needle task's beside it "
+        "(PATH-<task>.png)",
+        path=True,
+    )
 
     def with_defaults(self, device: torch.device) -> "EvalRequest":
         """Returns the request with the unset flags at `device`'s defaults, checked (flags given where they cannot
@@ -249,8 +255,8 @@ class EvalRequest:
             raise ValueError("`--haystack` replaces RULER's essay haystack: give `--tasks ruler`")
         if not (self.passkey or self.ruler_tasks or self.ppl_file):
             raise ValueError("nothing to evaluate: no pass key (`--trials 0` or `--tasks` without it), no `--ppl-file`")
-        if self.plot and not self.passkey:
-            raise ValueError("`--plot` draws the pass-key heatmap: it needs the pass key (`--tasks passkey`)")
+        if self.plot and not (self.passkey or any(TASKS[t].has_depth for t in self.ruler_tasks)):
+            raise ValueError("`--plot` draws needle heatmaps: it needs the pass key or a RULER needle task")
         if self.max_sequences < 1:
             raise ValueError(f"`--max-sequences` must be positive, got {self.max_sequences}")
         if self.passkey_pack != 1 and not self.passkey:
@@ -609,13 +615,17 @@ def passkey_verdicts(
 
 
 def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> None:
-    """Writes the needle-in-a-haystack heatmap as PNG: context length across, needle depth down, accuracy as
-    colour (with a colour bar), each cell's accuracy written in it; cells not given (an interrupted run) blank."""
+    """Writes the needle-in-a-haystack heatmap of the pass key as PNG (`plot_heatmap`)."""
+    plot_heatmap({(c.length, c.depth): c.accuracy for c in cells}, path, title, "accuracy")
+
+
+def plot_heatmap(values: dict[tuple[int, float], float | None], path: str | Path, title: str, label: str) -> None:
+    """Writes a needle heatmap as PNG: context length across, needle depth down, `values` as colour (with a colour
+    bar), each cell's value written in it; cells not given (an interrupted run) or without a value blank."""
     plt = pyplot()
-    lengths = list(dict.fromkeys(c.length for c in cells))
-    depths = list(dict.fromkeys(c.depth for c in cells))
-    accuracy = {(c.length, c.depth): c.accuracy for c in cells}
-    grid = np.array([[accuracy.get((n, d), math.nan) for n in lengths] for d in depths])
+    lengths = sorted({n for n, _ in values})
+    depths = sorted({d for _, d in values})
+    grid = np.array([[math.nan if values.get((n, d)) is None else values[n, d] for n in lengths] for d in depths])
     fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     for (i, j), value in np.ndenumerate(grid):
@@ -625,7 +635,7 @@ def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> 
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.colorbar(image, ax=ax, label=label)
     fig.tight_layout()
     save(fig, path, dpi=120)
 

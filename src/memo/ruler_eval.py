@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,49 +53,81 @@ def task_names(chosen: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def ruler_cells(
-    model,
-    ruler: Ruler,
-    tasks: Sequence[str],
-    lengths: Sequence[int],
-    depths: Sequence[float],
-    samples: int,
-    seed: int = 0,
-    batch_size: int = 1,
-    eos: Sequence[int] = (),
-    progress: Callable[[int], None] = lambda n: None,
-) -> list[RulerCell]:
-    """Returns every cell's score, lengths outer; `progress(n)` as each batch of n prompts is scored. Ctrl-C raises
-    `eval.Interrupted` with the cells finished before it."""
-    from .eval import Interrupted  # eval imports this module's cells for its report
+@dataclass(frozen=True, kw_only=True)
+class RulerGrid:
+    """What to score: `tasks` at every length (and depth, the needle tasks), `samples` prompts a cell from `seed`,
+    decoded `batch_size` at a time, stopping at the `eos` ids."""
+
+    tasks: Sequence[str]
+    lengths: Sequence[int]
+    depths: Sequence[float]
+    samples: int
+    seed: int = 0
+    batch_size: int = 1
+    eos: Sequence[int] = ()
+
+    def cells(self) -> list[tuple[str, int, float | None]]:
+        """Returns (task, length, depth) of every cell, lengths outer."""
+        return [
+            (task, length, depth)
+            for length, task in itertools.product(self.lengths, self.tasks)
+            for depth in (self.depths if TASKS[task].has_depth else (None,))
+        ]
+
+
+def ruler_cells(model, ruler: Ruler, grid: RulerGrid, progress: Callable[[int], None] = lambda n: None):
+    """Returns every cell's score (`RulerCell`), lengths outer; `progress(n)` as each batch of n prompts is scored.
+    Ctrl-C raises `eval.Interrupted` with the cells finished before it."""
+    from .eval import Interrupted
 
     cells: list[RulerCell] = []
     try:
-        for length, task in itertools.product(lengths, tasks):
-            for depth in depths if TASKS[task].has_depth else (None,):
-                cells.append(_cell(model, ruler, task, length, depth, samples, seed, batch_size, eos, progress))
+        for task, length, depth in grid.cells():
+            cells.append(_cell(model, ruler, grid, (task, length, depth), progress))
     except KeyboardInterrupt:
         raise Interrupted(cells, len(cells)) from None
     return cells
 
 
-def _cell(model, ruler, task, length, depth, samples, seed, batch_size, eos, progress) -> RulerCell:
-    """Returns one cell scored over `samples` prompts decoded `batch_size` at a time."""
+def _cell(model, ruler: Ruler, grid: RulerGrid, where: tuple, progress) -> RulerCell:
+    """Returns the cell `where` (task, length, depth) scored over the grid's samples."""
+    task, length, depth = where
     try:
-        prompts = [ruler.prompt(task, length, depth, seed, index) for index in range(samples)]
+        prompts = [ruler.prompt(task, length, depth, grid.seed, index) for index in range(grid.samples)]
     except ValueError as err:  # this task cannot fill this length with this tokenizer
-        progress(samples)
+        progress(grid.samples)
         return RulerCell(task, length, depth, 0, None, skipped=str(err))
     device = next(model.parameters()).device
     scores = []
-    for first in range(0, samples, batch_size):
-        batch = prompts[first : first + batch_size]
+    for first in range(0, grid.samples, grid.batch_size):
+        batch = prompts[first : first + grid.batch_size]
         ids = torch.from_numpy(np.stack([p.ids for p in batch])).to(device)
-        for prompt, answer in zip(batch, generate(model, ids, batch[0].tokens_to_generate, eos)):
-            known = [i for i in answer if i < ruler.tokenizer.vocab_size and i not in eos]
+        for prompt, answer in zip(batch, generate(model, ids, batch[0].tokens_to_generate, grid.eos)):
+            known = [i for i in answer if i < ruler.tokenizer.vocab_size and i not in grid.eos]
             scores.append(score(prompt, ruler.tokenizer.decode(known)))
         progress(len(batch))
-    return RulerCell(prompts[0].name, length, depth, samples, float(np.mean(scores)))
+    return RulerCell(prompts[0].name, length, depth, grid.samples, float(np.mean(scores)))
+
+
+def plot_paths(plot: str | Path, tasks: Sequence[str]) -> dict[str, Path]:
+    """Returns where `--plot PATH` puts each needle task's heatmap: beside PATH, `PATH-<task>.png`."""
+    path = Path(plot)
+    return {t: path.with_name(f"{path.stem}-{t}{path.suffix}") for t in tasks if TASKS[t].has_depth}
+
+
+def plot_cells(cells: Sequence[RulerCell], paths: dict[str, Path], source: str) -> list[Path]:
+    """Draws each needle task's heatmap (length x depth, its mean score) to `paths`; returns the files written."""
+    from .eval import plot_heatmap
+
+    written = []
+    for task, path in paths.items():
+        mine = [c for c in cells if c.task.split("/")[0] == task]
+        if mine:
+            samples = max(c.samples for c in mine)
+            values = {(c.length, c.depth): c.score for c in mine}
+            plot_heatmap(values, path, f"RULER {mine[0].task}: {source}, {samples} per cell", "score")
+            written.append(path)
+    return written
 
 
 def table(cells: Sequence[RulerCell]) -> str:
