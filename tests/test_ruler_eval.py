@@ -130,3 +130,11 @@ def test_ctrl_c_keeps_the_ruler_cells_finished(run_dir, monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["interrupted"] and [(c["depth"], c["score"]) for c in report["ruler"]] == [(0.0, 1.0), (0.5, 1.0)]
     assert np.isclose(sum(c["score"] for c in report["ruler"]), 2.0)
+
+
+def test_default_lengths_stop_at_the_length_the_run_trained_at(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--tasks", "niah_single_1", "--trials", "1", "--depths", "0", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: RULER at 64: the run trained at 64 tokens (`--lengths` to go past it)" in err
+    assert [(c["length"], bool(c["skipped"])) for c in json.loads(out)["ruler"]] == [(64, True)]  # too short to hold

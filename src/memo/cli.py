@@ -522,9 +522,14 @@ def _run_eval(args) -> int:
     model, tokenizer = loaded.model, loaded.tokenizer
     batch, pack = (args.batch_size, args.passkey_pack) if request.trials else (1, 1)
     ruler = None
-    if request.ruler_tasks:  # the haystack read and every prompt's length checked before any decoding
+    if request.ruler_tasks:  # the haystack read before any decoding
         haystack = Path(args.haystack).read_text() if args.haystack else None
-        ruler = Ruler(tokenizer, haystack)
+        lengths = _ruler_lengths(request.lengths, args.lengths is not None, loaded.trained_length)
+        grid = RulerGrid(
+            tasks=request.ruler_tasks, lengths=lengths, depths=request.depths, samples=request.trials,
+            seed=request.seed, batch_size=request.batch_size, eos=_end_of_text(tokenizer),
+        )  # fmt: skip
+        ruler = (Ruler(tokenizer, haystack), grid)
     evaluation.check_lengths(loaded, request.lengths, batch, pack)  # before any work
     limit = model.config.max_position_embeddings
     if limit and max(request.lengths) > limit:
@@ -556,19 +561,16 @@ def _run_eval(args) -> int:
 
 
 def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool, ruler=None) -> list:
-    """Scores the pass key, RULER and the loss by position into `report`; returns the pass-key cells. On Ctrl-C the
+    """Scores the pass key, RULER (`ruler`: its prompts and grid) and the loss by position into `report`; returns
+    the pass-key cells. On Ctrl-C the
     report keeps what was finished (whole cells, the sequences scored) and says `interrupted`."""
     cells, stage = [], "passkey"
     try:
         if ruler is not None:
-            stage = "ruler"
-            grid = RulerGrid(
-                tasks=request.ruler_tasks, lengths=request.lengths, depths=request.depths, samples=request.trials,
-                seed=request.seed, batch_size=request.batch_size, eos=_end_of_text(loaded.tokenizer),
-            )  # fmt: skip
+            stage, (prompts, grid) = "ruler", ruler
             total = len(grid.cells()) * grid.samples
             with tqdm(total=total, desc="RULER", unit="prompt", file=sys.stderr, disable=quiet) as bar:
-                scored = ruler_cells(loaded.model, ruler, grid, bar.update)
+                scored = ruler_cells(loaded.model, prompts, grid, bar.update)
             report["ruler"] = [c.as_dict() for c in scored]
         stage = "passkey"
         if request.passkey:
@@ -597,6 +599,18 @@ def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool,
             cells = stop.results
             report["passkey"] = [c.as_dict() for c in cells]
     return cells
+
+
+def _ruler_lengths(lengths: tuple[int, ...], given: bool, trained: int | None) -> tuple[int, ...]:
+    """Returns RULER's lengths: those `given`, or the device's default ones capped at the length a run trained at
+    (what model cards report; `--lengths` goes past it)."""
+    if given or trained is None:
+        return lengths
+    kept = tuple(n for n in lengths if n <= trained) or (trained,)
+    if kept != lengths:
+        print(f"note: RULER at {', '.join(map(format_count, kept))}: the run trained at {format_count(trained)} "
+              "tokens (`--lengths` to go past it)", file=sys.stderr)  # fmt: skip
+    return kept
 
 
 def _end_of_text(tokenizer) -> tuple[int, ...]:
