@@ -12,7 +12,7 @@ import torch
 import memo.ruler_eval as ruler_eval
 from memo.cli import main
 from memo.ruler import TASKS, Ruler, solve
-from memo.ruler_eval import RulerCell, RulerGrid, ruler_cells, table
+from memo.ruler_eval import RulerCell, RulerGrid, chat_hook, ruler_cells, table
 from memo.train.data import load_tokenizer
 
 BYTES = load_tokenizer(None)
@@ -138,3 +138,24 @@ def test_default_lengths_stop_at_the_length_the_run_trained_at(run_dir, capsys):
     out, err = capsys.readouterr()
     assert "note: RULER at 64: the run trained at 64 tokens (`--lengths` to go past it)" in err
     assert [(c["length"], bool(c["skipped"])) for c in json.loads(out)["ruler"]] == [(64, True)]  # too short to hold
+
+
+def test_the_chat_template_wraps_the_prompt_when_the_tokenizer_has_one(tmp_path):
+    from test_chat import char_tokenizer
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    path = char_tokenizer(tmp_path / "chat", template)
+    tokenizer = load_tokenizer(path)
+    hook = chat_hook("auto", path)
+    prompt = Ruler(tokenizer, chat=hook).prompt("niah_single_1", 1500, 0.5, 0, 0)
+    text = tokenizer.decode(prompt.ids.tolist())
+    assert len(prompt.ids) == 1500 and text.startswith("<|im_start|>user\n")
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n" + prompt.answer_prefix)
+    assert solve("niah_single_1", text) and chat_hook("auto", None) is None and chat_hook("off", path) is None
+    char_tokenizer(tmp_path / "plain", "")  # a folder whose config has no template
+    assert chat_hook("auto", tmp_path / "plain" / "tokenizer.json") is None
+    with pytest.raises(ValueError, match="`--chat on`: the tokenizer .* has no chat template; give `--chat off`"):
+        chat_hook("on", tmp_path / "plain" / "tokenizer.json")

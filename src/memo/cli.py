@@ -45,7 +45,7 @@ from .parallel.mesh import launched, rank
 from .plan.request import DsaRequest, PlanRequest, plan_lines, plan_report, plan_title
 from .policy import STRATEGIES
 from .ruler import Ruler
-from .ruler_eval import RulerCell, RulerGrid, plot_cells, plot_paths, ruler_cells
+from .ruler_eval import RulerCell, RulerGrid, chat_hook, plot_cells, plot_paths, ruler_cells
 from .train import checkpoint
 from .train.config import (
     TrainConfig,
@@ -529,7 +529,8 @@ def _run_eval(args) -> int:
             tasks=request.ruler_tasks, lengths=lengths, depths=request.depths, samples=request.trials,
             seed=request.seed, batch_size=request.batch_size, eos=_end_of_text(tokenizer),
         )  # fmt: skip
-        ruler = (Ruler(tokenizer, haystack), grid)
+        chat = chat_hook(args.chat, loaded.tokenizer_path)
+        ruler = (Ruler(tokenizer, haystack, chat), grid)
     evaluation.check_lengths(loaded, request.lengths, batch, pack)  # before any work
     limit = model.config.max_position_embeddings
     if limit and max(request.lengths) > limit:
@@ -547,6 +548,8 @@ def _run_eval(args) -> int:
             packing, loaded.document_separator, loaded.max_documents, request.long_conversations,
         )  # fmt: skip
     report = {"model": loaded.source, "tokenizer": tokenizer.name, "device": args.device, "dtype": args.dtype}
+    if ruler is not None:
+        report["ruler_chat"] = chat is not None  # RULER's prompts as a user turn of the tokenizer's chat template
     cells = _measure_eval(request, loaded, data, report, args.json, ruler)
     if args.plot and cells:
         plot_passkey(cells, args.plot, f"pass key: {loaded.source}, {request.trials} trials per cell")

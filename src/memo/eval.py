@@ -131,6 +131,9 @@ def _by_device(name: str, show=str) -> str:
     return f"{spell(cpu)} on CPU; {spell(cuda)} on CUDA"
 
 
+CHAT_CHOICES = ("auto", "on", "off")
+
+
 def numbers(text: str) -> tuple[float, ...]:
     """Returns numbers written separated by commas."""
     try:
@@ -176,6 +179,12 @@ class EvalRequest:
     )
     haystack: str | None = flag(
         None, "a text file whose sentences replace RULER's essay haystack (its own variant of the tasks)", path=True
+    )
+    chat: str = flag(
+        "auto",
+        "RULER's prompt as a user turn of the tokenizer's chat template, its answer prefix after the generation "
+        "prompt: auto (when the tokenizer's folder has a template), on (required), off (default: %(default)s)",
+        choices=CHAT_CHOICES,
     )
     seed: int = flag(0, "seed of keys and filler (default: %(default)s)", parse=int)
     batch_size: int = flag(1, "prompts decoded together (default: %(default)s)", parse=int)
@@ -251,6 +260,8 @@ class EvalRequest:
     def check(self) -> None:
         if self.ruler_tasks and self.trials == 0:
             raise ValueError("`--tasks` names RULER tasks: they need `--trials` > 0 (prompts per cell)")
+        if self.chat == "on" and not self.ruler_tasks:
+            raise ValueError("`--chat on` wraps RULER's prompts: give `--tasks ruler`")
         if self.haystack and not self.ruler_tasks:
             raise ValueError("`--haystack` replaces RULER's essay haystack: give `--tasks ruler`")
         if not (self.passkey or self.ruler_tasks or self.ppl_file):
@@ -787,7 +798,10 @@ def report_lines(report: dict, seed: int) -> str:
         lines.append(f"interrupted: {'the results finished' if finished else 'nothing was finished'} before Ctrl-C")
     if report.get("ruler"):
         cells = [RulerCell(**c) for c in report["ruler"]]
-        lines.append(f"\nRULER score (%), {cells[0].samples or '-'} samples per cell, mean over depths (seed {seed})")
+        chat = ", prompts in the chat template" if report.get("ruler_chat") else ""
+        lines.append(
+            f"\nRULER score (%), {cells[0].samples or '-'} samples per cell, mean over depths{chat} (seed {seed})"
+        )
         lines.append(ruler_table(cells))
     if report.get("passkey"):
         cells = report["passkey"]

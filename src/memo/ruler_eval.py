@@ -11,6 +11,7 @@ which adds two QA tasks this evaluation cannot build offline.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .chat import ChatTemplate
 from .decode import generate
 from .ruler import TASKS, Ruler, score
 
@@ -107,6 +109,32 @@ def _cell(model, ruler: Ruler, grid: RulerGrid, where: tuple, progress) -> Ruler
             scores.append(score(prompt, ruler.tokenizer.decode(known)))
         progress(len(batch))
     return RulerCell(prompts[0].name, length, depth, grid.samples, float(np.mean(scores)))
+
+
+def chat_hook(choice: str, tokenizer_path: str | Path | None) -> Callable[[str], str] | None:
+    """Returns what wraps RULER's user message in the tokenizer's chat template with its generation prompt
+    (`memo.chat`), or None: `choice` off, or auto and the tokenizer has no template (bytes, or a folder without
+    one); on without one raises."""
+    has = _has_template(tokenizer_path)
+    if choice == "off" or (choice == "auto" and not has):
+        return None
+    if not has:
+        where = "bytes" if tokenizer_path is None else Path(tokenizer_path).parent
+        raise ValueError(
+            f"`--chat on`: the tokenizer ({where}) has no chat template; give `--chat off` or `--tokenizer`"
+        )
+    template = ChatTemplate(tokenizer_path, "RULER's prompts")
+    return lambda message: template.render([{"role": "user", "content": message}], "a RULER prompt", prompt=True)
+
+
+def _has_template(tokenizer_path: str | Path | None) -> bool:
+    """Returns whether a tokenizer's folder holds a chat template (tokenizer_config.json's, or its own file)."""
+    if tokenizer_path is None:
+        return False
+    folder = Path(tokenizer_path).parent
+    config = folder / "tokenizer_config.json"
+    has = config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    return has or (folder / "chat_template.jinja").is_file()
 
 
 def plot_paths(plot: str | Path, tasks: Sequence[str]) -> dict[str, Path]:
