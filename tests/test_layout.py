@@ -7,7 +7,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "memo"
 # each folder's layer: a module imports from its own layer or those below, never above (docs/layout.md)
 LAYERS = {"": 0, "plan": 1, "parallel": 1, "cost": 2, "train": 3}
-APPLICATIONS = ("cli.py", "eval.py", "ruler_eval.py", "__main__.py")  # the verbs: above every library layer
+APPLICATIONS = ("cli.py", "eval.py", "__main__.py")  # the verbs: above every library layer
 KEYWORD_BUILT = ("cost", "train", "config.py", "job.py")  # where records are written by keyword (presets included)
 
 

@@ -52,7 +52,7 @@ def test_every_cell_scores_what_its_answers_deserve(monkeypatch, right):
     monkeypatch.setattr(ruler_eval, "generate", _Solver(right))
     tasks = ["niah_single_1", "niah_multikey_2", "niah_multiquery", "fwe"]
     grid = RulerGrid(tasks=tasks, lengths=[1500], depths=[0.0, 1.0], samples=2, batch_size=2)
-    cells = ruler_cells(model, Ruler(BYTES), grid)
+    cells = list(ruler_cells(model, Ruler(BYTES), grid))
     assert [(c.task.split("/")[0], c.depth) for c in cells] == [
         ("niah_single_1", 0.0), ("niah_single_1", 1.0), ("niah_multikey_2", 0.0), ("niah_multikey_2", 1.0),
         ("niah_multiquery", 0.0), ("niah_multiquery", 1.0), ("fwe", None),
@@ -63,7 +63,7 @@ def test_every_cell_scores_what_its_answers_deserve(monkeypatch, right):
 def test_a_length_a_task_cannot_fill_is_reported_not_refused(monkeypatch):
     monkeypatch.setattr(ruler_eval, "generate", _Solver(True))
     grid = RulerGrid(tasks=["vt", "niah_single_1"], lengths=[1024], depths=[0.5], samples=1)
-    cells = ruler_cells(torch.nn.Linear(1, 1), Ruler(BYTES), grid)
+    cells = list(ruler_cells(torch.nn.Linear(1, 1), Ruler(BYTES), grid))
     assert cells[0].skipped and "1024 is too short for vt" in cells[0].skipped and cells[1].score == 1.0
     text = table(cells)
     assert "| vt | - |" in text and "| average of 1 | 100.0 |" in text and "average: niah_single_1;" in text

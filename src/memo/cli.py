@@ -572,8 +572,12 @@ def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool,
         if ruler is not None:
             stage, (prompts, grid) = "ruler", ruler
             total = len(grid.cells()) * grid.samples
+            scored: list = []
             with tqdm(total=total, desc="RULER", unit="prompt", file=sys.stderr, disable=quiet) as bar:
-                scored = ruler_cells(loaded.model, prompts, grid, bar.update)
+                try:
+                    scored.extend(ruler_cells(loaded.model, prompts, grid, bar.update))
+                except KeyboardInterrupt:
+                    raise evaluation.Interrupted(scored, len(scored)) from None
             report["ruler"] = [c.as_dict() for c in scored]
         stage = "passkey"
         if request.passkey:

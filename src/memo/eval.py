@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import device as dev
-from .figures import pyplot, save
+from .figures import plot_heatmap
 from .flags import flag
 from .hf import CONFIG_NAME, from_hf
 from .lora import merge_adapters
@@ -628,27 +628,6 @@ def passkey_verdicts(
 def plot_passkey(cells: Sequence[PasskeyCell], path: str | Path, title: str) -> None:
     """Writes the needle-in-a-haystack heatmap of the pass key as PNG (`plot_heatmap`)."""
     plot_heatmap({(c.length, c.depth): c.accuracy for c in cells}, path, title, "accuracy")
-
-
-def plot_heatmap(values: dict[tuple[int, float], float | None], path: str | Path, title: str, label: str) -> None:
-    """Writes a needle heatmap as PNG: context length across, needle depth down, `values` as colour (with a colour
-    bar), each cell's value written in it; cells not given (an interrupted run) or without a value blank."""
-    plt = pyplot()
-    lengths = sorted({n for n, _ in values})
-    depths = sorted({d for _, d in values})
-    grid = np.array([[math.nan if values.get((n, d)) is None else values[n, d] for n in lengths] for d in depths])
-    fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    for (i, j), value in np.ndenumerate(grid):
-        ax.text(j, i, "-" if math.isnan(value) else f"{value:.0%}", ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(lengths)), [format_count(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, label=label)
-    fig.tight_layout()
-    save(fig, path, dpi=120)
 
 
 # ---------------------------------------------------------------------------------------------- loss by position

@@ -5,9 +5,13 @@ Creator of SVG, PDF and PostScript), so that a later command may replace it with
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
+
 from .files import atomic_output
+from .units import format_count
 
 # how each format names the program that drew it (matplotlib's metadata keys), and the bytes that then say memo
 MARKS = {
@@ -52,3 +56,24 @@ def drawn_by_memo(path: str | Path) -> bool:
             return mark in head or mark in f.read()
     except OSError:
         return False
+
+
+def plot_heatmap(values: dict[tuple[int, float], float | None], path: str | Path, title: str, label: str) -> None:
+    """Writes a needle heatmap as PNG: context length across, needle depth down, `values` as colour (with a colour
+    bar), each cell's value written in it; cells not given (an interrupted run) or without a value blank."""
+    plt = pyplot()
+    lengths = sorted({n for n, _ in values})
+    depths = sorted({d for _, d in values})
+    grid = np.array([[math.nan if values.get((n, d)) is None else values[n, d] for n in lengths] for d in depths])
+    fig, ax = plt.subplots(figsize=(2.5 + 1.1 * len(lengths), 1.8 + 0.45 * len(depths)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        ax.text(j, i, "-" if math.isnan(value) else f"{value:.0%}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(lengths)), [format_count(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(image, ax=ax, label=label)
+    fig.tight_layout()
+    save(fig, path, dpi=120)

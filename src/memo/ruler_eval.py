@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 
 from .chat import ChatTemplate
 from .decode import generate
+from .figures import plot_heatmap
 from .ruler import TASKS, Ruler, score
 
 OFFLINE = "the offline subset of RULER's 13 tasks (no QA), not the model-card average"
@@ -77,18 +78,13 @@ class RulerGrid:
         ]
 
 
-def ruler_cells(model, ruler: Ruler, grid: RulerGrid, progress: Callable[[int], None] = lambda n: None):
-    """Returns every cell's score (`RulerCell`), lengths outer; `progress(n)` as each batch of n prompts is scored.
-    Ctrl-C raises `eval.Interrupted` with the cells finished before it."""
-    from .eval import Interrupted
-
-    cells: list[RulerCell] = []
-    try:
-        for task, length, depth in grid.cells():
-            cells.append(_cell(model, ruler, grid, (task, length, depth), progress))
-    except KeyboardInterrupt:
-        raise Interrupted(cells, len(cells)) from None
-    return cells
+def ruler_cells(
+    model, ruler: Ruler, grid: RulerGrid, progress: Callable[[int], None] = lambda n: None
+) -> Iterator[RulerCell]:
+    """Yields every cell's score, lengths outer, as it is finished (a caller keeps those finished before a Ctrl-C);
+    `progress(n)` as each batch of n prompts is scored."""
+    for where in grid.cells():
+        yield _cell(model, ruler, grid, where, progress)
 
 
 def _cell(model, ruler: Ruler, grid: RulerGrid, where: tuple, progress) -> RulerCell:
@@ -145,8 +141,6 @@ def plot_paths(plot: str | Path, tasks: Sequence[str]) -> dict[str, Path]:
 
 def plot_cells(cells: Sequence[RulerCell], paths: dict[str, Path], source: str) -> list[Path]:
     """Draws each needle task's heatmap (length x depth, its mean score) to `paths`; returns the files written."""
-    from .eval import plot_heatmap
-
     written = []
     for task, path in paths.items():
         mine = [c for c in cells if c.task.split("/")[0] == task]
