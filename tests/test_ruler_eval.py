@@ -4,6 +4,7 @@ both ends can fail; then the CLI on a tiny run: cells by task, length and depth,
 reported, bad flags refused in one line, Ctrl-C keeping the cells finished."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -159,3 +160,28 @@ def test_the_chat_template_wraps_the_prompt_when_the_tokenizer_has_one(tmp_path)
     assert chat_hook("auto", tmp_path / "plain" / "tokenizer.json") is None
     with pytest.raises(ValueError, match="`--chat on`: the tokenizer .* has no chat template; give `--chat off`"):
         chat_hook("on", tmp_path / "plain" / "tokenizer.json")
+
+
+def test_memo_train_scores_ruler_at_each_evaluation(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--seq-len", "1024", "--batch-size", "2", "--steps", "2", "--eval-every", "1"]
+    assert main([*argv, "--eval-batches", "1", "--eval-tasks", "niah_single_1,fwe", "--out", str(out)]) == 0
+    printed = "".join(capsys.readouterr())
+    assert re.search(r"held-out loss \S+  accuracy \S+  RULER \d+\.\d% \(2 tasks\)  \(step 2\)", printed)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert [e["step"] for e in evals] == [1, 2]
+    assert all(set(e["eval_ruler_tasks"]) == {"niah_single_1", "fwe"} and 0 <= e["eval_ruler"] <= 1 for e in evals)
+    assert main(["report", str(out)]) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval-tasks", "ruler,bogus"], "`--eval-tasks` names 'bogus': choose ruler or RULER tasks"),
+        (["--eval-tasks", "ruler", "--nproc", "2"], "`--eval-tasks` decodes in one process"),
+    ],
+)
+def test_bad_eval_tasks_are_one_line(tmp_path, capsys, flags, message):
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

@@ -45,7 +45,7 @@ from .parallel.mesh import launched, rank
 from .plan.request import DsaRequest, PlanRequest, plan_lines, plan_report, plan_title
 from .policy import STRATEGIES
 from .ruler import Ruler
-from .ruler_eval import RulerCell, RulerGrid, chat_hook, plot_cells, plot_paths, ruler_cells
+from .ruler_eval import RulerCell, RulerGrid, chat_hook, end_of_text, plot_cells, plot_paths, ruler_cells
 from .train import checkpoint
 from .train.config import (
     TrainConfig,
@@ -527,7 +527,7 @@ def _run_eval(args) -> int:
         lengths = _ruler_lengths(request.lengths, args.lengths is not None, loaded.trained_length)
         grid = RulerGrid(
             tasks=request.ruler_tasks, lengths=lengths, depths=request.depths, samples=request.trials,
-            seed=request.seed, batch_size=request.batch_size, eos=_end_of_text(tokenizer),
+            seed=request.seed, batch_size=request.batch_size, eos=end_of_text(tokenizer),
         )  # fmt: skip
         chat = chat_hook(args.chat, loaded.tokenizer_path)
         ruler = (Ruler(tokenizer, haystack, chat), grid)
@@ -618,14 +618,6 @@ def _ruler_lengths(lengths: tuple[int, ...], given: bool, trained: int | None) -
         print(f"note: RULER at {', '.join(map(format_count, kept))}: the run trained at {format_count(trained)} "
               "tokens (`--lengths` to go past it)", file=sys.stderr)  # fmt: skip
     return kept
-
-
-def _end_of_text(tokenizer) -> tuple[int, ...]:
-    """Returns the ids that end a generated answer: the tokenizer's end of text, none for bytes."""
-    try:
-        return tokenizer.separator("eos").ids
-    except ValueError:
-        return ()
 
 
 class _Parser(argparse.ArgumentParser):

@@ -43,6 +43,26 @@ class RulerCell:
         return asdict(self)
 
 
+TRAIN_SUBSET = ("niah_single_1", "niah_multikey_1", "niah_multivalue", "fwe")  # short enough for a run's length
+
+
+def eval_task_names(chosen: Sequence[str]) -> list[str]:
+    """Returns the RULER tasks `memo train --eval-tasks` names: `ruler` for TRAIN_SUBSET, or task names."""
+    names = [t for name in chosen for t in (TRAIN_SUBSET if name == "ruler" else (name,))]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise ValueError(f"`--eval-tasks` names {unknown[0]!r}: choose ruler or RULER tasks ({', '.join(TASKS)})")
+    return list(dict.fromkeys(names))
+
+
+def end_of_text(tokenizer) -> tuple[int, ...]:
+    """Returns the ids that end a generated answer: the tokenizer's end of text, none for bytes."""
+    try:
+        return tokenizer.separator("eos").ids
+    except ValueError:
+        return ()
+
+
 def task_names(chosen: Sequence[str]) -> list[str]:
     """Returns the RULER tasks `--tasks` names: `ruler` for all of them, or task names; raises for an unknown one."""
     names = []

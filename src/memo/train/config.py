@@ -22,6 +22,7 @@ from ..flags import flag
 from ..job import Job, named_model
 from ..lora import ALL_TARGETS, LoraConfig, lora_of_flags, targets_value
 from ..policy import DEFAULT_TILE_TOKENS, STRATEGIES, ActivationPolicy
+from ..ruler_eval import TRAIN_SUBSET, eval_task_names
 from ..token_files import TOKEN_SUFFIXES, check_tokenizer, token_file_tokenizer
 from ..units import parse_size
 from .data import (
@@ -215,6 +216,11 @@ class TrainConfig:
         100, "held-out evaluation every N steps and at the end (with --data: needs --eval-data or --eval-split)"
     )
     eval_batches: int = flag(4, "held-out batches per evaluation (the same ones each time)")
+    eval_tasks: tuple[str, ...] | None = flag(
+        None,
+        "RULER tasks scored at each evaluation at --seq-len, depth 0.5, 2 prompts each, into the metrics: ruler (a "
+        f"fixed subset: {','.join(TRAIN_SUBSET)}) or task names; one process only (default: none)",
+    )
     eval_data: str | None = flag(None, "held-out data for --data runs, in any --data format (same tokenizer and field)")
     eval_split: float = flag(0.0, "fraction of --data's documents held out whole for evaluation (seeded); 0: none")
     tensorboard: bool = flag(False, "also write TensorBoard events (needs the `tensorboard` package)")
@@ -260,6 +266,7 @@ class TrainConfig:
             parse_size(self.host_budget)
         self._check_packing()
         self._check_eval_source()
+        self._check_eval_tasks()
         self._check_rope()
         if self.plan is not None and self.strategy != "memo":  # the policy would never see it
             raise ValueError(
@@ -328,11 +335,26 @@ class TrainConfig:
                     "be trained on"
                 )
 
+    def _check_eval_tasks(self) -> None:
+        """Raises for RULER tasks memo does not know, or asked of several processes (decoding runs in one)."""
+        if not self.eval_tasks:
+            return
+        eval_task_names(self.eval_tasks)
+        if self.nproc > 1 or self.nnodes > 1 or self.sp > 1:
+            raise ValueError(
+                "`--eval-tasks` decodes in one process: leave it out under --nproc, --nnodes or --sp and run "
+                "`memo eval RUN --tasks ruler` on the trained run"
+            )
+
     def check_world(self, world: int) -> None:
         """Raises ValueError unless `world` ranks split into dp × sp and the batch into dp × grad-accum parts."""
         if world % self.sp:
             hint = ": launch more ranks (`--nproc`, torchrun) or lower `--sp`" if world < self.sp else ""
             raise ValueError(f"`--sp` {self.sp} does not divide the number of ranks ({world}){hint}")
+        if self.eval_tasks and world > 1:
+            raise ValueError(
+                f"`--eval-tasks` decodes in one process, not {world}: score the run with `memo eval` after"
+            )
         dp = world // self.sp
         if self.batch_size % (dp * self.grad_accum):
             raise ValueError(
@@ -714,7 +736,7 @@ def _coerce(name: str, value, default, origin: str, kind: type | None = None):
         return alpha_value(value) if isinstance(value, str) else _alpha_list(value, origin)
     if name == "plan" and isinstance(value, (list, tuple, str)):  # a list, or "checkpoint,memo,..."
         return plan_value(value) if isinstance(value, str) else tuple(str(v) for v in value)
-    if name == "lora_targets" and isinstance(value, (list, tuple, str)):  # a list, or "q,v"
+    if name in ("lora_targets", "eval_tasks") and isinstance(value, (list, tuple, str)):  # a list, or "q,v"
         return targets_value(value) if isinstance(value, str) else tuple(str(v) for v in value)
     if value is None:
         if default is not None:  # a null in a config file where the field needs a value

@@ -46,6 +46,8 @@ from ..loss import IGNORE_INDEX, shift_labels
 from ..model import Transformer
 from ..parallel import faults
 from ..plan.allocator import PlannedAllocator, pool_high_water, reset_pool_high_water
+from ..ruler import Ruler
+from ..ruler_eval import RulerGrid, end_of_text, eval_task_names, ruler_cells
 from ..units import format_bytes, format_count, parse_size
 from . import checkpoint
 from .config import (
@@ -59,6 +61,7 @@ from .data import (
     TokenDataset,
     answer_counts,
     check_vocab,
+    load_tokenizer,
     make_source,
     split_documents,
     token_dataset,
@@ -411,7 +414,22 @@ class Trainer:
             if self.mesh:
                 dist.all_reduce(counts)
             record["eval_accuracy"] = int(counts[0]) / int(counts[1])
+        if self.cfg.eval_tasks:
+            record.update(self._ruler())
         return record
+
+    def _ruler(self) -> dict:
+        """Returns RULER's scores at the run's length (`--eval-tasks`): each task's at depth 0.5 over 2 fixed
+        prompts, and their mean (`eval_ruler`, None when no task fits the length with this tokenizer)."""
+        tokenizer = load_tokenizer(self.cfg.tokenizer)
+        grid = RulerGrid(
+            tasks=eval_task_names(self.cfg.eval_tasks), lengths=(self.cfg.seq_len,), depths=(0.5,), samples=2,
+            seed=self.cfg.seed, eos=end_of_text(tokenizer),
+        )  # fmt: skip
+        cells = list(ruler_cells(self.model, Ruler(tokenizer), grid))
+        scores = {c.task: c.score for c in cells}
+        scored = [s for s in scores.values() if s is not None]
+        return {"eval_ruler": sum(scored) / len(scored) if scored else None, "eval_ruler_tasks": scores}
 
     def _local(
         self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None

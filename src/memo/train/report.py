@@ -11,6 +11,9 @@ from .metrics import read_metrics
 GIB = 1 << 30
 
 
+SCORES = (("eval_accuracy", "held-out accuracy"), ("eval_ruler", "RULER score"))  # 0..1, beside the loss
+
+
 def plot_report(run_dir: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
     """Writes the run's report picture (default RUN_DIR/report.png) and returns its path; an existing `out` that
     memo did not draw is replaced only with `overwrite` (`memo.files.claim_file`)."""
@@ -31,11 +34,15 @@ def plot_report(run_dir: str | Path, out: str | Path | None = None, overwrite: b
     ax_loss.plot(x, [r["loss"] for r in steps], lw=1, label="train")
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
-        if "eval_accuracy" in evals[0]:
+        scores = [(k, label) for k, label in SCORES if any(r.get(k) is not None for r in evals)]
+        if scores:
             acc = ax_loss.twinx()
-            acc.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "s--", color="tab:green")
-            acc.set_ylabel("held-out accuracy", color="tab:green")
+            for (key, label), style in zip(scores, ("s--", "d:")):
+                kept = [r for r in evals if r.get(key) is not None]
+                acc.plot([r["step"] for r in kept], [r[key] for r in kept], style, label=label)
+            acc.set_ylabel(" / ".join(label for _, label in scores))
             acc.set_ylim(0, 1)
+            acc.legend(loc="center right")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend(loc="upper right")
     ax_speed.plot(x, [r["tokens_per_s"] for r in steps], lw=1)

@@ -47,7 +47,7 @@ TRAINS += ("lr", "min_lr", "warmup_steps", "schedule", "weight_decay", "beta1", 
 GROWS = ("steps",)  # what trains, but may grow: the run goes on (a cosine or linear schedule is stretched)
 RUNS = ("strategy", "alpha", "plan", "tile_tokens", "attention", "host_budget", "arena", "offload_states", "sp")
 RUNS += ("dtype", "device", "nproc", "nnodes", "node_rank", "master_addr", "master_port", "out", "skip_nonfinite")
-RUNS += ("save_every", "save_final", "keep_checkpoints", "eval_every", "eval_batches", "eval_data")
+RUNS += ("save_every", "save_final", "keep_checkpoints", "eval_every", "eval_batches", "eval_data", "eval_tasks")
 RUNS += ("tensorboard", "json")
 CHECKED = ("model", "data", "tokenizer", "eval_data")  # files: compared by what they hold, not by their path
 

@@ -32,7 +32,10 @@ def run_summary(cfg: TrainConfig, trainer, history: list[dict], evals: list[dict
     if evals:
         e = evals[-1]
         accuracy = f"  accuracy {e['eval_accuracy']:.1%}" if "eval_accuracy" in e else ""
-        lines.append(f"held-out loss {e['eval_loss']:.4f}{accuracy}  (step {e['step']})")
+        ruler = (
+            "" if e.get("eval_ruler") is None else f"  RULER {e['eval_ruler']:.1%} ({len(e['eval_ruler_tasks'])} tasks)"
+        )
+        lines.append(f"held-out loss {e['eval_loss']:.4f}{accuracy}{ruler}  (step {e['step']})")
     lines.append(
         f"throughput {tokens_per_s:.0f} tokens/s  offloaded {format_bytes(last['bytes_offloaded'])}/step  "
         f"recomputed {format_bytes(last['bytes_recomputed'])}/step  host pool {format_bytes(last['host_pool_bytes'])}"
