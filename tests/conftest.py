@@ -42,3 +42,14 @@ def wait_until():
 def _single_thread_determinism():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory):
+    """A tiny `memo train` run (64 tokens, bytes, one step) for the tests that evaluate a run."""
+    from memo.cli import main
+
+    out = tmp_path_factory.mktemp("eval") / "run"
+    argv = ["train", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--out", str(out)]
+    assert main([*argv, "--json"]) == 0
+    return out

@@ -308,14 +308,6 @@ def test_loss_by_position_within_documents_equals_each_document_run_alone(tmp_pa
 # --------------------------------------------------------------------------------------------------------- CLI
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval") / "run"
-    argv = ["train", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--out", str(out)]
-    assert main([*argv, "--json"]) == 0
-    return out
-
-
 def test_eval_of_a_run_directory_prints_passkey_and_loss_json(run_dir, tmp_path, capsys):
     (tmp_path / "held.txt").write_text("There and back again. " * 30)
     capsys.readouterr()

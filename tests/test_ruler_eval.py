@@ -71,14 +71,6 @@ def test_a_length_a_task_cannot_fill_is_reported_not_refused(monkeypatch):
     assert "not the model-card average" in text and "not scored: 1 cells" in text
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ruler") / "run"
-    argv = ["train", "--seq-len", "64", "--batch-size", "2", "--steps", "1", "--eval-batches", "1", "--out", str(out)]
-    assert main([*argv, "--json"]) == 0
-    return out
-
-
 def test_memo_eval_scores_ruler_by_task_length_and_depth(run_dir, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Long rivers run to the sea. Mountains stand in the north. " * 10)
