@@ -391,6 +391,15 @@ CASES = [
     Case("eval done --lengths 128 --tokenizer missing.json"),
     Case("eval done --lengths 128 --trials 1 --plot notes.txt/passkey.png"),
     Case("eval trunc --lengths 128 --depths 0.5 --trials 1", expect="success"),
+    # RULER: tasks, haystack and chat template checked before any decoding
+    Case("eval done --lengths 128 --tasks ruler,needles"),
+    Case("eval done --lengths 128 --tasks ruler --trials 0"),
+    Case("eval done --lengths 128 --tasks ruler --haystack missing.txt"),
+    Case("eval done --lengths 128 --haystack notes.txt"),
+    Case("eval done --lengths 128 --tasks ruler --chat on"),  # a byte run has no chat template
+    Case("eval done --lengths 128 --tasks vt --plot ruler.png"),  # no needle task, no pass key: nothing to draw
+    Case(f"train {TINY} --eval-tasks ruler,needles"),
+    Case(f"train {TINY} --eval-tasks ruler --sp 2"),
     # paths are pinned at run start with fingerprints; token files name their tokenizer
     Case(f"train {TINY} --data docs.jsonl --eval-data /dev/null"),
     Case(f"train {TINY} --data /dev/zero"),

@@ -264,6 +264,8 @@ class EvalRequest:
             raise ValueError("`--chat on` wraps RULER's prompts: give `--tasks ruler`")
         if self.haystack and not self.ruler_tasks:
             raise ValueError("`--haystack` replaces RULER's essay haystack: give `--tasks ruler`")
+        if self.haystack and not Path(self.haystack).is_file():
+            raise ValueError(f"`--haystack` {self.haystack}: no such file")
         if not (self.passkey or self.ruler_tasks or self.ppl_file):
             raise ValueError("nothing to evaluate: no pass key (`--trials 0` or `--tasks` without it), no `--ppl-file`")
         if self.plot and not (self.passkey or any(TASKS[t].has_depth for t in self.ruler_tasks)):
