@@ -155,6 +155,14 @@ class _Oracle(torch.nn.Module):
         self.head_weight = torch.eye(256)
         self.answer = answer
 
+    def greedy(self, ids: torch.Tensor, n_tokens: int, eos=None) -> list[list[int]]:
+        """Decodes as a model without a cache would: the whole sequence again for each token."""
+        start = ids.shape[1]
+        for _ in range(n_tokens):
+            next_ids = (self.hidden_states(ids)[:, -1] @ self.head_weight.t()).argmax(dim=-1)
+            ids = torch.cat((ids, next_ids[:, None]), dim=1)
+        return ids[:, start:].tolist()
+
     def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         hidden = torch.zeros(*ids.shape, 256)
         for row, seq in enumerate(ids.tolist()):

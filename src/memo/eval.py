@@ -103,9 +103,8 @@ def _no_progress(n: int) -> None:
 
 @dataclass(frozen=True)
 class Defaults:
-    """What `memo eval` measures unless told: a grid a small model finishes in minutes on the device. Greedy
-    decoding reruns the whole prompt for every answer token (no KV cache), so a CPU gets short prompts and few
-    trials, and only part of a long held-out file."""
+    """What `memo eval` measures unless told: a grid a small model finishes in minutes on the device: a CPU gets
+    short prompts and few trials, and only part of a long held-out file."""
 
     lengths: tuple[int, ...]
     depths: tuple[float, ...]
@@ -512,14 +511,9 @@ def _key(rng: np.random.Generator) -> str:
 
 @torch.inference_mode()
 def greedy_decode(model: torch.nn.Module, ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Returns the greedy continuation (b, n_tokens) of `ids` (b, s). Each step reruns the whole sequence (no
-    KV cache) and multiplies only its last hidden row by the head weight: (b, h) × (h, V), never s × V."""
-    start = ids.shape[1]
-    for _ in range(n_tokens):
-        last = model.hidden_states(ids)[:, -1]  # (b, h)
-        next_ids = (last @ model.head_weight.t()).argmax(dim=-1)  # (b,)
-        ids = torch.cat((ids, next_ids[:, None]), dim=1)
-    return ids[:, start:]
+    """Returns the greedy continuation (b, n_tokens) of `ids` (b, s): the model's own decoding (`greedy`; memo's
+    caches keys and values, `memo.decode`), only the last rows multiplied by the head weight, never s × V."""
+    return torch.tensor(model.greedy(ids, n_tokens), dtype=torch.long, device=ids.device)
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ from torch import nn
 
 from .attention import refusals
 from .config import ModelConfig
+from .decode import generate
 from .documents import Documents
 from .experts import router_aux_loss
 from .layer import DecoderLayer
@@ -111,6 +112,11 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, self.store, documents)
         return x
+
+    def greedy(self, input_ids: torch.Tensor, max_new_tokens: int, eos=None) -> list[list[int]]:
+        """Returns each prompt's greedy continuation (`memo.decode.generate`: one prefill, then a step per token
+        over cached keys and values), up to and including its first `eos` id when given."""
+        return generate(self, input_ids, max_new_tokens, eos)
 
     def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Returns the token embeddings (b, s, h) the first layer reads (Gemma's scaled by √h in their dtype)."""
