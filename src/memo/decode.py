@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from .layer import DecoderLayer, FreshTiles, heads_major, in_group, rows_of
+from .layer import DecoderLayer, FreshTiles, heads_major, rows_of, whole_tensors
 from .norms import norm_forward
 
 ROW = slice(0, 1)  # the one token row of a step
@@ -80,8 +80,7 @@ def _step(layer: DecoderLayer, x: torch.Tensor, cache: Cache, index: int) -> tor
     written into the cache."""
     b, p = x.shape[0], cache.length
     specs = layer.skeletal_specs(b, 1, x.dtype, x.device)
-    t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
-    t["x"], t["k"], t["v"] = x, cache.keys[index][:, p : p + 1], cache.values[index][:, p : p + 1]
+    t = whole_tensors(specs, x, k=cache.keys[index][:, p : p + 1], v=cache.values[index][:, p : p + 1])
     pos = layer.positions(1, x.device)
     if pos is not None:  # LoRA dropout keys on positions: inference draws none, the row's own all the same
         t["pos"] = pos + p

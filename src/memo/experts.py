@@ -93,13 +93,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor
     return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(ends, ends[1:])])
 
 
-def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weights (T, k) in the logits' dtype, expert indices (T, k)) of the router's `logits` (T, E)."""
+def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (weights (T, k) in the logits' dtype, expert indices (T, k), the probabilities (T, E) in float32) of
+    the router's `logits` (T, E)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, idx = torch.topk(probs, k, dim=-1)
     if renormalise:
         top = top / top.sum(-1, keepdim=True)
-    return top.to(logits.dtype), idx
+    return top.to(logits.dtype), idx, probs
 
 
 def route_backward(
@@ -132,9 +133,9 @@ class RouterTotals:
     def zeros(cls, n_experts: int, device) -> "RouterTotals":
         return cls(torch.zeros(n_experts, device=device), torch.zeros(n_experts, dtype=torch.int64, device=device))
 
-    def add(self, logits: torch.Tensor, idx: torch.Tensor) -> None:
-        """Adds a tile's probabilities and routed pairs."""
-        self.prob_sum += torch.softmax(logits, dim=-1, dtype=torch.float32).sum(0)
+    def add(self, probs: torch.Tensor, idx: torch.Tensor) -> None:
+        """Adds a tile's router probabilities (T, E) and routed pairs."""
+        self.prob_sum += probs.sum(0)
         self.counts += _counts(idx.reshape(-1).long(), self.counts.shape[0])
 
 

@@ -192,6 +192,16 @@ class FreshTiles:
         return self.open(t, rows, group), 0
 
 
+def whole_tensors(specs: dict[str, SkeletalSpec], x: torch.Tensor, **given: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Returns a storeless forward's whole-length tensors: x, the `given` ones (a decoder's cache rows), and new
+    ones of `specs` for the rest."""
+    given = {**given, "x": x}
+    return {
+        n: given[n] if n in given else x.new_empty(sp.shape, dtype=sp.dtype)
+        for n, sp in in_group(specs, "whole").items()
+    }
+
+
 def tile_ranges(start: int, stop: int, tile: int) -> list[slice]:
     """Returns [start, stop) cut into slices of `tile` rows (the last one shorter)."""
     return [slice(i, min(i + tile, stop)) for i in range(start, stop, tile)]
@@ -445,12 +455,12 @@ class DecoderLayer(nn.Module):
         n2 = v["n2"].reshape(-1, c.hidden_size)  # (T, h)
         if route_now:
             logits = F.linear(n2, self.router.weight)  # (T, E)
-            weights, idx = route(logits, c.experts_per_token, c.norm_topk_prob)
+            weights, idx, probs = route(logits, c.experts_per_token, c.norm_topk_prob)
             v["route_w"].copy_(weights.view(v["route_w"].shape))
             v["route_idx"].copy_(idx.view(v["route_idx"].shape))
             if "router" in v:
-                v["router"].add(logits, idx)
-            del logits
+                v["router"].add(probs, idx)
+            del logits, probs
         groups = v["groups"] = Groups.of(v["route_idx"], c.n_experts)
         xs = n2[groups.token]  # (T·k, h), expert-major
         gate = grouped_mm(xs, self.experts.gate.transpose(1, 2), groups)  # (T·k, f)
@@ -642,9 +652,8 @@ class DecoderLayer(nn.Module):
         its rotated keys and values)."""
         b, s = x.shape[:2]
         specs = self.skeletal_specs(b, s, x.dtype, x.device)
-        t = {n: x.new_empty(sp.shape, dtype=sp.dtype) for n, sp in in_group(specs, "whole").items() if n != "x"}
         tile, heads = (s, self.attention_shape(s)[0]) if store is None else store.tiling(self, s, x.device)
-        t = _with_positions(self, {**t, "x": x}, documents)
+        t = _with_positions(self, whole_tensors(specs, x), documents)
         return forward_phase(self, t, FreshTiles.of(specs, tile, heads))[0], t
 
     def forward(self, x: torch.Tensor, store: Store | None = None, documents: Documents | None = None) -> torch.Tensor:
