@@ -565,8 +565,8 @@ def _run_eval(args) -> int:
 
 def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool, ruler=None) -> list:
     """Scores the pass key, RULER (`ruler`: its prompts and grid) and the loss by position into `report`; returns
-    the pass-key cells. On Ctrl-C the
-    report keeps what was finished (whole cells, the sequences scored) and says `interrupted`."""
+    the pass-key cells. On Ctrl-C the report keeps what was finished (whole cells, the sequences scored) and says
+    `interrupted`."""
     cells, stage = [], "passkey"
     try:
         if ruler is not None:
@@ -575,7 +575,8 @@ def _measure_eval(request: EvalRequest, loaded, data, report: dict, quiet: bool,
             scored: list = []
             with tqdm(total=total, desc="RULER", unit="prompt", file=sys.stderr, disable=quiet) as bar:
                 try:
-                    scored.extend(ruler_cells(loaded.model, prompts, grid, bar.update))
+                    for cell in ruler_cells(loaded.model, prompts, grid, bar.update):
+                        scored.append(cell)  # one by one: a Ctrl-C keeps the cells finished before it
                 except KeyboardInterrupt:
                     raise evaluation.Interrupted(scored, len(scored)) from None
             report["ruler"] = [c.as_dict() for c in scored]
