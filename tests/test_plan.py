@@ -7,10 +7,12 @@ from test_dsa import INSTANCES, busy_cpus
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.cli import main
+from memo.cost import memory
+from memo.cost.memory import Traced
 from memo.device import meta_kernels
 from memo.plan.bilevel import plan
 from memo.plan.problem import Problem, check_placement, max_load, read_csv, write_csv
-from memo.plan.scratch import efficient_backward_bytes, flash_backward_bytes
+from memo.plan.scratch import cudnn_backward_bytes, efficient_backward_bytes, flash_backward_bytes
 from memo.plan.trace import SCRATCH, Tracer
 
 WORK = 1_000_000_000  # DSA budgets in search work, not seconds: the same plans at any machine load
@@ -67,6 +69,17 @@ def test_efficient_backward_scratch_follows_the_shipped_kernel_sizes():
     assert efficient_backward_bytes(1, 8192, 32, 64, 64, 2) == 68_222_976
     assert efficient_backward_bytes(1, 8192, 32, 128, 128, 4) == 136_314_880  # delta's fp32 product is the peak
     assert efficient_backward_bytes(1, 8192, 32, 64, 64, 4) == 69_206_016
+
+
+def test_a_cudnn_step_traces_the_frontends_backward_workspace_per_head_chunk():
+    # cudnn-frontend's CompositeSDPABackwardNode: dQ_accum fp32 (b, h, s, d) + softmax_sum fp32 (b, h, s), unrounded,
+    # none for the grouped-query expansion of dense tensors; one call per query head here (heads=1)
+    assert cudnn_backward_bytes(1, 1000, 32, 128) == 32 * 1000 * 128 * 4 + 32 * 1000 * 4
+    c, s = ModelConfig.preset("tiny"), 400
+    traced = Traced(checkpoint=True, tile=128, heads=1, attention="cudnn")
+    events = memory._traced_step(c, s, traced, 64).trace.events
+    sizes = [e.nbytes for e in events if e.op == SCRATCH and e.kind == "alloc"]
+    assert sizes == [s * (c.head_dim + 1) * 4] * (c.n_heads * c.n_layers)
 
 
 def test_a_float32_gpu_step_traces_the_efficient_kernels_scratch():

@@ -50,9 +50,9 @@ class Traced:
     baselines run), the Ulysses degree (one rank of `sp`: its all-to-all buffers, no process group), the
     query heads per attention call (None: the default at each traced length), LoRA's adapters (frozen base
     weights: no weight gradient computed), the dtype, whose kernels (a device type) run and which attention kernel
-    (`attention.KERNELS`; "auto": memo's choice on `kernels` of a GPU it does not know): a cuDNN step allocates
-    dense copies of its head chunks, a flash step its backward's scratch. `of` fixes the heads a run makes at its
-    length, so that the shorter traces it is extended from make the same calls."""
+    (`attention.KERNELS`; "auto": memo's choice on `kernels` of a GPU it does not know): each kernel's backward
+    allocates its scratch, and a cuDNN step also dense copies of its head chunks. `of` fixes the heads a run
+    makes at its length, so that the shorter traces it is extended from make the same calls."""
 
     strategy: str = "memo"
     checkpoint: bool = False
@@ -196,7 +196,7 @@ def traffic_bytes(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens
 
 def traced_transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
     """Returns the peak bytes allocated during a steady-state step (after buffers are sized) beyond the store's
-    buffers, on `meta`, kernel scratch (`plan.scratch`: the flash backward's fp32 accumulators) included, traced
+    buffers, on `meta`, kernel scratch (`plan.scratch`: the attention backward's fp32 accumulators) included, traced
     whole at `tokens` (what `transient_peak` extends shorter traces to).
 
     The step is traced with `TRACE_LAYERS` layers; parameter gradients already exist (accumulated), as in

@@ -18,9 +18,17 @@ BI · BJ floats and a 16-byte header per (b, h), rounded to 4 floats; the tile i
 and 128 × 64 for fp32 above head dim 64, 64 × 64 at most 64. Neither configuration accumulates dk, dv in the
 workspace. cuBLAS's workspace is allocated once per handle, not per call: the cost model counts it apart.
 
-cuDNN's fused attention and FlashAttention-4 size their backward's scratch inside the library (cuDNN's graph
-workspace, FA4's fp32 dq accumulator) by rules their sources do not fix across versions: they are not listed,
-so a plan's LOAD leaves them out and the arena passes those requests through to the device allocator.
+cuDNN's fused attention backward (`aten/src/ATen/native/cudnn/MHA.cpp`, `run_cudnn_SDP_bprop`, which takes
+the graph's `get_workspace_size()` from the caching allocator): the part the cuDNN frontend sizes itself
+(NVIDIA/cudnn-frontend, `include/cudnn_frontend/node/scaled_dot_product_flash_attention.h`,
+`CompositeSDPABackwardNode::get_fe_workspace_size_node`), on cuDNN >= 9 without the deterministic or dBias
+options: `dQ_accum` fp32 (b, h_q, s_q, d_qk) and `softmax_sum` fp32 (b, h_q, s_q); grouped-query heads of dense
+(not ragged) tensors expand dK and dV in virtual tensors, which take no workspace. The backend engine's own
+workspace, which cuDNN picks per kernel at run time, is not published and is left out.
+
+FlashAttention-4 sizes its backward's fp32 dq accumulator inside the library by rules its source does not fix
+across versions: it is not listed, so a plan's LOAD leaves it out and the arena passes those requests through
+to the device allocator.
 """
 
 from __future__ import annotations
@@ -74,6 +82,17 @@ def efficient_backward_bytes(b: int, s_q: int, heads: int, d: int, dv: int, item
     return max(FP32 * b * s_q * heads * (dv + 2), delta + workspace)
 
 
+def cudnn_backward_bytes(b: int, s_q: int, heads: int, d: int) -> int:
+    """Returns the workspace the cuDNN frontend sizes for one fused attention backward (see the docstring)."""
+    return FP32 * b * heads * s_q * (d + 1)
+
+
+def _sdpa_cudnn_backward(args) -> int:
+    """aten._scaled_dot_product_cudnn_attention_backward: grad_out, then query (b, h, s, d)."""
+    b, h, s, d = args[1].shape
+    return cudnn_backward_bytes(b, s, h, d)
+
+
 def _sdpa_efficient_backward(args) -> int:
     """aten._scaled_dot_product_efficient_attention_backward: query (b, h, s, d), value (b, h, s_k, dv)."""
     q, v = args[1], args[3]
@@ -82,6 +101,7 @@ def _sdpa_efficient_backward(args) -> int:
 
 
 REGISTRY = {
+    aten._scaled_dot_product_cudnn_attention_backward.default: _sdpa_cudnn_backward,
     aten._scaled_dot_product_efficient_attention_backward.default: _sdpa_efficient_backward,
     aten._scaled_dot_product_flash_attention_backward.default: _sdpa_flash_backward,
     aten._flash_attention_backward.default: _flash_backward,
