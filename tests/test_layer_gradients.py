@@ -24,6 +24,7 @@ POLICIES = {
     "memo-a1": ActivationPolicy("memo", alpha=1.0),
     "memo-per-layer": ActivationPolicy("memo", alpha=[0.1, 0.55, 0.9, 0.3]),
     "memo-all-layers": ActivationPolicy("memo", alpha=[0.8, 0.25, 0.37, 0.6], offload_last_layers=True),
+    "memo-emptied-buffers": ActivationPolicy("memo", alpha=[0.8, 0.25, 0.37, 0.6], empty_buffers=True),
 }
 # token tiles that divide no sequence length below, per-layer plans (docs/method.md §3), and attention calls of a
 # few heads (one: parts of a key/value group, their dk, dv summed; two: whole groups of tiny's two)
@@ -40,6 +41,9 @@ TILED = {
         offload_last_layers=True,
     ),
     "plan-solved-short-host-tile-9": ActivationPolicy("memo", host_budget_bytes=60_000, tile_tokens=9),
+    "plan-emptied-tile-6": ActivationPolicy(
+        "memo", alpha=0.6, plan=("memo", "keep", "checkpoint", "memo"), tile_tokens=6, empty_buffers=True
+    ),
 }
 
 

@@ -114,6 +114,11 @@ def test_a_per_layer_plan_and_untied_embeddings():
     assert_same_step(*patched_pair("qwen2", policy, tie_word_embeddings=False), batch())
 
 
+def test_rounding_buffers_emptied_across_transformers_loss():
+    policy = ActivationPolicy("memo", alpha=0.5, plan=("memo", "checkpoint", "memo"), tile_tokens=5, empty_buffers=True)
+    assert_same_step(*patched_pair("llama", policy), batch())
+
+
 def test_packed_position_ids_as_transformers_packs_them():
     """Restarting position_ids with no attention_mask: documents that see only themselves, RoPE per document,
     as TRL's padding-free collator sends them (one row, -100 at each document start)."""

@@ -335,6 +335,7 @@ CASES = {
         2,
     ),
     "tiny-all-offloaded": ("tiny", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 1),
+    "tiny-emptied-buffers": ("tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True), 2),
     "tiny-gpt-last-two-on-device": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5), 1),
     "tiny-gpt-all-offloaded": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 2),
     "tiny-uneven-alpha-all-offloaded": (

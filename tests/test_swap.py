@@ -235,6 +235,32 @@ def test_layer_swaps_say_per_layer_what_goes_to_host_and_what_comes_back():
     assert [s.reloaded for s in tiled] == [s.reloaded for s in untiled]
 
 
+def test_emptied_buffers_send_and_reload_every_buffered_layer_and_hold_no_bytes_across_the_loss():
+    modes, alphas = ["checkpoint", "memo", "keep", "memo", "memo"], [0.0, 0.5, 1.0, 0.5, 0.5]
+    swaps = layer_swaps(modes, alphas, seq=10, tile=10, empty=True)  # untiled: nothing survives an emptied slot
+    assert [(s.sent, s.reloaded, s.survives) for s in swaps] == [(m != "keep", m != "keep", False) for m in modes]
+    batch, seq = 2, 40
+    policy = ActivationPolicy("memo", alpha=0.37, tile_tokens=16, empty_buffers=True)
+    model = _run(policy, batch, seq)  # a first step sizes the store
+    raw = [t for key, t in model.store._raw.items() if key[0] == "buffer"]
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    loss = model(ids, labels=ids)
+    assert len(raw) == 2 and all(t.untyped_storage().nbytes() == 0 for t in raw)  # freed from the last forward on
+    loss.backward()
+    assert all(t.untyped_storage().nbytes() == t.numel() for t in raw)
+    stats = model.swap_stats()
+    kept = int(0.37 * seq)
+    whole = _bytes(model, batch, seq, role="input") + _bytes(model, batch, seq, role="attention")
+    whole += _bytes(model, batch, seq, kept, role="other", group="whole")
+    local = _bytes(model, batch, seq, kept, group="qkv") + _bytes(model, batch, seq, kept, group="mlp")
+    layers = model.config.n_layers
+    assert stats.bytes_offloaded == stats.bytes_prefetched == layers * (whole + local)
+    assert model.store.pool.in_use == 0
+    with torch.no_grad():  # a forward with no backward after it: the next step gets its bytes back
+        model(ids, labels=ids)
+    model(ids, labels=ids).backward()
+
+
 def test_store_layout_is_what_the_store_allocates():
     model = _run(ActivationPolicy("memo", alpha=0.3, plan=("memo", "keep", "memo", "checkpoint"), tile_tokens=7))
     store = model.store

@@ -55,6 +55,7 @@ class ActivationPolicy:
     alpha: float | tuple[float, ...] | None = None
     host_budget_bytes: int | None = None
     offload_last_layers: bool = False
+    empty_buffers: bool = False
     plan: tuple[str, ...] | None = None
     tile_tokens: int | None = DEFAULT_TILE_TOKENS  # None: untiled, the whole sequence (shard) at once
     device_budget_bytes: int | None = None
@@ -139,9 +140,12 @@ def plan_runs(modes: list[str] | None, alphas: list[float] | None) -> str:
     return ", ".join(f"{label} x{k}" for label, k in runs)
 
 
-def reloaded(modes: list[str]) -> list[bool]:
+def reloaded(modes: list[str], empty: bool = False) -> list[bool]:
     """Returns, per layer, whether its rounding buffer is overwritten before its backward (by a later buffered
-    layer of the same parity), so its whole-length tensors must come back from host (§4)."""
+    layer of the same parity, or emptied across the loss when `empty`), so its whole-length tensors must come
+    back from host (§4)."""
+    if empty:
+        return [m in BUFFERED for m in modes]
     later = [False, False]
     out = [False] * len(modes)
     for i in reversed(range(len(modes))):
@@ -151,10 +155,10 @@ def reloaded(modes: list[str]) -> list[bool]:
     return out
 
 
-def offloaded(modes: list[str], offload_last_layers: bool = False) -> list[bool]:
+def offloaded(modes: list[str], offload_last_layers: bool = False, empty: bool = False) -> list[bool]:
     """Returns, per layer, whether its input (and for `memo` its attention output) goes to host: every
     buffered layer that is reloaded, and the last ones too when asked."""
-    back = reloaded(modes)
+    back = reloaded(modes, empty)
     return [m in BUFFERED and (back[i] or offload_last_layers) for i, m in enumerate(modes)]
 
 
@@ -163,10 +167,10 @@ def mode_alphas(modes: list[str], alphas: list[float]) -> list[float]:
     return [a if m == "memo" else 1.0 if m == "keep" else 0.0 for m, a in zip(modes, alphas)]
 
 
-def slot_survives(modes: list[str], tiled: bool) -> list[bool]:
+def slot_survives(modes: list[str], tiled: bool, empty: bool = False) -> list[bool]:
     """Returns, per layer, whether its token-local tensors are still in its tile slot at its backward: one tile
     covers the sequence (nothing reuses the slot within the layer) and no later layer overwrites its buffer."""
-    back = reloaded(modes)
+    back = reloaded(modes, empty)
     return [m in BUFFERED and not back[i] and not tiled for i, m in enumerate(modes)]
 
 
@@ -201,6 +205,7 @@ class PlanProblem:
     host_budget: int
     device_budget: int = 0
     offload_last_layers: bool = False
+    empty_buffers: bool = False  # the rounding buffers are freed across the loss: every buffered layer reloaded
     tiled: bool = True  # more than one tile: no layer's token-local tensors survive in its tile slot
     slack: float | None = None  # of the layers' compute a plan may add over the fastest to pin less host (HOST_SLACK)
 
@@ -211,10 +216,11 @@ class PlanProblem:
 
 
 @lru_cache(maxsize=4096)
-def _flags(modes: tuple[str, ...], offload_last_layers: bool, tiled: bool) -> tuple[list[bool], ...]:
+def _flags(modes: tuple[str, ...], offload_last_layers: bool, tiled: bool, empty: bool) -> tuple[list[bool], ...]:
     """Returns (`offloaded`, `reloaded`, `slot_survives`) of a plan: the solver asks them of the same plans
     again and again (a `--max-seq` search a million times)."""
-    return offloaded(list(modes), offload_last_layers), reloaded(list(modes)), slot_survives(list(modes), tiled)
+    m = list(modes)
+    return offloaded(m, offload_last_layers, empty), reloaded(m, empty), slot_survives(m, tiled, empty)
 
 
 def _parts(p: PlanProblem, modes: list[str]) -> list[tuple[float, float, float, float]]:
@@ -223,7 +229,7 @@ def _parts(p: PlanProblem, modes: list[str]) -> list[tuple[float, float, float, 
     rounding buffer is overwritten before its backward, and α of the rows of q, k, v then and of its token-local
     tensors unless they survive in the layer's own tile slot (a single tile, the buffer not overwritten);
     checkpoint sends the input and runs the layer again; recompute keeps the input and runs it again."""
-    sent, back, survive = _flags(tuple(modes), p.offload_last_layers, p.tiled)
+    sent, back, survive = _flags(tuple(modes), p.offload_last_layers, p.tiled, p.empty_buffers)
     qkv_rows = p.other_bytes - p.local_bytes
     parts = []
     for i, mode in enumerate(modes):
@@ -253,7 +259,7 @@ def plan_costs(p: PlanProblem, modes: list[str], alphas: list[float]) -> dict[st
     offload that does not hide behind the layer's forward, and of each prefetch behind the backward above).
 
     With FLOPs for the seconds and an infinite bandwidth it counts the recomputed FLOPs (cost/flops.py)."""
-    back = _flags(tuple(modes), p.offload_last_layers, p.tiled)[1]
+    back = _flags(tuple(modes), p.offload_last_layers, p.tiled, p.empty_buffers)[1]
     recompute = copy = 0.0
     for i, ((fixed, per_alpha, again, spared), a) in enumerate(zip(_parts(p, modes), alphas)):
         recompute += again + (1 - a) * spared
@@ -273,7 +279,7 @@ def _alphas(p: PlanProblem, modes: list[str]) -> list[float] | None:
     hides behind the forward and whose host bytes fit the budget, then with what host is left the same for
     the other memo layers (a row kept for them spares less recomputation per byte: their q, k, v rows stay on
     the device anyway); 1 where nothing is left to send; None when the plan does not fit even at α = 0."""
-    sent = offloaded(modes, p.offload_last_layers)
+    sent = offloaded(modes, p.offload_last_layers, p.empty_buffers)
     parts = _parts(p, modes)
     alphas = [0.0] * p.n_layers
     left = p.host_budget - host_bytes(p, modes, alphas)

@@ -116,11 +116,12 @@ def inputs(specs: dict[str, SkeletalSpec]) -> dict[str, SkeletalSpec]:
 
 
 def layer_swaps(
-    modes: list[str], alphas: list[float], seq: int, tile: int, offload_last: bool = False
+    modes: list[str], alphas: list[float], seq: int, tile: int, offload_last: bool = False, empty: bool = False
 ) -> tuple[LayerSwap, ...]:
     """Returns each layer's `LayerSwap` for a plan (mode and α per layer) over `seq` tokens in tiles of `tile`
-    rows: what the store obeys and the cost model sizes."""
-    sent, back, survive = offloaded(modes, offload_last), reloaded(modes), slot_survives(modes, tile < seq)
+    rows (`empty`: the rounding buffers freed across the loss): what the store obeys and the cost model sizes."""
+    sent, back = offloaded(modes, offload_last, empty), reloaded(modes, empty)
+    survive = slot_survives(modes, tile < seq, empty)
     swaps = []
     for i, (mode, alpha) in enumerate(zip(modes, alphas)):
         alpha = 1.0 if survive[i] and not sent[i] else alpha  # nothing of it goes to host: every row stays
@@ -213,6 +214,7 @@ def plan_problem(
     device_budget: int = 0,
     offload_last: bool = False,
     tile: int | None = None,
+    empty: bool = False,
 ) -> PlanProblem:
     """Returns the plan problem (policy.py) of layers of `specs` with one layer's `seconds` (forward, backward,
     and the forward's qkv, attention, mlp parts) and the host link's `bandwidth`; the host budget less the room
@@ -234,6 +236,7 @@ def plan_problem(
         host_budget=host_budget - n_layers * len(specs) * ALIGN,
         device_budget=device_budget,
         offload_last_layers=offload_last,
+        empty_buffers=empty,
         tiled=tile is not None and tile < specs["x"].shape[1],
     )
 
@@ -410,6 +413,7 @@ class ActivationStore:
         self._raw: dict[tuple, torch.Tensor] = {}  # the bytes under the views, kept for a shape that fits in them
         self._used: set[tuple] = set()  # the raw buffers the current plan carves
         self._solved: dict[tuple, tuple] = {}  # (batch, dtype, device) -> (seq, modes, α) of the longest solved
+        self._emptied = False  # the rounding buffers' bytes are freed across the loss (`empty_buffers`)
 
     def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
         """Returns (tile length, query heads per attention call) for `seq` of `layer`'s tokens: the policy's, or
@@ -425,6 +429,7 @@ class ActivationStore:
         than one sized before (a trainer's packed batches vary in length) reuses its bytes and its solved plan:
         nothing is allocated, pinned or measured again."""
         self._sync_all()
+        self._refill()
         self._aux.clear()
         self._inputs.clear()
         self.step += 1
@@ -449,7 +454,9 @@ class ActivationStore:
         self._tile, self._heads = self.tiling(layers[0], seq, device)
         budget = self.policy.host_budget_bytes or int(dev.HOST_USABLE * dev.available_host_bytes())
         modes, alphas = self._plan(layers[largest], batch, seq, budget)
-        self.swaps = layer_swaps(modes, alphas, seq, self._tile, self.policy.offload_last_layers)
+        self.swaps = layer_swaps(
+            modes, alphas, seq, self._tile, self.policy.offload_last_layers, self.policy.empty_buffers
+        )
         self.layout = store_layout(self.layer_specs, self.swaps, self._tile)
         self._allocate_device(device)
         for key in set(self._raw) - self._used:  # what the last plan had and this one does not (a layer kept)
@@ -554,6 +561,7 @@ class ActivationStore:
             p.device_budget_bytes or 0,
             p.offload_last_layers,
             self._tile,
+            p.empty_buffers,
         )
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -591,11 +599,17 @@ class ActivationStore:
         )
 
     def after_forward(self, index: int, aux: tuple) -> None:
-        """Starts the copy of the layer's whole-length host part; notes the tile copies still running."""
+        """Starts the copy of the layer's whole-length host part; notes the tile copies still running. After the
+        last layer, with `empty_buffers`, frees the rounding buffers until the first backward."""
         self._aux[index] = aux
-        host = self._host.get(index)
-        if host is None:
-            return
+        if self._host.get(index) is not None:
+            self._send(index)
+        if self.policy.empty_buffers and index == self.n_layers - 1:
+            self._empty()
+
+    def _send(self, index: int) -> None:
+        """Starts the copies of layer `index`'s host part out of its rounding buffer; notes them as busy."""
+        host = self._host[index]
         j = index % 2
         busy = [dev.record_event(self._device, self._streams[2])]  # the last tile copies
         if self.swaps[index].sent:
@@ -627,6 +641,25 @@ class ActivationStore:
             moved += h.numel() * h.element_size()
         return moved
 
+    def _empty(self) -> None:
+        """Frees the rounding buffers' bytes (their views stay, over no memory) once the copies out of them are
+        done: the compute stream waits for those, so what it allocates next may take the bytes."""
+        for event in (e for es in self._busy.values() for e in es):
+            dev.wait_event(event, device=self._device)
+        self._busy.clear()
+        for key, raw in self._raw.items():
+            if key[0] == "buffer":
+                raw.untyped_storage().resize_(0)
+        self._emptied = True
+
+    def _refill(self) -> None:
+        """Gives the rounding buffers their bytes back (contents to come from host) after `_empty`."""
+        if self._emptied:
+            for key, raw in self._raw.items():
+                if key[0] == "buffer":
+                    raw.untyped_storage().resize_(raw.numel())
+            self._emptied = False
+
     # ---- backward ---------------------------------------------------------------------------------------
     def _prefetch(self, index: int) -> None:
         """Starts the copy of layer `index`'s host slot into its rounding buffer, after everything the compute
@@ -645,6 +678,7 @@ class ActivationStore:
         """Returns (whole-length tensors, aux, tiles, what to recompute) for the layer's backward; starts the
         prefetch of the layer below."""
         self._check_step(index, step)
+        self._refill()
         swap = self.swaps[index]
         mode, specs, kind = swap.mode, self.layer_specs[index], self._kind[index]
         b, s = specs["x"].shape[:2]

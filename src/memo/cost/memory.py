@@ -132,11 +132,12 @@ def store_bytes(
     tile: int,
     offload_last: bool = False,
     dtype=torch.bfloat16,
+    empty: bool = False,
 ) -> StoreLayout:
     """Returns the device and host bytes the activation store allocates for a plan (`swap.store_layout`)."""
     tile = min(tile, tokens)
     specs = each_layer_specs(c, tokens, dtype)
-    return store_layout(specs, layer_swaps(modes, alphas, tokens, tile, offload_last), tile)
+    return store_layout(specs, layer_swaps(modes, alphas, tokens, tile, offload_last, empty), tile)
 
 
 def transient_peak(c: ModelConfig, tokens: int, traced: Traced, loss_chunk_tokens: int = 4096) -> int:
@@ -347,7 +348,9 @@ def training_lower_bound(job: Job) -> dict[str, int]:
     train, frozen = trained(job)
     states = (train * (2 * size + 8 + masters + master_grads) + frozen * size) // job.gpus
     modes, alphas = policy.least_host_plan(c.n_layers)
-    layout = store_bytes(c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype)
+    layout = store_bytes(
+        c, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, dtype, policy.empty_buffers
+    )
     return {"states": states, "activations": layout.device_bytes, "host_pool": layout.host_total}
 
 

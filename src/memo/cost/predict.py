@@ -29,7 +29,7 @@ def predict_run(job: Job, kernels: str, spec: GPUSpec | None = None, loss_chunk_
     model_states = training_lower_bound(dataclasses.replace(job, grad_accum=1))["states"]
     modes, alphas = policy.least_host_plan(n)  # the device buffers are the same for every solved plan
     tile = policy.tile_for(tokens)
-    store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype)
+    store = store_bytes(c, tokens, modes, alphas, tile, policy.offload_last_layers, dtype, policy.empty_buffers)
     cut = tile if tile < tokens else None
     traced = Traced.of(
         c, tokens, policy.strategy, "checkpoint" in modes, cut, sp, kernels, job.lora, dtype, job.attention
@@ -69,7 +69,14 @@ def host_pool_bytes(job: Job, modes: list[str], alphas: list[float]) -> int:
     """Returns the host pool a plan (mode and α per layer) fills (§3) for one rank of `job`."""
     tokens, policy = job.tokens(job.sp or 1), job.policy
     layout = store_bytes(
-        job.model, tokens, modes, alphas, policy.tile_for(tokens), policy.offload_last_layers, job.torch_dtype
+        job.model,
+        tokens,
+        modes,
+        alphas,
+        policy.tile_for(tokens),
+        policy.offload_last_layers,
+        job.torch_dtype,
+        policy.empty_buffers,
     )
     return layout.host_total
 

@@ -26,7 +26,8 @@ def offload_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype) ->
     specs = [layer.skeletal_specs(batch, seq, dtype, device) for layer in model.layers]  # dense and sparse may mix
     modes, alphas = policy.least_host_plan(n)
     tile = policy.tile_for(seq)
-    return store_layout(specs, layer_swaps(modes, alphas, seq, tile, policy.offload_last_layers), tile).host_total
+    swaps = layer_swaps(modes, alphas, seq, tile, policy.offload_last_layers, policy.empty_buffers)
+    return store_layout(specs, swaps, tile).host_total
 
 
 def check_host_budget(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, budget: int, states: int = 0) -> None:
