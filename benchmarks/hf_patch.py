@@ -7,9 +7,12 @@ Rows, each a fresh model from the same seed on the same batches, under `SFTTrain
 - HF + checkpointing: transformers' activation checkpointing (TRL's default), the baseline of every ratio;
 - HF + checkpointing offload=True: the same, its saved layer inputs held in host memory (`save_on_cpu`);
 - TRL activation_offloading: `SFTConfig(activation_offloading=True)`, TRL's default checkpointing left on;
-- memo.patch: `memo.patch(model, ActivationPolicy("memo", tile_tokens=1024))`: α and plan solved from measured
-  times, tiles of `--tile-tokens` rows (the default policy's 8K-row tile is sized for GPU matmuls at 100K+ tokens
-  and would leave this sequence one or two tiles), TRL's default checkpointing left on (memo turns it off);
+- memo.patch: `memo.patch(model, ActivationPolicy("memo", tile_tokens=256, attention_heads=1,
+  empty_buffers=True))`: α and plan solved from measured times; tiles of `--tile-tokens` rows (the default
+  policy's 8K-row tile is sized for GPU matmuls at 100K+ tokens and would leave this sequence one or two tiles);
+  one head a kernel call (`--attention-heads`; memo's CPU default takes all heads at once for the threads, and
+  these rows run one); the rounding buffers emptied across TRL's head (`--keep-buffers` keeps them); TRL's
+  default checkpointing left on (memo turns it off);
 - HF, no checkpointing: plain autograd, when its estimated activations fit in the memory available.
 
 Memory is measured as `benchmarks/strategies.py` measures it, over one training step (forward and backward,
@@ -86,7 +89,9 @@ class Shape:
     hidden: int
     tokens: int
     vocab: int = VOCAB
-    tile_tokens: int = 1024  # memo's token tiles (its default, 8K rows, is sized for GPU matmuls at 100K+ tokens)
+    tile_tokens: int = 256  # memo's token tiles (its default, 8K rows, is sized for GPU matmuls at 100K+ tokens)
+    attention_heads: int | None = 1  # query heads per attention call (None: memo's default, all heads on a CPU)
+    empty_buffers: bool = True  # memo's rounding buffers freed across TRL's head (`ActivationPolicy.empty_buffers`)
 
     @property
     def intermediate(self) -> int:
@@ -279,9 +284,13 @@ def run_row(row: str, shape: Shape, timed: int, device: torch.device, release_he
 
     model = llama(shape)
     if row == "memo.patch":
-        patch(
-            model, ActivationPolicy("memo", tile_tokens=shape.tile_tokens)
-        )  # before SFTTrainer, which wraps the causal LM's forward with its fused LM head
+        policy = ActivationPolicy(
+            "memo",
+            tile_tokens=shape.tile_tokens,
+            attention_heads=shape.attention_heads,
+            empty_buffers=shape.empty_buffers,
+        )
+        patch(model, policy)  # before SFTTrainer, which wraps the causal LM's forward with its fused LM head
     steps = timed + 2
     with (
         tempfile.TemporaryDirectory() as output_dir,
@@ -380,7 +389,16 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="2 layers, h=64, 512 tokens, a 256-id vocabulary")
     p.add_argument("--steps", type=int, default=3, help="timed steps after the one warm-up")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of each row (see above)")
-    p.add_argument("--tile-tokens", type=int, default=1024, help="memo's token tile (rows)")
+    p.add_argument("--tile-tokens", type=int, default=Shape.tile_tokens, help="memo's token tile (rows)")
+    p.add_argument(
+        "--attention-heads",
+        type=int,
+        default=Shape.attention_heads,
+        help="memo's query heads per attention call (0: its default, all heads on a CPU)",
+    )
+    p.add_argument(
+        "--keep-buffers", action="store_true", help="keep memo's rounding buffers across the loss (no empty_buffers)"
+    )
     p.add_argument("--rows", help="the rows to run, by number from 0 (default all): 0,3 is HF + checkpointing, memo")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--row", type=int, default=None, help=argparse.SUPPRESS)
@@ -392,7 +410,9 @@ def main(argv=None) -> int:
     if args.tiny:
         shape = TINY
     else:
-        shape = Shape(args.layers, args.hidden, parse_size(args.tokens), args.vocab, args.tile_tokens)
+        heads = args.attention_heads or None
+        tokens = parse_size(args.tokens)
+        shape = Shape(args.layers, args.hidden, tokens, args.vocab, args.tile_tokens, heads, not args.keep_buffers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.row is not None:
         torch.set_num_threads(args.threads)
@@ -411,7 +431,9 @@ def main(argv=None) -> int:
         return 0
     print(
         f"# Llama {shape.layers} layers, h={shape.hidden}, I={shape.intermediate}, vocab {shape.vocab}, "
-        f"{shape.tokens} tokens unpacked, batch 1, fp32, SFTTrainer, memo tiles {shape.tile_tokens}; {device.type}, "
+        f"{shape.tokens} tokens unpacked, batch 1, fp32, SFTTrainer, memo tiles {shape.tile_tokens}, "
+        f"{shape.attention_heads or 'all'} head(s) a call, buffers {'emptied' if shape.empty_buffers else 'kept'} "
+        f"across the loss; {device.type}, "
         f"{args.threads} thread(s), "
         f"torch {torch.__version__}"
     )
