@@ -12,7 +12,7 @@ from memo.cost.memory import Traced
 from memo.device import meta_kernels
 from memo.plan.bilevel import plan
 from memo.plan.problem import Problem, check_placement, max_load, read_csv, write_csv
-from memo.plan.scratch import cudnn_backward_bytes, efficient_backward_bytes, flash_backward_bytes
+from memo.plan.scratch import cudnn_backward_bytes, efficient_backward_bytes, fa4_backward_bytes, flash_backward_bytes
 from memo.plan.trace import SCRATCH, Tracer
 
 WORK = 1_000_000_000  # DSA budgets in search work, not seconds: the same plans at any machine load
@@ -80,6 +80,20 @@ def test_a_cudnn_step_traces_the_frontends_backward_workspace_per_head_chunk():
     events = memory._traced_step(c, s, traced, 64).trace.events
     sizes = [e.nbytes for e in events if e.op == SCRATCH and e.kind == "alloc"]
     assert sizes == [s * (c.head_dim + 1) * 4] * (c.n_heads * c.n_layers)
+
+
+def test_fa4_backward_scratch_follows_the_cute_interface_sizes():
+    # b=1, s=1000 (128-row tiles: 1024; keys to 256-row clusters: 1024), 32 heads of 128, 8 kv heads:
+    # dq_accum + dpsum + lse_log2, then dk_accum and dv_accum for the grouped heads; d 72 rounds to 96
+    want = 32 * 1024 * (128 + 2) * 4 + 2 * 8 * 1024 * 128 * 4
+    assert fa4_backward_bytes(1, 1000, 1000, 32, 8, 128) == want
+    assert fa4_backward_bytes(1, 1024, 1024, 8, 8, 72) == 8 * 1024 * (96 + 2) * 4
+    c, s = ModelConfig.preset("tiny"), 400  # two query heads a call: one key/value head, grouped
+    traced = Traced(checkpoint=True, tile=128, heads=2, attention="fa4")
+    events = memory._traced_step(c, s, traced, 64).trace.events
+    sizes = [e.nbytes for e in events if e.op == SCRATCH and e.kind == "alloc"]
+    calls = c.n_heads // 2 * c.n_layers
+    assert sizes == [2 * 512 * (32 + 2) * 4 + 2 * 512 * 32 * 4] * calls
 
 
 def test_a_float32_gpu_step_traces_the_efficient_kernels_scratch():

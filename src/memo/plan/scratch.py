@@ -26,14 +26,20 @@ options: `dQ_accum` fp32 (b, h_q, s_q, d_qk) and `softmax_sum` fp32 (b, h_q, s_q
 (not ragged) tensors expand dK and dV in virtual tensors, which take no workspace. The backend engine's own
 workspace, which cuDNN picks per kernel at run time, is not published and is left out.
 
-FlashAttention-4 sizes its backward's fp32 dq accumulator inside the library by rules its source does not fix
-across versions: it is not listed, so a plan's LOAD leaves it out and the arena passes those requests through
-to the device allocator.
+FlashAttention-4 backward (Dao-AILab/flash-attention `flash_attn/cute/interface.py`, `_flash_attn_bwd`, as of
+commit 004b1a2e; memo calls it on dense (b, s, h, d) views): `dq_accum` fp32 (b, h, s_q rounded to the query
+tile, d rounded to 32), `dpsum` and `lse_log2` fp32 (b, h, s_q rounded), and with grouped-query attention
+`dk_accum` and `dv_accum` fp32 (b, h_kv, s_k rounded to the key tile, d rounded to 32). The tiles are the
+architecture's (64 query and 128 key rows on sm90; 128 and 128 on sm100, whose two-CTA clusters at head dim 128
+round the keys to 256): a meta trace does not know the GPU, so it rounds to the larger, a tile at most over.
+Its sizes have changed between versions; the rounding is all a newer one may change without the model knowing.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .. import attention  # noqa: F401  (registers memo::fa4_attention_backward)
 
 aten = torch.ops.aten
 FP32 = 4
@@ -93,6 +99,22 @@ def _sdpa_cudnn_backward(args) -> int:
     return cudnn_backward_bytes(b, s, h, d)
 
 
+def fa4_backward_bytes(b: int, s_q: int, s_k: int, heads: int, kv_heads: int, d: int) -> int:
+    """Returns the scratch FlashAttention-4's backward allocates for one call (see the module's docstring)."""
+    d_rounded, s_rounded = _round(d, 32), _round(s_q, 128)
+    scratch = FP32 * b * heads * s_rounded * (d_rounded + 2)
+    if kv_heads != heads:
+        scratch += 2 * FP32 * b * kv_heads * _round(s_k, 256) * d_rounded
+    return scratch
+
+
+def _fa4_backward(args) -> int:
+    """memo::fa4_attention_backward: dout, then query (b, h, s, d), key (b, h_kv, s_k, d)."""
+    q, k = args[1], args[2]
+    b, h, s, d = q.shape
+    return fa4_backward_bytes(b, s, k.shape[2], h, k.shape[1], d)
+
+
 def _sdpa_efficient_backward(args) -> int:
     """aten._scaled_dot_product_efficient_attention_backward: query (b, h, s, d), value (b, h, s_k, dv)."""
     q, v = args[1], args[3]
@@ -101,6 +123,7 @@ def _sdpa_efficient_backward(args) -> int:
 
 
 REGISTRY = {
+    torch.ops.memo.fa4_attention_backward.default: _fa4_backward,
     aten._scaled_dot_product_cudnn_attention_backward.default: _sdpa_cudnn_backward,
     aten._scaled_dot_product_efficient_attention_backward.default: _sdpa_efficient_backward,
     aten._scaled_dot_product_flash_attention_backward.default: _sdpa_flash_backward,
