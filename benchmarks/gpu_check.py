@@ -819,7 +819,37 @@ def _time_kernel(ctx: Context, kernel: str, tensors: tuple, scale: float, flops:
         "backward_TFLOPs": flops[1] / backward_s / 1e12,
         "max_abs_diff_vs_first": float((out - first[0]).abs().max()),
     }
+    if ctx.device.type == "cuda":
+        result.update(_backward_bytes(ctx, kernel, tensors, out, lse, aux, scale))
     return result
+
+
+def _backward_bytes(ctx: Context, kernel: str, tensors: tuple, out, lse, aux, scale: float) -> dict:
+    """Returns the peak bytes one backward call allocates on the device (its gradients, copies and the kernel's
+    scratch) beside what the cost model's meta trace of the same call predicts (`plan.scratch` included)."""
+    from memo.attention import attention_backward, attention_forward
+    from memo.device import meta_kernels
+    from memo.plan.trace import Tracer
+
+    q, k, v, dout = tensors
+    torch.cuda.synchronize(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    grads = attention_backward(dout, q, k, v, out, lse, aux, scale)
+    torch.cuda.synchronize(ctx.device)
+    measured = torch.cuda.max_memory_allocated(ctx.device) - base
+    del grads
+    meta = [t.to("meta") for t in (q, k, v, dout)]
+    with meta_kernels("cuda"):
+        m_out, m_lse, m_aux = attention_forward(*meta[:3], scale, kernel=kernel)
+        tracer = Tracer(scratch=True)
+        with tracer:
+            attention_backward(meta[3], *meta[:3], m_out, m_lse, m_aux, scale)
+    live = peak = 0
+    for event in tracer.trace.events:
+        live += event.nbytes if event.kind == "alloc" else -event.nbytes if event.kind == "free" else 0
+        peak = max(peak, live)
+    return {"backward_bytes": measured, "backward_bytes_predicted": peak, "backward_bytes_ratio": measured / peak}
 
 
 def attention_ab(ctx: Context) -> dict:
@@ -858,10 +888,14 @@ def _kernel_cell(result) -> str:
     if not isinstance(result, dict):
         return result
     if "forward_s" in result:
-        return (
+        cell = (
             f"forward {result['forward_s'] * 1e3:.1f} ms ({result['forward_TFLOPs']:.0f} TFLOP/s), "
             f"backward {result['backward_s'] * 1e3:.1f} ms ({result['backward_TFLOPs']:.0f} TFLOP/s)"
         )
+        if "backward_bytes" in result:
+            measured, traced = _gb(result["backward_bytes"]), _gb(result["backward_bytes_predicted"])
+            cell += f", backward allocates {measured} (traced {traced}, {result['backward_bytes_ratio']:.2f}x)"
+        return cell
     if "fell_back_to" in result:
         return f"refused, fell back to {result['fell_back_to']}: {'; '.join(result['refusals'])}"
     return "OOM" if result.get("oom") else str(result.get("error"))

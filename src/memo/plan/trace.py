@@ -92,8 +92,9 @@ class Trace:
 
 class Tracer(TorchDispatchMode):
     """Records allocations while active; `mark(label)` inserts a labelled event (e.g. a layer boundary). With
-    `scratch`, the kernel-internal scratch of registered ops (`plan.scratch`) is a tensor living for the call. The
-    trace ends where the mode does: what dies later (the results, a reference cycle's tensors) is not freed in it."""
+    `scratch`, the kernel-internal scratch of registered ops (`plan.scratch`) is a tensor living for the call,
+    beside its outputs (the CUDA kernels allocate those first). The trace ends where the mode does: what dies
+    later (the results, a reference cycle's tensors) is not freed in it."""
 
     def __init__(self, scratch: bool = False) -> None:
         super().__init__()
@@ -122,8 +123,6 @@ class Tracer(TorchDispatchMode):
             self.trace.events.append(Event("alloc", tid, scratch, SCRATCH))
         kwargs = kwargs or {}
         out, fresh = meta_ops.call(func, args, kwargs)
-        if scratch:
-            self.trace.events.append(Event("free", tid, scratch, SCRATCH))
         call = len(self.trace.calls)
         self.trace.calls.append(func)
         inputs = set() if fresh else None  # storages of the call's tensors, once an output's is not ours yet
@@ -143,6 +142,8 @@ class Tracer(TorchDispatchMode):
             self._refs[key] = self._refs.get(key, 0) + 1
             ref = weakref.ref(t, lambda ref, key=key: self._release(ref, key))
             self._watched[id(ref)] = ref
+        if scratch:  # the kernels allocate their outputs first: the scratch lives beside them until the call ends
+            self.trace.events.append(Event("free", tid, scratch, SCRATCH))
         return out
 
     def _new(self, t: torch.Tensor, key: int, func, call: int, position: int) -> bool:
