@@ -845,10 +845,7 @@ def _backward_bytes(ctx: Context, kernel: str, tensors: tuple, out, lse, aux, sc
         tracer = Tracer(scratch=True)
         with tracer:
             attention_backward(meta[3], *meta[:3], m_out, m_lse, m_aux, scale)
-    live = peak = 0
-    for event in tracer.trace.events:
-        live += event.nbytes if event.kind == "alloc" else -event.nbytes if event.kind == "free" else 0
-        peak = max(peak, live)
+    peak = tracer.trace.peak
     return {"backward_bytes": measured, "backward_bytes_predicted": peak, "backward_bytes_ratio": measured / peak}
 
 
