@@ -8,11 +8,12 @@ Rows, each a fresh model from the same seed on the same batches, under `SFTTrain
 - HF + checkpointing offload=True: the same, its saved layer inputs held in host memory (`save_on_cpu`);
 - TRL activation_offloading: `SFTConfig(activation_offloading=True)`, TRL's default checkpointing left on;
 - memo.patch: `memo.patch(model, ActivationPolicy("memo", tile_tokens=256, attention_heads=1,
-  empty_buffers=True))`: α and plan solved from measured times; tiles of `--tile-tokens` rows (the default
-  policy's 8K-row tile is sized for GPU matmuls at 100K+ tokens and would leave this sequence one or two tiles);
-  one head a kernel call (`--attention-heads`; memo's CPU default takes all heads at once for the threads, and
-  these rows run one); the rounding buffers emptied across TRL's head (`--keep-buffers` keeps them); TRL's
-  default checkpointing left on (memo turns it off);
+  empty_buffers=True, gradient_over_input=True))`: α and plan solved from measured times; tiles of
+  `--tile-tokens` rows (the default policy's 8K-row tile is sized for GPU matmuls at 100K+ tokens and would leave
+  this sequence one or two tiles); one head a kernel call (`--attention-heads`; memo's CPU default takes all heads
+  at once for the threads, and these rows run one); the rounding buffers emptied across TRL's head
+  (`--keep-buffers` keeps them); attention's gradient written over each layer's input, which comes back from host
+  (`--fresh-gradient` gives it a tensor of its own); TRL's default checkpointing left on (memo turns it off);
 - HF, no checkpointing: plain autograd, when its estimated activations fit in the memory available.
 
 Memory is measured as `benchmarks/strategies.py` measures it, over one training step (forward and backward,
@@ -92,6 +93,7 @@ class Shape:
     tile_tokens: int = 256  # memo's token tiles (its default, 8K rows, is sized for GPU matmuls at 100K+ tokens)
     attention_heads: int | None = 1  # query heads per attention call (None: memo's default, all heads on a CPU)
     empty_buffers: bool = True  # memo's rounding buffers freed across TRL's head (`ActivationPolicy.empty_buffers`)
+    gradient_over_input: bool = True  # attention's gradient in the layer input's bytes (`ActivationPolicy`)
 
     @property
     def intermediate(self) -> int:
@@ -289,6 +291,7 @@ def run_row(row: str, shape: Shape, timed: int, device: torch.device, release_he
             tile_tokens=shape.tile_tokens,
             attention_heads=shape.attention_heads,
             empty_buffers=shape.empty_buffers,
+            gradient_over_input=shape.gradient_over_input,
         )
         patch(model, policy)  # before SFTTrainer, which wraps the causal LM's forward with its fused LM head
     steps = timed + 2
@@ -399,6 +402,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--keep-buffers", action="store_true", help="keep memo's rounding buffers across the loss (no empty_buffers)"
     )
+    p.add_argument(
+        "--fresh-gradient",
+        action="store_true",
+        help="memo's attention gradient in a tensor of its own (no gradient_over_input)",
+    )
     p.add_argument("--rows", help="the rows to run, by number from 0 (default all): 0,3 is HF + checkpointing, memo")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--row", type=int, default=None, help=argparse.SUPPRESS)
@@ -412,7 +420,10 @@ def main(argv=None) -> int:
     else:
         heads = args.attention_heads or None
         tokens = parse_size(args.tokens)
-        shape = Shape(args.layers, args.hidden, tokens, args.vocab, args.tile_tokens, heads, not args.keep_buffers)
+        shape = Shape(
+            args.layers, args.hidden, tokens, args.vocab, args.tile_tokens, heads, not args.keep_buffers,
+            not args.fresh_gradient,
+        )  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.row is not None:
         torch.set_num_threads(args.threads)
@@ -433,7 +444,8 @@ def main(argv=None) -> int:
         f"# Llama {shape.layers} layers, h={shape.hidden}, I={shape.intermediate}, vocab {shape.vocab}, "
         f"{shape.tokens} tokens unpacked, batch 1, fp32, SFTTrainer, memo tiles {shape.tile_tokens}, "
         f"{shape.attention_heads or 'all'} head(s) a call, buffers {'emptied' if shape.empty_buffers else 'kept'} "
-        f"across the loss; {device.type}, "
+        f"across the loss, attention's gradient {'over the input' if shape.gradient_over_input else 'apart'}; "
+        f"{device.type}, "
         f"{args.threads} thread(s), "
         f"torch {torch.__version__}"
     )

@@ -25,6 +25,9 @@ POLICIES = {
     "memo-per-layer": ActivationPolicy("memo", alpha=[0.1, 0.55, 0.9, 0.3]),
     "memo-all-layers": ActivationPolicy("memo", alpha=[0.8, 0.25, 0.37, 0.6], offload_last_layers=True),
     "memo-emptied-buffers": ActivationPolicy("memo", alpha=[0.8, 0.25, 0.37, 0.6], empty_buffers=True),
+    "memo-gradient-over-input": ActivationPolicy(
+        "memo", alpha=[0.8, 0.25, 0.37, 0.6], offload_last_layers=True, gradient_over_input=True
+    ),
 }
 # token tiles that divide no sequence length below, per-layer plans (docs/method.md §3), and attention calls of a
 # few heads (one: parts of a key/value group, their dk, dv summed; two: whole groups of tiny's two)
@@ -43,6 +46,10 @@ TILED = {
     "plan-solved-short-host-tile-9": ActivationPolicy("memo", host_budget_bytes=60_000, tile_tokens=9),
     "plan-emptied-tile-6": ActivationPolicy(
         "memo", alpha=0.6, plan=("memo", "keep", "checkpoint", "memo"), tile_tokens=6, empty_buffers=True
+    ),
+    "plan-emptied-over-input-tile-6": ActivationPolicy(
+        "memo", alpha=0.6, plan=("checkpoint", "keep", "memo", "memo"), tile_tokens=6, empty_buffers=True,
+        gradient_over_input=True,
     ),
 }
 

@@ -223,17 +223,28 @@ class RaceDetector(TorchDispatchMode):
             self.track(engine)
 
         engine.begin_step = begin_and_track
+        refill = engine._refill
+
+        def refill_and_track():  # emptied buffers come back in new bytes (`empty_buffers`)
+            refill()
+            if engine._buffers:
+                self.track(engine)
+
+        engine._refill = refill_and_track
 
     def track(self, engine: ActivationStore) -> None:
-        """Shadows the rounding buffers and host pool (anew after a resize); names the engine's streams."""
+        """Shadows the rounding buffers and host pool (a storage in new bytes anew: after a resize, or emptied
+        buffers given their bytes back); names the engine's streams."""
         storages = {
             f"rounding buffer {i}": next(iter(kinds[0].values())).untyped_storage()  # every kind's views: one storage
             for i, kinds in enumerate(engine._buffers)
         }
         storages["host pool"] = engine.pool.buffer.untyped_storage()
-        if {s.data_ptr() for s in storages.values()} != set(self.shadows):
-            n_streams = len(self.streams.all)
-            self.shadows = {s.data_ptr(): Shadow(name, s.nbytes(), n_streams) for name, s in storages.items()}
+        n_streams, before = len(self.streams.all), self.shadows
+        self.shadows = {}
+        for name, s in storages.items():
+            kept = before.get(s.data_ptr())
+            self.shadows[s.data_ptr()] = kept if kept and kept.name == name else Shadow(name, s.nbytes(), n_streams)
         offload, prefetch, tile = engine._streams
         offload.name, prefetch.name, tile.name = "offload", "prefetch", "tile"
 
@@ -325,6 +336,7 @@ DATA_FLOW = {
     *{("tile", buf, w) for buf in BUFFERS for w in (False, True)},
     *{("tile", "host pool", w) for w in (False, True)},
 }
+INPUT_BACK = ("compute", "host pool", False)  # gradient_over_input: a layer input back into q's bytes
 
 CASES = {
     "tiny-last-two-on-device": ("tiny", ActivationPolicy("memo", alpha=0.5), 2),
@@ -336,6 +348,11 @@ CASES = {
     ),
     "tiny-all-offloaded": ("tiny", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 1),
     "tiny-emptied-buffers": ("tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True), 2),
+    "tiny-gradient-over-input": (
+        "tiny",
+        ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True, gradient_over_input=True),
+        2,
+    ),
     "tiny-gpt-last-two-on-device": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5), 1),
     "tiny-gpt-all-offloaded": ("tiny-gpt", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 2),
     "tiny-uneven-alpha-all-offloaded": (
@@ -357,7 +374,8 @@ def test_swap_engine_orders_every_cross_stream_access_without_changing_gradients
 
     per_stream = Counter(a.stream.name for a in detector.accesses)
     assert all(per_stream[name] > 0 for name in ("compute", "offload", "prefetch", "tile")), per_stream
-    assert {(a.stream.name, a.region, a.write) for a in detector.accesses} == DATA_FLOW
+    flow = DATA_FLOW | ({INPUT_BACK} if policy.gradient_over_input else set())
+    assert {(a.stream.name, a.region, a.write) for a in detector.accesses} == flow
     assert {a.step for a in detector.accesses} == set(range(1, STEPS + 1))
 
     monkeypatch.undo()  # the same run on the real (synchronous CPU) device functions

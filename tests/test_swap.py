@@ -290,3 +290,35 @@ def test_offloaded_last_two_layers_get_their_tiles_back_but_not_their_buffers(ti
     assert stats.bytes_offloaded == 2 * (whole + local) + 2 * (whole + last_local)
     assert stats.bytes_prefetched == 2 * (whole + local) + 2 * last_local  # whole-length parts of 0 and 1 only
     assert model.store.pool.in_use == 0
+
+
+def test_gradient_over_input_writes_attention_gradients_over_a_layer_input_on_host(monkeypatch):
+    """Attention's output gradient (then dq) takes the bytes of x, which comes back from host into q's: every
+    layer backward whose input went to host allocates one whole-length tensor less, with the same gradients."""
+    import memo.layer as layer_module
+    from memo.plan.trace import Tracer
+
+    batch, seq = 2, 40
+    backward_phase, runs, models = layer_module.backward_phase, {}, {}
+
+    def traced(layer, t, *args):
+        with Tracer() as tracer:
+            out = backward_phase(layer, t, *args)
+        runs[over][layer.index] = ("x_host" in t, tracer.trace.peak)
+        return out
+
+    monkeypatch.setattr(layer_module, "backward_phase", traced)
+    for over in (True, False):
+        runs[over] = {}
+        policy = ActivationPolicy(
+            "memo", alpha=0.37, tile_tokens=16, plan=("checkpoint", "memo", "memo", "memo"), gradient_over_input=over
+        )
+        torch.manual_seed(0)
+        models[over] = _run(policy, batch, seq)
+    x = batch * seq * models[False].config.hidden_size * 4
+    # layers 0 (checkpointed) and 1 sent their input; 2 and 3 kept their rounding buffers
+    assert [runs[True][i][0] for i in range(4)] == [True, True, False, False]
+    assert not any(sent for sent, _ in runs[False].values())
+    assert [runs[False][i][1] - runs[True][i][1] for i in range(4)] == [x, x, 0, 0]
+    for (name, p), q in zip(models[True].named_parameters(), models[False].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -718,9 +718,20 @@ def forward_phase(layer: DecoderLayer, t: dict, tiles: Tiles) -> tuple[torch.Ten
     return y, aux
 
 
+def _input_comes_back(t: dict) -> bool:
+    """True when attention's output gradient can be written over the layer input x: the store gave x's host copy
+    (`x_host`), and q and the attention output have x's dtype and row layout (a·d = h), so each MLP tile writes its
+    own rows of x after reading them, and x can come back into q's bytes once attention's backward is done."""
+    x = t["x"]
+    return "x_host" in t and all(
+        t[n].dtype == x.dtype and t[n].is_contiguous() and t[n].flatten(2).shape == x.shape for n in ("x", "q", "attn")
+    )
+
+
 def backward_phase(layer: DecoderLayer, t: dict, dy: torch.Tensor, aux: tuple, tiles: Tiles, recompute):
     """Returns (dx (b, s, h), parameter grads): the recompute the store asks for, then the layer's backward,
-    tile by tile around the attention backward."""
+    tile by tile around the attention backward. Given x's host copy, attention's output gradient and then dq live
+    in x's bytes, and x comes back from host for the q, k, v tiles: one whole-length tensor less."""
     s = t["x"].shape[1]
     if recompute is not None:  # q, k, v rows the host did not keep (and attention, for a checkpointed layer)
         for rows in tiles.ranges(recompute.start):
@@ -729,7 +740,8 @@ def backward_phase(layer: DecoderLayer, t: dict, dy: torch.Tensor, aux: tuple, t
             aux = layer.attend(t, tiles.heads)
     grads: dict[str, torch.Tensor] = {}
     dx = dy  # (b, s, h): dx1 written over dy tile by tile (each tile reads its dy rows first), then + the rest
-    dattn = torch.empty_like(t["attn"])  # (b, s, a, d)
+    over_input = _input_comes_back(t)
+    dattn = t["x"].view(t["attn"].shape) if over_input else torch.empty_like(t["attn"])  # (b, s, a, d)
     for rows in tiles.ranges():  # MLP and output projection, a tile at a time
         v, start = tiles.restore(t, rows, "mlp")
         v = {**rows_of(t, rows), **v}
@@ -739,6 +751,8 @@ def backward_phase(layer: DecoderLayer, t: dict, dy: torch.Tensor, aux: tuple, t
         layer.projection_backward(dx[:, rows], v, grads, dattn[:, rows])
     dq, dk, dv = layer.attention_backward(dattn, t, aux, tiles.heads)  # (b, s, heads, d), all tokens; dq is dattn
     del dattn
+    if over_input:  # dq holds x's bytes: x comes back from host into q's, which nothing reads after attention
+        t = {**t, "x": t["q"].view(t["x"].shape).copy_(t["x_host"], non_blocking=True)}
     for rows in tiles.ranges():  # q, k, v projections and the attention norm, a tile at a time
         v, start = tiles.restore(t, rows, "qkv")
         v = {**rows_of(t, rows), **v}

@@ -48,7 +48,10 @@ class ActivationPolicy:
     or the whole sequence when shorter; None: untiled, as the cost model's `Layout.tile` and `Traced.tile`
     say); `attention_heads` how many query heads each attention kernel call
     takes at most (default `attention.heads_per_call`: on a GPU about a tile's rows of every head);
-    `attention` the attention kernel (`attention.CHOICES`, default the fastest that runs).
+    `attention` the attention kernel (`attention.CHOICES`, default the fastest that runs);
+    `gradient_over_input`: a layer backward whose input went to host writes attention's output gradient over the
+    input's device bytes and takes the input back from host for its q, k, v tiles (`layer.backward_phase`): one
+    whole-length tensor less, for one copy of the input that nothing hides on a GPU.
     """
 
     strategy: Strategy = "none"
@@ -61,6 +64,7 @@ class ActivationPolicy:
     device_budget_bytes: int | None = None
     attention_heads: int | None = None
     attention: str = "auto"
+    gradient_over_input: bool = False
 
     def __post_init__(self) -> None:
         check_choice(self.attention)

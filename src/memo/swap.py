@@ -706,7 +706,10 @@ class ActivationStore:
         else:
             self._count_recompute(specs, b, s - split, attention, qkv=back)
         recompute = Recompute(split, attention) if back and split < s else None
-        return self._buffers[j][kind], self._aux.pop(index), self._slot_tiles(index), recompute
+        t = self._buffers[j][kind]
+        if self.policy.gradient_over_input and "x" in host:  # the backward may write over its input
+            t = {**t, "x_host": host["x"]}
+        return t, self._aux.pop(index), self._slot_tiles(index), recompute
 
     def _count_recompute(self, specs: dict, b: int, rows: int, attention: bool, qkv: bool) -> None:
         """Adds the last `rows` token rows of the layer's (`specs`) recomputed tensors to the stats: the token-local
