@@ -114,9 +114,20 @@ def test_a_per_layer_plan_and_untied_embeddings():
     assert_same_step(*patched_pair("qwen2", policy, tie_word_embeddings=False), batch())
 
 
-def test_rounding_buffers_emptied_across_transformers_loss():
-    policy = ActivationPolicy("memo", alpha=0.5, plan=("memo", "checkpoint", "memo"), tile_tokens=5, empty_buffers=True)
-    assert_same_step(*patched_pair("llama", policy), batch())
+@pytest.mark.parametrize("family, over_input", [("llama", False), ("llama", True), ("qwen2", True)])
+def test_rounding_buffers_emptied_across_transformers_loss(family, over_input, monkeypatch):
+    """With `gradient_over_input` too: where heads x head size is the hidden size (qwen2 here, not this llama)
+    attention's gradient is written over each layer's input."""
+    import memo.layer
+
+    taken, comes_back = [], memo.layer._input_comes_back
+    monkeypatch.setattr(memo.layer, "_input_comes_back", lambda t: taken.append(comes_back(t)) or taken[-1])
+    policy = ActivationPolicy(
+        "memo", alpha=0.5, plan=("memo", "checkpoint", "memo"), tile_tokens=5, empty_buffers=True,
+        gradient_over_input=over_input,
+    )  # fmt: skip
+    assert_same_step(*patched_pair(family, policy), batch())
+    assert taken == [family == "qwen2"] * 3
 
 
 def test_packed_position_ids_as_transformers_packs_them():
