@@ -12,7 +12,8 @@ Sections, in order of value, with their time boxes in seconds (450 in all, the d
   correctness 100  three parts at once, a subprocess each: a 2-layer llama3-8b at 16K tokens under deterministic
                    algorithms, memo offloading every layer (α = 1) bitwise equal to strategy none (loss and every
                    gradient; none run twice shows whether bitwise is meaningful) and α = 0.5 finite and within 1e-2
-                   (relative to each gradient's norm); two offloading steps of `tiny` under TORCH_CUDA_SANITIZER=1;
+                   (relative to each gradient's norm); two offloading steps of `tiny` under TORCH_CUDA_SANITIZER=1
+                   (buffers emptied across the loss, attention's gradient over each layer's input);
                    the test files that run on the GPU with MEMO_TEST_DEVICE=cuda (CUDA_TESTS)
   bandwidth    40  pinned device->host and host->device GB/s alone and while bf16 matmuls run on the default
                    stream, pinning GB/s (memo.device.HostBuffer: faulting pages in, registering them); attention
@@ -626,13 +627,15 @@ def equivalence_verdict(data: dict) -> dict:
 
 
 def sanitized_step(ctx: Context) -> None:
-    """Two memo steps with every layer offloaded; run by correctness under TORCH_CUDA_SANITIZER=1."""
+    """Two memo steps with every layer offloaded, the rounding buffers emptied across the loss and attention's
+    gradient written over each layer's input (which comes back from host); run by correctness under
+    TORCH_CUDA_SANITIZER=1."""
     from memo import ActivationPolicy, ModelConfig, Transformer
 
     cfg = ModelConfig.preset("tiny")
     torch.manual_seed(0)
     with ctx.device:
-        model = Transformer(cfg, ActivationPolicy("memo", alpha=0.5, offload_last_layers=True))
+        model = Transformer(cfg, ActivationPolicy("memo", alpha=0.5, empty_buffers=True, gradient_over_input=True))
     ids = torch.randint(0, cfg.vocab_size, (1, ctx.sizes.sanitizer_seq), device=ctx.device)
     for _ in range(2):  # the second step reuses the rounding buffers and host pool of the first
         model.zero_grad(set_to_none=True)
