@@ -344,9 +344,13 @@ def _row_in_subprocess(argv: list[str], index: int) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def base_row(rows: list[dict]) -> dict:
+    return next(row for row in rows if row["name"] == BASELINE)
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Sets each row's activation bytes and step time over HF + checkpointing's, where both exist."""
-    base = next(row for row in rows if row["name"] == BASELINE)
+    base = base_row(rows)
     for row in rows:
         for key in ("activation_bytes", "step_s"):
             both = row.get(key) is not None and bool(base.get(key))
@@ -361,7 +365,8 @@ def verdict(rows: list[dict]) -> str:
     memo = next(row for row in rows if row["name"] == "memo.patch")
     memory, speed = memo.get("activation_bytes_ratio"), memo.get("step_s_ratio")
     if memory is None or speed is None:
-        return f"memo vs HF + checkpointing: no ratio (a row failed); first losses within {spread:.1e} (relative)"
+        why = "a row failed" if all("skipped" not in row for row in (memo, base_row(rows))) else "a row not run"
+        return f"memo vs HF + checkpointing: no ratio ({why}); first losses within {spread:.1e} (relative)"
     return (
         f"memo activation memory {memory:.2f}x HF + checkpointing (goal <= {MEMORY_GOAL}x): "
         f"{'met' if memory <= MEMORY_GOAL else 'NOT met'}; step time {speed:.2f}x (goal <= {TIME_GOAL}x): "
