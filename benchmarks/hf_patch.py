@@ -344,13 +344,13 @@ def _row_in_subprocess(argv: list[str], index: int) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def base_row(rows: list[dict]) -> dict:
-    return next(row for row in rows if row["name"] == BASELINE)
+def named(rows: list[dict], name: str) -> dict:
+    return next(row for row in rows if row["name"] == name)
 
 
 def add_ratios(rows: list[dict]) -> None:
     """Sets each row's activation bytes and step time over HF + checkpointing's, where both exist."""
-    base = base_row(rows)
+    base = named(rows, BASELINE)
     for row in rows:
         for key in ("activation_bytes", "step_s"):
             both = row.get(key) is not None and bool(base.get(key))
@@ -362,10 +362,10 @@ def verdict(rows: list[dict]) -> str:
     how far apart the rows' first losses are (same weights, same batch)."""
     losses = [row["loss"] for row in rows if "loss" in row]
     spread = (max(losses) - min(losses)) / abs(losses[0]) if losses else 0.0
-    memo = next(row for row in rows if row["name"] == "memo.patch")
+    memo, base = named(rows, "memo.patch"), named(rows, BASELINE)
     memory, speed = memo.get("activation_bytes_ratio"), memo.get("step_s_ratio")
     if memory is None or speed is None:
-        why = "a row failed" if all("skipped" not in row for row in (memo, base_row(rows))) else "a row not run"
+        why = "a row failed" if all("skipped" not in row for row in (memo, base)) else "a row not run"
         return f"memo vs HF + checkpointing: no ratio ({why}); first losses within {spread:.1e} (relative)"
     return (
         f"memo activation memory {memory:.2f}x HF + checkpointing (goal <= {MEMORY_GOAL}x): "
