@@ -225,8 +225,8 @@ class RaceDetector(TorchDispatchMode):
         engine.begin_step = begin_and_track
         refill = engine._refill
 
-        def refill_and_track():  # emptied buffers come back in new bytes (`empty_buffers`)
-            refill()
+        def refill_and_track(buffers):  # emptied buffers come back in new bytes (`empty_buffers`)
+            refill(buffers)
             if engine._buffers:
                 self.track(engine)
 

@@ -246,8 +246,17 @@ def test_emptied_buffers_send_and_reload_every_buffered_layer_and_hold_no_bytes_
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     loss = model(ids, labels=ids)
     assert len(raw) == 2 and all(t.untyped_storage().nbytes() == 0 for t in raw)  # freed from the last forward on
+    held, before_backward = {}, model.store.before_backward
+
+    def holding(index, step):
+        out = before_backward(index, step)
+        held[index] = [t.untyped_storage().nbytes() == t.numel() for t in raw]  # which buffers hold their bytes
+        return out
+
+    model.store.before_backward = holding
     loss.backward()
-    assert all(t.untyped_storage().nbytes() == t.numel() for t in raw)
+    n = model.config.n_layers
+    assert n == 4 and held == {3: [True, True], 2: [True, True], 1: [False, True], 0: [True, False]}  # one at the end
     stats = model.swap_stats()
     kept = int(0.37 * seq)
     whole = _bytes(model, batch, seq, role="input") + _bytes(model, batch, seq, role="attention")

@@ -413,7 +413,8 @@ class ActivationStore:
         self._raw: dict[tuple, torch.Tensor] = {}  # the bytes under the views, kept for a shape that fits in them
         self._used: set[tuple] = set()  # the raw buffers the current plan carves
         self._solved: dict[tuple, tuple] = {}  # (batch, dtype, device) -> (seq, modes, α) of the longest solved
-        self._emptied = False  # the rounding buffers' bytes are freed across the loss (`empty_buffers`)
+        self._emptied: set[int] = set()  # rounding buffers whose bytes are given back (`empty_buffers`)
+        self._lowest = -1  # the lowest layer with a rounding buffer: the step's last to reload into one
 
     def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
         """Returns (tile length, query heads per attention call) for `seq` of `layer`'s tokens: the policy's, or
@@ -429,7 +430,7 @@ class ActivationStore:
         than one sized before (a trainer's packed batches vary in length) reuses its bytes and its solved plan:
         nothing is allocated, pinned or measured again."""
         self._sync_all()
-        self._refill()
+        self._refill(range(len(self._buffers)))
         self._aux.clear()
         self._inputs.clear()
         self.step += 1
@@ -458,6 +459,7 @@ class ActivationStore:
             modes, alphas, seq, self._tile, self.policy.offload_last_layers, self.policy.empty_buffers
         )
         self.layout = store_layout(self.layer_specs, self.swaps, self._tile)
+        self._lowest = min((i for i, swap in enumerate(self.swaps) if swap.mode in BUFFERED), default=-1)
         self._allocate_device(device)
         for key in set(self._raw) - self._used:  # what the last plan had and this one does not (a layer kept)
             del self._raw[key]
@@ -605,7 +607,7 @@ class ActivationStore:
         if self._host.get(index) is not None:
             self._send(index)
         if self.policy.empty_buffers and index == self.n_layers - 1:
-            self._empty()
+            self._give_back(range(len(self._buffers)))
 
     def _send(self, index: int) -> None:
         """Starts the copies of layer `index`'s host part out of its rounding buffer; notes them as busy."""
@@ -641,24 +643,21 @@ class ActivationStore:
             moved += h.numel() * h.element_size()
         return moved
 
-    def _empty(self) -> None:
-        """Frees the rounding buffers' bytes (their views stay, over no memory) once the copies out of them are
-        done: the compute stream waits for those, so what it allocates next may take the bytes."""
-        for event in (e for es in self._busy.values() for e in es):
-            dev.wait_event(event, device=self._device)
-        self._busy.clear()
-        for key, raw in self._raw.items():
-            if key[0] == "buffer":
-                raw.untyped_storage().resize_(0)
-        self._emptied = True
+    def _give_back(self, buffers) -> None:
+        """Frees the bytes of the rounding `buffers` (their views stay, over no memory) once the copies out of them
+        are done: the compute stream waits for those, so what it allocates next may take the bytes."""
+        for j in (j for j in buffers if j < len(self._buffers)):  # one layer: one buffer
+            for event in self._busy.pop(j, ()):
+                dev.wait_event(event, device=self._device)
+            self._raw["buffer", j].untyped_storage().resize_(0)
+            self._emptied.add(j)
 
-    def _refill(self) -> None:
-        """Gives the rounding buffers their bytes back (contents to come from host) after `_empty`."""
-        if self._emptied:
-            for key, raw in self._raw.items():
-                if key[0] == "buffer":
-                    raw.untyped_storage().resize_(raw.numel())
-            self._emptied = False
+    def _refill(self, buffers) -> None:
+        """Gives the rounding `buffers` their bytes back (contents to come from host) after `_give_back`."""
+        for j in set(buffers) & self._emptied:
+            raw = self._raw["buffer", j]
+            raw.untyped_storage().resize_(raw.numel())
+            self._emptied.discard(j)
 
     # ---- backward ---------------------------------------------------------------------------------------
     def _prefetch(self, index: int) -> None:
@@ -666,6 +665,7 @@ class ActivationStore:
         stream has queued (the backward of the later layer that last used the buffer)."""
         if not (0 <= index < self.n_layers and self.swaps[index].reloaded) or index in self._prefetch_done:
             return
+        self._refill([index % 2])
         ready = dev.record_event(self._device)
         prefetch_stream = self._streams[1]
         with dev.on_stream(prefetch_stream):
@@ -676,23 +676,29 @@ class ActivationStore:
 
     def before_backward(self, index: int, step: int):
         """Returns (whole-length tensors, aux, tiles, what to recompute) for the layer's backward; starts the
-        prefetch of the layer below."""
+        prefetch of the layer below. With `empty_buffers` the step's last two buffered layers share one buffer's
+        bytes: the second-lowest does not prefetch the lowest, whose reload waits for the other's backward."""
         self._check_step(index, step)
-        self._refill()
         swap = self.swaps[index]
         mode, specs, kind = swap.mode, self.layer_specs[index], self._kind[index]
         b, s = specs["x"].shape[:2]
         if mode == "keep":
             return self._keep[index], self._aux.pop(index), self._kept_tiles(index), None
         if mode == "recompute":
+            self._refill([0])
             self._count_recompute(specs, b, s, attention=True, qkv=True)
             t = {**self._buffers[0][kind], "x": self._inputs.pop(index), **self._routing.get(index, {})}
             return t, None, self._slot_tiles(index), Recompute(0, attention=True)
         j = index % 2
         for event in self._busy.pop(j, ()):  # this layer's own copies out of the buffer
             dev.wait_event(event, device=self._device)
+        tail = self.policy.empty_buffers and index - 1 <= self._lowest
+        if tail:  # nothing needs the other buffer before this backward is done: the one above's, or none
+            self._give_back([1 - j])
+        self._refill([j])
         self._prefetch(index)
-        self._prefetch(index - 1)
+        if not tail:
+            self._prefetch(index - 1)
         host = self._host.get(index, {})
         self.pool.release(_nbytes(host))
         self.stats.bytes_prefetched += _nbytes({n: h for n, h in host.items() if specs[n].group != "whole"})
