@@ -24,9 +24,10 @@ per row whose malloc returns freed memory to the system from that step on; memo'
 plan) before it so its buffers and host pool are allocated inside it. On the CPU host and "device" are one memory,
 so the bytes a row parks in host memory (memo's host pool, the copies `save_on_cpu` makes) are subtracted and shown
 in their own column. CUDA: peak allocated bytes over that step above those before it. Step time is the median of
-`--steps` training steps after one warm-up. One CPU thread by default (`--threads`), as in `packing.py`: on a
-shared two-core machine a second thread times the scheduler. The issue's goals: memo at most 0.4x the activation
-memory and at most 1.0x the step time of HF + checkpointing.
+`--steps` training steps after one warm-up; with `--repeats N` each row runs in N fresh processes and each number is
+their median (the activation column shows their range: transformers' rows read up to 15% apart). One CPU thread
+by default (`--threads`), as in `packing.py`: on a shared two-core machine a second thread times the scheduler.
+The issue's goals: memo at most 0.4x the activation memory and at most 1.0x the step time of HF + checkpointing.
 
     .venv/bin/python benchmarks/hf_patch.py                 # 16 layers, h=512, 16K tokens: ~9 min a step on 1 CPU
     .venv/bin/python benchmarks/hf_patch.py --tiny          # 2 layers, h=64, 512 tokens: seconds
@@ -80,6 +81,7 @@ MEMORY_GOAL, TIME_GOAL = 0.4, 1.0  # memo over HF + checkpointing
 # o_proj inputs, the MLP's gate, up, silu and product): an estimate that only decides whether to try the last row
 SAVED_PER_TOKEN = {"hidden": 9, "intermediate": 4}
 FITS = 0.6  # of the memory available now
+MEDIAN = ("activation_bytes", "host_bytes", "step_s")  # over a row's repeats (`--repeats`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +346,18 @@ def _row_in_subprocess(argv: list[str], index: int) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def repeated(runs: list[dict]) -> dict:
+    """Returns one row from fresh-process runs of it: the median of each measured number, the range of its
+    activation bytes (transformers' rows read differently from one process to the next), the first run's losses
+    and what ran; the first error if any run failed."""
+    failed = [run for run in runs if "error" in run]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    activation = [run["activation_bytes"] for run in runs]
+    medians = {k: statistics.median(run[k] for run in runs) for k in MEDIAN}
+    return {**runs[0], **medians, "activation_range": [min(activation), max(activation)]}
+
+
 def named(rows: list[dict], name: str) -> dict:
     return next(row for row in rows if row["name"] == name)
 
@@ -382,8 +396,11 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {row['name']} |  |  |  |  |  |  | {row.get('error') or row['skipped']} |")
             continue
         memory, speed = _cell(row["activation_bytes_ratio"], ".2f"), _cell(row["step_s_ratio"], ".2f")
+        activation = f"{row['activation_bytes'] / 2**20:.0f}"
+        if "activation_range" in row:
+            activation += " ({:.0f}-{:.0f})".format(*(b / 2**20 for b in row["activation_range"]))
         print(
-            f"| {row['name']} | {row['activation_bytes'] / 2**20:.0f} | {memory} | {row['host_bytes'] / 2**20:.0f} | "
+            f"| {row['name']} | {activation} | {memory} | {row['host_bytes'] / 2**20:.0f} | "
             f"{row['step_s']:.2f} | {speed} | {row['loss']:.6f} | {row['ran']} |"
         )
 
@@ -412,12 +429,20 @@ def main(argv=None) -> int:
         action="store_true",
         help="memo's attention gradient in a tensor of its own (no gradient_over_input)",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh processes per row: each number is their median, the activation column shows their range too",
+    )
     p.add_argument("--rows", help="the rows to run, by number from 0 (default all): 0,3 is HF + checkpointing, memo")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--row", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"`--steps` must be at least 1, got {args.steps}")
+    if args.repeats < 1:
+        p.error(f"`--repeats` must be at least 1, got {args.repeats}")
     if args.threads < 1:
         p.error(f"`--threads` must be at least 1, got {args.threads}")
     if args.tiny:
@@ -440,7 +465,8 @@ def main(argv=None) -> int:
     for i, name in enumerate(ROWS):
         reason = "not asked for (--rows)" if i not in chosen else skip_reason(name, shape)
         print(f"  {name}: {reason or 'running'}", file=sys.stderr, flush=True)
-        rows.append({"name": name, **({"skipped": reason} if reason else _row_in_subprocess(argv, i))})
+        runs = [] if reason else [_row_in_subprocess(argv, i) for _ in range(args.repeats)]
+        rows.append({"name": name, **({"skipped": reason} if reason else repeated(runs))})
     add_ratios(rows)
     if args.json:
         print(json.dumps({"shape": dataclasses.asdict(shape), "device": device.type, "rows": rows}, indent=1))
@@ -451,7 +477,7 @@ def main(argv=None) -> int:
         f"{shape.attention_heads or 'all'} head(s) a call, buffers {'emptied' if shape.empty_buffers else 'kept'} "
         f"across the loss, attention's gradient {'over the input' if shape.gradient_over_input else 'apart'}; "
         f"{device.type}, "
-        f"{args.threads} thread(s), "
+        f"{args.threads} thread(s), {args.repeats} fresh process(es) a row (medians), "
         f"torch {torch.__version__}"
     )
     if device.type == "cpu":

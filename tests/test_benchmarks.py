@@ -226,3 +226,19 @@ def test_hf_patch_benchmark_trains_memo_and_checkpointing_under_sfttrainer_to_th
     # in this process the heap may serve a tiny row from freed pages, so the resident set need not grow: the ratio
     # of activation bytes is None then, as the table prints it (a fresh process per row measures the real ones)
     assert hf["activation_bytes"] >= 0 and (memo["activation_bytes_ratio"] is None) == (hf["activation_bytes"] == 0)
+
+
+def test_hf_patch_repeats_give_each_number_as_the_median_of_fresh_processes(capsys):
+    import hf_patch
+
+    runs = [
+        {"activation_bytes": a, "host_bytes": 0, "step_s": s, "loss": 7.5, "ran": "HF"}
+        for a, s in ((1700, 3.0), (1550, 9.0), (1780, 4.0))
+    ]
+    row = hf_patch.repeated(runs)
+    assert (row["activation_bytes"], row["step_s"], row["activation_range"]) == (1700, 4.0, [1550, 1780])
+    assert hf_patch.repeated([runs[0], {"error": "killed"}]) == {"error": "killed"}  # a failed run fails the row
+    assert hf_patch.repeated(runs[:1]) is runs[0]
+    with pytest.raises(SystemExit):
+        hf_patch.main(["--tiny", "--repeats", "0"])
+    assert "`--repeats` must be at least 1, got 0" in capsys.readouterr().err
