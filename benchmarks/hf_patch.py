@@ -55,6 +55,7 @@ if str(BENCHMARKS) not in sys.path:  # absent when run through runpy
 from strategies import (  # noqa: E402
     RssPeak,
     _cell,
+    _return_freed_memory_to_os,
     _cuda_peaks,
     free_device_memory,
     guarded,
@@ -456,6 +457,7 @@ def main(argv=None) -> int:
         )  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.row is not None:
+        _return_freed_memory_to_os()  # from the start: a heap kept from earlier steps would count freed bytes
         torch.set_num_threads(args.threads)
         print(json.dumps(measured_row(args.row, shape, args.steps, device, release_heap=True)))
         return 0

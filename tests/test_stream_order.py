@@ -348,6 +348,9 @@ CASES = {
     ),
     "tiny-all-offloaded": ("tiny", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 1),
     "tiny-emptied-buffers": ("tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True), 2),
+    "tiny-emptied-buffers-shared": (  # buffers of 8 sequences: the lowest three layers share one
+        "tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True, plan=("memo",) * 6), 8
+    ),
     "tiny-gradient-over-input": (
         "tiny",
         ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True, gradient_over_input=True),

@@ -1,11 +1,14 @@
 """The activation store: what each mode sends to host, loads back and recomputes, its memory, and its limits."""
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
 from memo import ActivationPolicy, ModelConfig, Transformer
 from memo.plan.trace import trace_iteration
-from memo.swap import HostPool, LayerSwap, layer_swaps, pack_layout, store_layout
+from memo.swap import HostPool, LayerSwap, layer_swaps, make_store, pack_layout, store_layout
 
 
 def _run(policy, batch=2, seq=40, preset="tiny", n_layers=4):
@@ -268,6 +271,36 @@ def test_emptied_buffers_send_and_reload_every_buffered_layer_and_hold_no_bytes_
     with torch.no_grad():  # a forward with no backward after it: the next step gets its bytes back
         model(ids, labels=ids)
     model(ids, labels=ids).backward()
+
+
+@pytest.mark.parametrize("seq, shared", [(320, 4), (640, 1)])
+def test_emptied_buffers_are_shared_by_the_lowest_layers_as_far_as_their_gradients_reach_a_buffer(seq, shared):
+    """Layers 0..shared hold one rounding buffer at their backward: up to where the layers' parameter gradients
+    reach a buffer's bytes (320 tokens: 4.5 layers' worth), or the lowest two when all six layers' are fewer (640)."""
+    policy = ActivationPolicy("memo", alpha=0.37, tile_tokens=16, empty_buffers=True)
+    model = Transformer(ModelConfig.preset("tiny", n_layers=6), policy)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq))
+    model(ids, labels=ids).backward()  # sizes the store
+    grads = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    assert (math.ceil(model.store.layout.buffer_bytes / grads) - 1 == shared) == (seq == 320)
+    raw = [t for key, t in model.store._raw.items() if key[0] == "buffer"]
+    held, before_backward = {}, model.store.before_backward
+
+    def holding(index, step):
+        out = before_backward(index, step)
+        held[index] = [t.untyped_storage().nbytes() == t.numel() for t in raw]
+        return out
+
+    model.store.before_backward = holding
+    model.zero_grad()
+    model(ids, labels=ids).backward()
+    assert held == {i: [True, True] if i > shared else [i % 2 == 0, i % 2 == 1] for i in range(6)}
+    got = [p.grad.clone() for p in model.parameters()]
+    model.policy = dataclasses.replace(policy, empty_buffers=False)
+    model.store = make_store(model.policy, 6)
+    model.zero_grad()
+    model(ids, labels=ids).backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(got, model.parameters()))
 
 
 def test_store_layout_is_what_the_store_allocates():

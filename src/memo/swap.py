@@ -414,7 +414,7 @@ class ActivationStore:
         self._used: set[tuple] = set()  # the raw buffers the current plan carves
         self._solved: dict[tuple, tuple] = {}  # (batch, dtype, device) -> (seq, modes, α) of the longest solved
         self._emptied: set[int] = set()  # rounding buffers whose bytes are given back (`empty_buffers`)
-        self._lowest = -1  # the lowest layer with a rounding buffer: the step's last to reload into one
+        self._shared = -1  # layers up to this one hold one rounding buffer at their backward (`empty_buffers`)
 
     def tiling(self, layer: DecoderLayer, seq: int, device: torch.device) -> tuple[int, int]:
         """Returns (tile length, query heads per attention call) for `seq` of `layer`'s tokens: the policy's, or
@@ -459,7 +459,7 @@ class ActivationStore:
             modes, alphas, seq, self._tile, self.policy.offload_last_layers, self.policy.empty_buffers
         )
         self.layout = store_layout(self.layer_specs, self.swaps, self._tile)
-        self._lowest = min((i for i, swap in enumerate(self.swaps) if swap.mode in BUFFERED), default=-1)
+        self._shared = self._shared_layers(layers[0]) if self.policy.empty_buffers else -1
         self._allocate_device(device)
         for key in set(self._raw) - self._used:  # what the last plan had and this one does not (a layer kept)
             del self._raw[key]
@@ -487,6 +487,16 @@ class ActivationStore:
             self._tile,
             format_bytes(self.pool.nbytes),
         )
+
+    def _shared_layers(self, layer: DecoderLayer) -> int:
+        """Returns the highest layer whose backward holds one rounding buffer: the lowest two buffered layers, and
+        up from there to where the layers' parameter gradients (all there by the end of the backward; `layer`'s
+        bytes for every layer's, unsharded) reach one buffer's bytes, below which a second buffer would only stack
+        on them. When the gradients of every layer together are fewer (adapters), only the two."""
+        lowest = min((i for i, swap in enumerate(self.swaps) if swap.mode in BUFFERED), default=-1)
+        grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+        reach = -(-self.layout.buffer_bytes // grads) - 1 if grads else self.n_layers  # (reach + 1) layers' grads
+        return max(lowest + 1, reach) if reach < self.n_layers else lowest + 1
 
     def _allocate_device(self, device: torch.device) -> None:
         """Allocates the rounding buffers (whole-length tensors, then two tile slots; views for each kind of layer
@@ -676,8 +686,8 @@ class ActivationStore:
 
     def before_backward(self, index: int, step: int):
         """Returns (whole-length tensors, aux, tiles, what to recompute) for the layer's backward; starts the
-        prefetch of the layer below. With `empty_buffers` the step's last two buffered layers share one buffer's
-        bytes: the second-lowest does not prefetch the lowest, whose reload waits for the other's backward."""
+        prefetch of the layer below. With `empty_buffers` the lowest layers (`_shared_layers`) share one buffer's
+        bytes: each gives the other buffer back, and the one below reloads after this backward, nothing hiding it."""
         self._check_step(index, step)
         swap = self.swaps[index]
         mode, specs, kind = swap.mode, self.layer_specs[index], self._kind[index]
@@ -692,8 +702,8 @@ class ActivationStore:
         j = index % 2
         for event in self._busy.pop(j, ()):  # this layer's own copies out of the buffer
             dev.wait_event(event, device=self._device)
-        tail = self.policy.empty_buffers and index - 1 <= self._lowest
-        if tail:  # nothing needs the other buffer before this backward is done: the one above's, or none
+        tail = index <= self._shared
+        if tail:  # nothing needs the other buffer before this backward is done
             self._give_back([1 - j])
         self._refill([j])
         self._prefetch(index)
