@@ -55,14 +55,15 @@ if str(BENCHMARKS) not in sys.path:  # absent when run through runpy
 from strategies import (  # noqa: E402
     RssPeak,
     _cell,
-    _return_freed_memory_to_os,
     _cuda_peaks,
+    _return_freed_memory_to_os,
     free_device_memory,
     guarded,
     release_heap,
 )
 
-from memo import ActivationPolicy, patch  # noqa: E402
+from memo import ActivationPolicy, ModelConfig, patch  # noqa: E402
+from memo.cost.memory import store_bytes  # noqa: E402
 from memo.swap import make_store  # noqa: E402
 from memo.units import parse_size  # noqa: E402
 
@@ -97,10 +98,19 @@ class Shape:
     attention_heads: int | None = 1  # query heads per attention call (None: memo's default, all heads on a CPU)
     empty_buffers: bool = True  # memo's rounding buffers freed across TRL's head (`ActivationPolicy.empty_buffers`)
     gradient_over_input: bool = True  # attention's gradient in the layer input's bytes (`ActivationPolicy`)
+    shared_layers: int | None = None  # memo's lowest layers holding one rounding buffer (None: `shared_layers`)
 
     @property
     def intermediate(self) -> int:
         return 3 * self.hidden
+
+    def memo_config(self) -> ModelConfig:
+        """Returns memo's config of the Llama `llama(self)` builds."""
+        heads = max(1, self.hidden // HEAD_DIM)
+        return ModelConfig(
+            arch="llama", n_layers=self.layers, hidden_size=self.hidden, n_heads=heads,
+            ffn_hidden_size=self.intermediate, vocab_size=self.vocab, n_kv_heads=heads,
+        )  # fmt: skip
 
     def saved_bytes_estimate(self) -> int:
         """Returns the estimated bytes HF's layers save for the backward without checkpointing (fp32)."""
@@ -120,6 +130,19 @@ def tokenizer(vocab: int):
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
     )
+
+
+def shared_layers(shape: Shape) -> int:
+    """Returns how many of memo's lowest layers hold one rounding buffer at their backward: as far as their fp32
+    parameter gradients, all there by the end of the backward, reach one buffer's bytes. Below that a second buffer
+    would stack on gradients the double-buffered layers above never hold, so the step's peak is theirs; each
+    shared layer costs a reload nothing hides on a GPU (docs/memory.md)."""
+    if shape.shared_layers is not None:
+        return shape.shared_layers
+    c, n = shape.memo_config(), shape.layers
+    buffer = store_bytes(c, shape.tokens, ["memo"] * n, [0.5] * n, shape.tile_tokens, dtype=torch.float32).buffer_bytes
+    grads = 4 * (4 * shape.hidden**2 + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden)  # a layer's
+    return min(n, max(1, -(-buffer // grads)))
 
 
 def llama(shape: Shape):
@@ -295,6 +318,7 @@ def run_row(row: str, shape: Shape, timed: int, device: torch.device, release_he
             attention_heads=shape.attention_heads,
             empty_buffers=shape.empty_buffers,
             gradient_over_input=shape.gradient_over_input,
+            shared_layers=shared_layers(shape) if shape.empty_buffers else 1,
         )
         patch(model, policy)  # before SFTTrainer, which wraps the causal LM's forward with its fused LM head
     steps = timed + 2
@@ -431,6 +455,12 @@ def main(argv=None) -> int:
         help="memo's attention gradient in a tensor of its own (no gradient_over_input)",
     )
     p.add_argument(
+        "--shared-layers",
+        type=int,
+        default=None,
+        help="memo's lowest layers holding one rounding buffer (default: as far as their gradients reach a buffer)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -442,6 +472,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"`--steps` must be at least 1, got {args.steps}")
+    if args.shared_layers is not None and not 1 <= args.shared_layers <= args.layers:
+        p.error(f"`--shared-layers` must be in [1, --layers], got {args.shared_layers}")
     if args.repeats < 1:
         p.error(f"`--repeats` must be at least 1, got {args.repeats}")
     if args.threads < 1:
@@ -453,7 +485,7 @@ def main(argv=None) -> int:
         tokens = parse_size(args.tokens)
         shape = Shape(
             args.layers, args.hidden, tokens, args.vocab, args.tile_tokens, heads, not args.keep_buffers,
-            not args.fresh_gradient,
+            not args.fresh_gradient, args.shared_layers,
         )  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.row is not None:
@@ -477,7 +509,8 @@ def main(argv=None) -> int:
         f"# Llama {shape.layers} layers, h={shape.hidden}, I={shape.intermediate}, vocab {shape.vocab}, "
         f"{shape.tokens} tokens unpacked, batch 1, fp32, SFTTrainer, memo tiles {shape.tile_tokens}, "
         f"{shape.attention_heads or 'all'} head(s) a call, buffers {'emptied' if shape.empty_buffers else 'kept'} "
-        f"across the loss, attention's gradient {'over the input' if shape.gradient_over_input else 'apart'}; "
+        f"across the loss, the lowest {shared_layers(shape) if shape.empty_buffers else 1} layers on one buffer, "
+        f"attention's gradient {'over the input' if shape.gradient_over_input else 'apart'}; "
         f"{device.type}, "
         f"{args.threads} thread(s), {args.repeats} fresh process(es) a row (medians), "
         f"torch {torch.__version__}"

@@ -348,8 +348,10 @@ CASES = {
     ),
     "tiny-all-offloaded": ("tiny", ActivationPolicy("memo", alpha=0.5, offload_last_layers=True), 1),
     "tiny-emptied-buffers": ("tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True), 2),
-    "tiny-emptied-buffers-shared": (  # buffers of 8 sequences: the lowest three layers share one
-        "tiny", ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True, plan=("memo",) * 6), 8
+    "tiny-emptied-buffers-shared": (  # the lowest three layers hold one buffer
+        "tiny",
+        ActivationPolicy("memo", alpha=0.5, tile_tokens=6, empty_buffers=True, shared_layers=3, plan=("memo",) * 6),
+        2,
     ),
     "tiny-gradient-over-input": (
         "tiny",

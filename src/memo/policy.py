@@ -51,7 +51,10 @@ class ActivationPolicy:
     `attention` the attention kernel (`attention.CHOICES`, default the fastest that runs);
     `gradient_over_input`: a layer backward whose input went to host writes attention's output gradient over the
     input's device bytes and takes the input back from host for its q, k, v tiles (`layer.backward_phase`): one
-    whole-length tensor less, for one copy of the input that nothing hides on a GPU.
+    whole-length tensor less, for one copy of the input that nothing hides on a GPU;
+    `shared_layers` (with `empty_buffers`): how many of the lowest buffered layers hold one rounding buffer at their
+    backward, where the parameter gradients pile up: 1 frees the buffer of the layer above the lowest, and each
+    more makes one more layer reload after the backward above it, a copy nothing hides on a GPU.
     """
 
     strategy: Strategy = "none"
@@ -65,6 +68,7 @@ class ActivationPolicy:
     attention_heads: int | None = None
     attention: str = "auto"
     gradient_over_input: bool = False
+    shared_layers: int = 1
 
     def __post_init__(self) -> None:
         check_choice(self.attention)
@@ -93,6 +97,8 @@ class ActivationPolicy:
             raise ValueError(f"`--tile-tokens` must be positive, got {self.tile_tokens}")
         if self.attention_heads is not None and self.attention_heads <= 0:
             raise ValueError(f"`--attention-heads` must be positive, got {self.attention_heads}")
+        if self.shared_layers < 1 or (self.shared_layers > 1 and not self.empty_buffers):
+            raise ValueError(f"`shared_layers` must be 1, or more with `empty_buffers`, got {self.shared_layers}")
         if self.device_budget_bytes is not None and self.device_budget_bytes < 0:
             raise ValueError(f"`--device-budget` must not be negative, got {self.device_budget_bytes} bytes")
 

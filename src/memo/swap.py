@@ -459,7 +459,8 @@ class ActivationStore:
             modes, alphas, seq, self._tile, self.policy.offload_last_layers, self.policy.empty_buffers
         )
         self.layout = store_layout(self.layer_specs, self.swaps, self._tile)
-        self._shared = self._shared_layers(layers[0]) if self.policy.empty_buffers else -1
+        lowest = min((i for i, swap in enumerate(self.swaps) if swap.mode in BUFFERED), default=0)
+        self._shared = lowest + self.policy.shared_layers - 1 if self.policy.empty_buffers else -1
         self._allocate_device(device)
         for key in set(self._raw) - self._used:  # what the last plan had and this one does not (a layer kept)
             del self._raw[key]
@@ -487,16 +488,6 @@ class ActivationStore:
             self._tile,
             format_bytes(self.pool.nbytes),
         )
-
-    def _shared_layers(self, layer: DecoderLayer) -> int:
-        """Returns the highest layer whose backward holds one rounding buffer: the lowest two buffered layers, and
-        up from there to where the layers' parameter gradients (all there by the end of the backward; `layer`'s
-        bytes for every layer's, unsharded) reach one buffer's bytes, below which a second buffer would only stack
-        on them. When the gradients of every layer together are fewer (adapters), only the two."""
-        lowest = min((i for i, swap in enumerate(self.swaps) if swap.mode in BUFFERED), default=-1)
-        grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
-        reach = -(-self.layout.buffer_bytes // grads) - 1 if grads else self.n_layers  # (reach + 1) layers' grads
-        return max(lowest + 1, reach) if reach < self.n_layers else lowest + 1
 
     def _allocate_device(self, device: torch.device) -> None:
         """Allocates the rounding buffers (whole-length tensors, then two tile slots; views for each kind of layer
@@ -686,8 +677,8 @@ class ActivationStore:
 
     def before_backward(self, index: int, step: int):
         """Returns (whole-length tensors, aux, tiles, what to recompute) for the layer's backward; starts the
-        prefetch of the layer below. With `empty_buffers` the lowest layers (`_shared_layers`) share one buffer's
-        bytes: each gives the other buffer back, and the one below reloads after this backward, nothing hiding it."""
+        prefetch of the layer below. With `empty_buffers` the lowest `shared_layers` layers hold one buffer: each
+        gives the other back instead of prefetching the layer below into it, which reloads at its own backward."""
         self._check_step(index, step)
         swap = self.swaps[index]
         mode, specs, kind = swap.mode, self.layer_specs[index], self._kind[index]
@@ -702,12 +693,12 @@ class ActivationStore:
         j = index % 2
         for event in self._busy.pop(j, ()):  # this layer's own copies out of the buffer
             dev.wait_event(event, device=self._device)
-        tail = index <= self._shared
-        if tail:  # nothing needs the other buffer before this backward is done
+        shared = index <= self._shared
+        if shared:  # nothing needs the other buffer before this backward is done
             self._give_back([1 - j])
         self._refill([j])
         self._prefetch(index)
-        if not tail:
+        if not shared:
             self._prefetch(index - 1)
         host = self._host.get(index, {})
         self.pool.release(_nbytes(host))
