@@ -8,28 +8,32 @@ Rows, each a fresh model from the same seed on the same batches, under `SFTTrain
 - HF + checkpointing offload=True: the same, its saved layer inputs held in host memory (`save_on_cpu`);
 - TRL activation_offloading: `SFTConfig(activation_offloading=True)`, TRL's default checkpointing left on;
 - memo.patch: `memo.patch(model, ActivationPolicy("memo", tile_tokens=256, attention_heads=1,
-  empty_buffers=True, gradient_over_input=True))`: α and plan solved from measured times; tiles of
+  empty_buffers=True, gradient_over_input=True, shared_layers=14))`: α and plan solved from measured times; tiles of
   `--tile-tokens` rows (the default policy's 8K-row tile is sized for GPU matmuls at 100K+ tokens and would leave
   this sequence one or two tiles); one head a kernel call (`--attention-heads`; memo's CPU default takes all heads
   at once for the threads, and these rows run one); the rounding buffers emptied across TRL's head
   (`--keep-buffers` keeps them); attention's gradient written over each layer's input, which comes back from host
-  (`--fresh-gradient` gives it a tensor of its own); TRL's default checkpointing left on (memo turns it off);
+  (`--fresh-gradient` gives it a tensor of its own); the lowest layers on one rounding buffer as far as their
+  gradients reach a buffer's bytes (`shared_layers`: 14 of 16 at 16K tokens; `--shared-layers`); TRL's default
+  checkpointing left on (memo turns it off);
 - HF, no checkpointing: plain autograd, when its estimated activations fit in the memory available.
 
 Memory is measured as `benchmarks/strategies.py` measures it, over one training step (forward and backward,
 `Trainer.training_step`) after the timed ones, so the parameter gradients the backward allocates count in every
 row, as does TRL's fused head: its (4096 x vocabulary) fp32 tiles are why the default vocabulary is small (2048;
 `--vocab`). CPU: the resident-set high-water mark of that step above the resident set before it, in a fresh process
-per row whose malloc returns freed memory to the system from that step on; memo's store is rebuilt (same solved
-plan) before it so its buffers and host pool are allocated inside it. On the CPU host and "device" are one memory,
+per row whose malloc returns freed memory to the system from its start, as `strategies.py`'s memory rows do (a heap
+grown over the earlier steps keeps the pages the measured step frees and takes again: transformers' checkpointing
+read 1551-1783 MiB that way at 16K tokens, against 1424 MiB of live bytes); memo's store is rebuilt (same solved
+plan) before the step so its buffers and host pool are allocated inside it. On the CPU host and "device" are one memory,
 so the bytes a row parks in host memory (memo's host pool, the copies `save_on_cpu` makes) are subtracted and shown
 in their own column. CUDA: peak allocated bytes over that step above those before it. Step time is the median of
 `--steps` training steps after one warm-up; with `--repeats N` each row runs in N fresh processes and each number is
-their median (the activation column shows their range: transformers' rows read up to 15% apart). One CPU thread
+their median (the activation column shows their range). One CPU thread
 by default (`--threads`), as in `packing.py`: on a shared two-core machine a second thread times the scheduler.
 The issue's goals: memo at most 0.4x the activation memory and at most 1.0x the step time of HF + checkpointing.
 
-    .venv/bin/python benchmarks/hf_patch.py                 # 16 layers, h=512, 16K tokens: ~9 min a step on 1 CPU
+    .venv/bin/python benchmarks/hf_patch.py                 # 16 layers, h=512, 16K tokens: ~10 min a row on 1 CPU
     .venv/bin/python benchmarks/hf_patch.py --tiny          # 2 layers, h=64, 512 tokens: seconds
 """
 
