@@ -515,7 +515,7 @@ CASES = [
     Case("dsa J.csv --out placed.csv", "signal", signal="TERM", when="after:12"),
     Case("plan --model gpt-7b --seq 256K --tp 8 --plot plan.png", "signal", signal="HUP", when="after:12"),
     Case("calibrate --model llama3-8b --seq 16K --out c.json", "signal", signal="TERM", when="after:8"),
-    Case("eval done --lengths 4K,8K --depths 0.5 --trials 16", "signal", signal="TERM", when="after:8"),
+    Case("eval done --lengths 4K,8K --depths 0.5 --trials 64", "signal", signal="TERM", when="after:8"),
 ]
 
 
