@@ -29,8 +29,8 @@ plan) before the step so its buffers and host pool are allocated inside it. On t
 so the bytes a row parks in host memory (memo's host pool, the copies `save_on_cpu` makes) are subtracted and shown
 in their own column. CUDA: peak allocated bytes over that step above those before it. Step time is the median of
 `--steps` training steps after one warm-up; with `--repeats N` each row runs in N fresh processes and each number is
-their median (the activation column shows their range). One CPU thread
-by default (`--threads`), as in `packing.py`: on a shared two-core machine a second thread times the scheduler.
+their median (the activation column shows their range). One CPU thread by default (`--threads`), as in
+`packing.py`: on a shared two-core machine a second thread times the scheduler.
 The issue's goals: memo at most 0.4x the activation memory and at most 1.0x the step time of HF + checkpointing.
 
     .venv/bin/python benchmarks/hf_patch.py                 # 16 layers, h=512, 16K tokens: ~10 min a row on 1 CPU
@@ -68,6 +68,7 @@ from strategies import (  # noqa: E402
 
 from memo import ActivationPolicy, ModelConfig, patch  # noqa: E402
 from memo.cost.memory import store_bytes  # noqa: E402
+from memo.cost.states import root_parameters  # noqa: E402
 from memo.swap import make_store  # noqa: E402
 from memo.units import parse_size  # noqa: E402
 
@@ -137,15 +138,17 @@ def tokenizer(vocab: int):
 
 
 def shared_layers(shape: Shape) -> int:
-    """Returns how many of memo's lowest layers hold one rounding buffer at their backward: as far as their fp32
-    parameter gradients, all there by the end of the backward, reach one buffer's bytes. Below that a second buffer
-    would stack on gradients the double-buffered layers above never hold, so the step's peak is theirs; each
-    shared layer costs a reload nothing hides on a GPU (docs/memory.md)."""
+    """Returns how many of memo's lowest layers hold one rounding buffer at their backward (1 with buffers kept): as
+    far as their fp32 parameter gradients, all there by the end of the backward, reach one buffer's bytes. Below that
+    a second buffer would stack on gradients the double-buffered layers above never hold, so the step's peak is
+    theirs; each shared layer costs a reload nothing hides on a GPU (docs/memory.md)."""
+    if not shape.empty_buffers:
+        return 1
     if shape.shared_layers is not None:
         return shape.shared_layers
     c, n = shape.memo_config(), shape.layers
     buffer = store_bytes(c, shape.tokens, ["memo"] * n, [0.5] * n, shape.tile_tokens, dtype=torch.float32).buffer_bytes
-    grads = 4 * (4 * shape.hidden**2 + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden)  # a layer's
+    grads = 4 * (c.num_parameters() - root_parameters(c)) // n  # one layer's, fp32
     return min(n, max(1, -(-buffer // grads)))
 
 
@@ -322,7 +325,7 @@ def run_row(row: str, shape: Shape, timed: int, device: torch.device, release_he
             attention_heads=shape.attention_heads,
             empty_buffers=shape.empty_buffers,
             gradient_over_input=shape.gradient_over_input,
-            shared_layers=shared_layers(shape) if shape.empty_buffers else 1,
+            shared_layers=shared_layers(shape),
         )
         patch(model, policy)  # before SFTTrainer, which wraps the causal LM's forward with its fused LM head
     steps = timed + 2
@@ -513,7 +516,7 @@ def main(argv=None) -> int:
         f"# Llama {shape.layers} layers, h={shape.hidden}, I={shape.intermediate}, vocab {shape.vocab}, "
         f"{shape.tokens} tokens unpacked, batch 1, fp32, SFTTrainer, memo tiles {shape.tile_tokens}, "
         f"{shape.attention_heads or 'all'} head(s) a call, buffers {'emptied' if shape.empty_buffers else 'kept'} "
-        f"across the loss, the lowest {shared_layers(shape) if shape.empty_buffers else 1} layers on one buffer, "
+        f"across the loss, the lowest {shared_layers(shape)} layers on one buffer, "
         f"attention's gradient {'over the input' if shape.gradient_over_input else 'apart'}; "
         f"{device.type}, "
         f"{args.threads} thread(s), {args.repeats} fresh process(es) a row (medians), "
